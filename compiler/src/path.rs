@@ -1,0 +1,292 @@
+//! Dotted paths, split once at compile time.
+//!
+//! `a.b.0.#1` is four segments: key `a`, key `b`, `0` (an array index, or the key
+//! `"0"` when the container is an object) and the literal key `"1"` (one leading
+//! `#` escapes a numeric-looking key). Reads and writes walk the pre-split
+//! segments; nothing on the execution path splits a string.
+
+use crate::value::Value;
+use bumpalo::Bump;
+use smallvec::SmallVec;
+use std::fmt;
+
+/// The largest array index a write may create. Writing past the end pads with
+/// nulls, so an unbounded index would let one request allocate without limit.
+pub const MAX_WRITE_INDEX: usize = 100_000;
+
+/// One segment of a path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// The object key this segment names (without a leading `#`).
+    pub key: Box<str>,
+    /// The array index, when the segment is a plain non-negative integer.
+    pub index: Option<usize>,
+}
+
+/// A pre-split dotted path. The empty path (from `""`) names the root.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Path {
+    segments: SmallVec<[Segment; 4]>,
+}
+
+/// Why a write could not be applied.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PathError {
+    #[error("cannot write key '{key}' into an array at '{at}'")]
+    KeyIntoArray { key: String, at: String },
+    #[error("array index {index} at '{at}' is over the limit of {MAX_WRITE_INDEX}")]
+    IndexTooLarge { index: usize, at: String },
+}
+
+impl Path {
+    /// Splits a dotted path. Never fails: every string is a path.
+    pub fn parse(text: &str) -> Path {
+        if text.is_empty() {
+            return Path::default();
+        }
+        let segments = text.split('.').map(Segment::parse).collect();
+        Path { segments }
+    }
+
+    pub fn from_segments(segments: impl IntoIterator<Item = Segment>) -> Path {
+        Path { segments: segments.into_iter().collect() }
+    }
+
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    pub fn is_root(&self) -> bool {
+        self.segments.is_empty()
+    }
+
+    /// The first segment's key, if any (used to pick the context area).
+    pub fn first_key(&self) -> Option<&str> {
+        self.segments.first().map(|s| &*s.key)
+    }
+
+    /// The path without its first segment.
+    pub fn tail(&self) -> Path {
+        Path { segments: self.segments.iter().skip(1).cloned().collect() }
+    }
+
+    /// Reads the value at this path; `None` when any segment is missing.
+    #[inline]
+    pub fn get<'a>(&self, root: Value<'a>) -> Option<Value<'a>> {
+        get_segments(root, &self.segments)
+    }
+
+    /// Returns `root` with `value` written at this path, creating intermediate
+    /// objects and arrays. The original tree is untouched (persistent update).
+    pub fn set<'a>(
+        &self,
+        root: Value<'a>,
+        value: Value<'a>,
+        arena: &'a Bump,
+    ) -> Result<Value<'a>, PathError> {
+        set_segments(root, &self.segments, value, arena, self, 0)
+    }
+
+    fn prefix_string(&self, depth: usize) -> String {
+        let mut out = String::new();
+        for (i, s) in self.segments[..depth].iter().enumerate() {
+            if i > 0 {
+                out.push('.');
+            }
+            out.push_str(&s.key);
+        }
+        out
+    }
+}
+
+impl Segment {
+    pub fn parse(text: &str) -> Segment {
+        if let Some(rest) = text.strip_prefix('#') {
+            return Segment { key: rest.into(), index: None };
+        }
+        let index = if !text.is_empty()
+            && text.len() <= 18
+            && text.bytes().all(|b| b.is_ascii_digit())
+            && (text == "0" || !text.starts_with('0'))
+        {
+            text.parse().ok()
+        } else {
+            None
+        };
+        Segment { key: text.into(), index }
+    }
+
+    /// A segment that is only ever an object key.
+    pub fn key(text: &str) -> Segment {
+        Segment { key: text.into(), index: None }
+    }
+}
+
+impl fmt::Display for Path {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, s) in self.segments.iter().enumerate() {
+            if i > 0 {
+                f.write_str(".")?;
+            }
+            if s.index.is_none() && s.key.bytes().all(|b| b.is_ascii_digit()) && !s.key.is_empty() {
+                f.write_str("#")?;
+            }
+            f.write_str(&s.key)?;
+        }
+        Ok(())
+    }
+}
+
+#[inline]
+pub fn get_segments<'a>(mut current: Value<'a>, segments: &[Segment]) -> Option<Value<'a>> {
+    for seg in segments {
+        current = match current {
+            Value::Object(members) => members.iter().find(|(k, _)| **k == *seg.key)?.1,
+            Value::Array(items) => *items.get(seg.index?)?,
+            _ => return None,
+        };
+    }
+    Some(current)
+}
+
+fn set_segments<'a>(
+    current: Value<'a>,
+    segments: &[Segment],
+    value: Value<'a>,
+    arena: &'a Bump,
+    path: &Path,
+    depth: usize,
+) -> Result<Value<'a>, PathError> {
+    let Some((seg, rest)) = segments.split_first() else {
+        return Ok(value);
+    };
+    match current {
+        Value::Array(items) => {
+            let Some(index) = seg.index else {
+                return Err(PathError::KeyIntoArray {
+                    key: seg.key.to_string(),
+                    at: path.prefix_string(depth),
+                });
+            };
+            check_index(index, path, depth)?;
+            let child = items.get(index).copied().unwrap_or(Value::Null);
+            let new_child = set_segments(child, rest, value, arena, path, depth + 1)?;
+            let len = items.len().max(index + 1);
+            let out = arena.alloc_slice_fill_with(len, |i| {
+                if i == index { new_child } else { items.get(i).copied().unwrap_or(Value::Null) }
+            });
+            Ok(Value::Array(out))
+        }
+        Value::Object(members) => {
+            let pos = members.iter().position(|(k, _)| **k == *seg.key);
+            let child = pos.map_or(Value::Null, |p| members[p].1);
+            let new_child = set_segments(child, rest, value, arena, path, depth + 1)?;
+            let out = match pos {
+                Some(p) => arena.alloc_slice_fill_with(members.len(), |i| {
+                    if i == p { (members[i].0, new_child) } else { members[i] }
+                }),
+                None => {
+                    let key: &'a str = arena.alloc_str(&seg.key);
+                    arena.alloc_slice_fill_with(members.len() + 1, |i| {
+                        if i < members.len() { members[i] } else { (key, new_child) }
+                    })
+                }
+            };
+            Ok(Value::Object(out))
+        }
+        // A missing or scalar intermediate is replaced by a new container whose
+        // kind follows the segment: an index creates an array, a key an object.
+        _ => match seg.index {
+            Some(index) => {
+                check_index(index, path, depth)?;
+                let new_child = set_segments(Value::Null, rest, value, arena, path, depth + 1)?;
+                let out = arena.alloc_slice_fill_with(index + 1, |i| {
+                    if i == index { new_child } else { Value::Null }
+                });
+                Ok(Value::Array(out))
+            }
+            None => {
+                let new_child = set_segments(Value::Null, rest, value, arena, path, depth + 1)?;
+                let key: &'a str = arena.alloc_str(&seg.key);
+                Ok(Value::Object(arena.alloc_slice_copy(&[(key, new_child)])))
+            }
+        },
+    }
+}
+
+fn check_index(index: usize, path: &Path, depth: usize) -> Result<(), PathError> {
+    if index > MAX_WRITE_INDEX {
+        return Err(PathError::IndexTooLarge { index, at: path.prefix_string(depth + 1) });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn write(root: serde_json::Value, path: &str, value: serde_json::Value) -> serde_json::Value {
+        let arena = Bump::new();
+        let r = Value::from_json(&root, &arena);
+        let v = Value::from_json(&value, &arena);
+        Path::parse(path).set(r, v, &arena).unwrap().to_json()
+    }
+
+    #[test]
+    fn splits_and_escapes() {
+        let p = Path::parse("a.0.#1.b");
+        let s = p.segments();
+        assert_eq!(s.len(), 4);
+        assert_eq!(s[1].index, Some(0));
+        assert_eq!(&*s[2].key, "1");
+        assert_eq!(s[2].index, None);
+        assert_eq!(p.to_string(), "a.0.#1.b");
+        assert!(Path::parse("").is_root());
+        assert_eq!(Path::parse("01").segments()[0].index, None);
+    }
+
+    #[test]
+    fn reads_objects_and_arrays() {
+        let arena = Bump::new();
+        let src = json!({"a": [{"b": 1}, {"0": "zero"}]});
+        let v = Value::from_json(&src, &arena);
+        assert_eq!(Path::parse("a.0.b").get(v).unwrap().to_json(), json!(1));
+        assert_eq!(Path::parse("a.1.0").get(v).unwrap().to_json(), json!("zero"));
+        assert_eq!(Path::parse("a.1.#0").get(v).unwrap().to_json(), json!("zero"));
+        assert!(Path::parse("a.5").get(v).is_none());
+        assert!(Path::parse("a.x").get(v).is_none());
+    }
+
+    #[test]
+    fn writes_create_intermediates() {
+        assert_eq!(write(json!({}), "a.b.c", json!(1)), json!({"a": {"b": {"c": 1}}}));
+        assert_eq!(write(json!({}), "a.2", json!(true)), json!({"a": [null, null, true]}));
+        assert_eq!(write(json!({}), "a.#2", json!(true)), json!({"a": {"2": true}}));
+        assert_eq!(write(json!({"a": {"0": 1}}), "a.0", json!(2)), json!({"a": {"0": 2}}));
+        assert_eq!(write(json!({"a": 5}), "a.b", json!(2)), json!({"a": {"b": 2}}));
+        assert_eq!(write(json!({"x": 1, "a": [1]}), "a.1", json!(2)), json!({"x": 1, "a": [1, 2]}));
+        assert_eq!(write(json!({"x": 1}), "", json!(2)), json!(2));
+    }
+
+    #[test]
+    fn writes_are_persistent() {
+        let arena = Bump::new();
+        let src = json!({"a": {"b": 1}});
+        let before = Value::from_json(&src, &arena);
+        let after = Path::parse("a.b").set(before, Value::Int(2), &arena).unwrap();
+        assert_eq!(before.to_json(), json!({"a": {"b": 1}}));
+        assert_eq!(after.to_json(), json!({"a": {"b": 2}}));
+    }
+
+    #[test]
+    fn bad_writes_are_errors() {
+        let arena = Bump::new();
+        let src = json!({"a": [1]});
+        let v = Value::from_json(&src, &arena);
+        let err = Path::parse("a.x").set(v, Value::Null, &arena).unwrap_err();
+        assert_eq!(err.to_string(), "cannot write key 'x' into an array at 'a'");
+        let err = Path::parse("a.999999999").set(v, Value::Null, &arena).unwrap_err();
+        assert!(matches!(err, PathError::IndexTooLarge { .. }));
+    }
+}

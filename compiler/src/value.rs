@@ -1,0 +1,335 @@
+//! The engine's JSON value: a `Copy` tree whose strings and containers live in a
+//! per-execution `bumpalo` arena (or borrow from a longer-lived owner such as a
+//! compiled plan or the request buffer).
+//!
+//! Why not `serde_json::Value`? Every string and container of a parsed request
+//! would be its own heap allocation, and every write would clone. Here a parsed
+//! request costs one arena, reads are pointer copies, and writes are persistent
+//! (the spine along the written path is copied into the arena; everything else is
+//! shared), which also makes "validation never mutates" true by construction.
+
+use bumpalo::Bump;
+use std::fmt::Write as _;
+
+/// A JSON value borrowed for `'a` (the arena or a longer-lived owner).
+#[derive(Clone, Copy, Debug, Default)]
+pub enum Value<'a> {
+    #[default]
+    Null,
+    Bool(bool),
+    /// An integer that came in as one (kept exact up to i64).
+    Int(i64),
+    /// Any other number. Arithmetic always produces `Float`.
+    Float(f64),
+    Str(&'a str),
+    Array(&'a [Value<'a>]),
+    /// Members in insertion order. Keys are unique (parsers keep the last one).
+    Object(&'a [(&'a str, Value<'a>)]),
+}
+
+/// The JSON type name used in messages (`expected string, got number`).
+pub fn type_name(v: &Value<'_>) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Int(_) | Value::Float(_) => "number",
+        Value::Str(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+impl<'a> Value<'a> {
+    pub const EMPTY_OBJECT: Value<'static> = Value::Object(&[]);
+    pub const EMPTY_ARRAY: Value<'static> = Value::Array(&[]);
+
+    pub fn is_null(&self) -> bool {
+        matches!(self, Value::Null)
+    }
+
+    pub fn as_str(&self) -> Option<&'a str> {
+        match *self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Value::Int(i) => Some(i as f64),
+            Value::Float(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&'a [Value<'a>]> {
+        match *self {
+            Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    pub fn as_object(&self) -> Option<&'a [(&'a str, Value<'a>)]> {
+        match *self {
+            Value::Object(o) => Some(o),
+            _ => None,
+        }
+    }
+
+    /// Member lookup on an object; `None` for a missing key or a non-object.
+    #[inline]
+    pub fn get(&self, key: &str) -> Option<Value<'a>> {
+        match *self {
+            Value::Object(members) => members.iter().find(|(k, _)| *k == key).map(|(_, v)| *v),
+            _ => None,
+        }
+    }
+
+    /// Deep-copies a `serde_json::Value` into the arena. Strings borrow from `json`
+    /// (which must outlive the arena's use), containers are allocated in `arena`.
+    pub fn from_json(json: &'a serde_json::Value, arena: &'a Bump) -> Value<'a> {
+        match json {
+            serde_json::Value::Null => Value::Null,
+            serde_json::Value::Bool(b) => Value::Bool(*b),
+            serde_json::Value::Number(n) => number_from_json(n),
+            serde_json::Value::String(s) => Value::Str(s.as_str()),
+            serde_json::Value::Array(items) => Value::Array(
+                arena.alloc_slice_fill_iter(items.iter().map(|i| Value::from_json(i, arena))),
+            ),
+            serde_json::Value::Object(map) => Value::Object(arena.alloc_slice_fill_iter(
+                map.iter().map(|(k, v)| (k.as_str(), Value::from_json(v, arena))),
+            )),
+        }
+    }
+
+    /// Converts to an owned `serde_json::Value` (for connectors and the edges).
+    pub fn to_json(&self) -> serde_json::Value {
+        match *self {
+            Value::Null => serde_json::Value::Null,
+            Value::Bool(b) => serde_json::Value::Bool(b),
+            Value::Int(i) => serde_json::Value::from(i),
+            Value::Float(f) => float_to_json(f),
+            Value::Str(s) => serde_json::Value::String(s.to_owned()),
+            Value::Array(items) => serde_json::Value::Array(items.iter().map(|v| v.to_json()).collect()),
+            Value::Object(members) => serde_json::Value::Object(
+                members.iter().map(|(k, v)| ((*k).to_owned(), v.to_json())).collect(),
+            ),
+        }
+    }
+
+    /// Serializes as compact JSON text.
+    pub fn write_json(&self, out: &mut Vec<u8>) {
+        write_value(self, out, None, 0);
+    }
+
+    /// Serializes as JSON text indented by two spaces.
+    pub fn write_json_pretty(&self, out: &mut Vec<u8>) {
+        write_value(self, out, Some(2), 0);
+    }
+
+    /// Compact JSON text as a `String`.
+    pub fn to_json_string(&self) -> String {
+        let mut out = Vec::with_capacity(64);
+        self.write_json(&mut out);
+        // The writer only emits valid UTF-8: strings come from `&str`.
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+fn number_from_json(n: &serde_json::Number) -> Value<'static> {
+    if let Some(i) = n.as_i64() {
+        Value::Int(i)
+    } else {
+        Value::Float(n.as_f64().unwrap_or(f64::NAN))
+    }
+}
+
+/// Integral floats become JSON integers, as JavaScript prints them; NaN and
+/// infinities (which JSON cannot carry) become null.
+pub fn float_to_json(f: f64) -> serde_json::Value {
+    if f.is_finite() && f.fract() == 0.0 && f.abs() < 9.007_199_254_740_992e15 {
+        serde_json::Value::from(f as i64)
+    } else {
+        serde_json::Number::from_f64(f).map_or(serde_json::Value::Null, serde_json::Value::Number)
+    }
+}
+
+/// Structural equality as JSON (1 == 1.0; object member order ignored).
+impl PartialEq for Value<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Value::Null, Value::Null) => true,
+            (Value::Bool(a), Value::Bool(b)) => a == b,
+            (Value::Int(a), Value::Int(b)) => a == b,
+            (Value::Int(_) | Value::Float(_), Value::Int(_) | Value::Float(_)) => {
+                self.as_f64() == other.as_f64()
+            }
+            (Value::Str(a), Value::Str(b)) => a == b,
+            (Value::Array(a), Value::Array(b)) => a == b,
+            (Value::Object(a), Value::Object(b)) => {
+                a.len() == b.len()
+                    && a.iter().all(|(k, v)| other.get(k).is_some_and(|w| w == *v))
+            }
+            _ => false,
+        }
+    }
+}
+
+fn write_value(v: &Value<'_>, out: &mut Vec<u8>, indent: Option<usize>, depth: usize) {
+    match *v {
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(true) => out.extend_from_slice(b"true"),
+        Value::Bool(false) => out.extend_from_slice(b"false"),
+        Value::Int(i) => out.extend_from_slice(itoa::Buffer::new().format(i).as_bytes()),
+        Value::Float(f) => write_float(f, out),
+        Value::Str(s) => write_str(s, out),
+        Value::Array(items) => {
+            if items.is_empty() {
+                out.extend_from_slice(b"[]");
+                return;
+            }
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                newline(out, indent, depth + 1);
+                write_value(item, out, indent, depth + 1);
+            }
+            newline(out, indent, depth);
+            out.push(b']');
+        }
+        Value::Object(members) => {
+            if members.is_empty() {
+                out.extend_from_slice(b"{}");
+                return;
+            }
+            out.push(b'{');
+            for (i, (k, item)) in members.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                newline(out, indent, depth + 1);
+                write_str(k, out);
+                out.push(b':');
+                if indent.is_some() {
+                    out.push(b' ');
+                }
+                write_value(item, out, indent, depth + 1);
+            }
+            newline(out, indent, depth);
+            out.push(b'}');
+        }
+    }
+}
+
+fn newline(out: &mut Vec<u8>, indent: Option<usize>, depth: usize) {
+    if let Some(width) = indent {
+        out.push(b'\n');
+        out.resize(out.len() + width * depth, b' ');
+    }
+}
+
+/// Writes a float the way JavaScript's `JSON.stringify` does (shortest
+/// round-trip form, integral values without a fraction, non-finite as null).
+pub fn write_float(f: f64, out: &mut Vec<u8>) {
+    if !f.is_finite() {
+        out.extend_from_slice(b"null");
+    } else if f.fract() == 0.0 && f.abs() < 9.007_199_254_740_992e15 {
+        out.extend_from_slice(itoa::Buffer::new().format(f as i64).as_bytes());
+    } else {
+        out.extend_from_slice(ryu::Buffer::new().format_finite(f).as_bytes());
+    }
+}
+
+/// Formats a number as JavaScript's `String(n)` would, for `cat` and friends.
+pub fn format_number(f: f64, out: &mut String) {
+    if f.is_nan() {
+        out.push_str("NaN");
+    } else if f.is_infinite() {
+        out.push_str(if f > 0.0 { "Infinity" } else { "-Infinity" });
+    } else if f.fract() == 0.0 && f.abs() < 1e21 {
+        let _ = write!(out, "{}", f as i128);
+    } else {
+        let mut buf = Vec::new();
+        write_float(f, &mut buf);
+        out.push_str(std::str::from_utf8(&buf).unwrap_or_default());
+    }
+}
+
+fn write_str(s: &str, out: &mut Vec<u8>) {
+    out.push(b'"');
+    let bytes = s.as_bytes();
+    let mut start = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let escape: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            0x00..=0x1f => {
+                out.extend_from_slice(&bytes[start..i]);
+                const HEX: &[u8; 16] = b"0123456789abcdef";
+                out.extend_from_slice(b"\\u00");
+                out.push(HEX[(b >> 4) as usize]);
+                out.push(HEX[(b & 0xf) as usize]);
+                start = i + 1;
+                continue;
+            }
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[start..i]);
+        out.extend_from_slice(escape);
+        start = i + 1;
+    }
+    out.extend_from_slice(&bytes[start..]);
+    out.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn round_trips_through_serde_json() {
+        let arena = Bump::new();
+        let src = json!({"a": [1, 2.5, "x\n\"y\"", null, true], "b": {"c": -3}, "d": "\u{1}é"});
+        let v = Value::from_json(&src, &arena);
+        assert_eq!(v.to_json(), src);
+        let text = v.to_json_string();
+        let back: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, src);
+    }
+
+    #[test]
+    fn floats_print_like_javascript() {
+        let mut out = Vec::new();
+        Value::Float(20.0).write_json(&mut out);
+        out.push(b' ');
+        Value::Float(905.502).write_json(&mut out);
+        out.push(b' ');
+        Value::Float(f64::NAN).write_json(&mut out);
+        assert_eq!(String::from_utf8(out).unwrap(), "20 905.502 null");
+    }
+
+    #[test]
+    fn pretty_output_is_indented() {
+        let arena = Bump::new();
+        let src = json!({"a": [1], "b": {}});
+        let mut out = Vec::new();
+        Value::from_json(&src, &arena).write_json_pretty(&mut out);
+        assert_eq!(String::from_utf8(out).unwrap(), "{\n  \"a\": [\n    1\n  ],\n  \"b\": {}\n}");
+    }
+
+    #[test]
+    fn equality_ignores_member_order_and_number_kind() {
+        let arena = Bump::new();
+        let a = json!({"x": 1, "y": [true]});
+        let b = json!({"y": [true], "x": 1.0});
+        assert_eq!(Value::from_json(&a, &arena), Value::from_json(&b, &arena));
+    }
+}
