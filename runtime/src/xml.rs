@@ -1,0 +1,321 @@
+//! XML to and from the engine's values, for `parse_xml` and `publish_xml`.
+//!
+//! The mapping (recorded in docs/decisions.md): the document becomes an object
+//! with one member named after the root element. An element with neither
+//! attributes nor child elements becomes its text (a string; `null` when empty);
+//! otherwise an object whose attributes are `@name` members, child elements are
+//! members named after them (repeated children become an array, in order) and
+//! non-blank text is the `#text` member. Values are never type-guessed: `<n>1</n>`
+//! gives the string `"1"`, so a round trip cannot change data.
+
+use bumpalo::Bump;
+use bumpalo::collections::Vec as BumpVec;
+use quick_xml::Reader;
+use quick_xml::events::Event;
+use sluice_compiler::Value;
+
+/// Nesting deeper than this is refused rather than risking the stack.
+const MAX_XML_DEPTH: usize = 256;
+
+/// Parses XML text into a value in the arena.
+pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
+    let mut reader = Reader::from_str(text);
+    reader.config_mut().trim_text(false);
+    let mut stack: Vec<Element<'a>> = Vec::new();
+    let mut root: Option<(&'a str, Value<'a>)> = None;
+    loop {
+        let event = reader
+            .read_event()
+            .map_err(|e| format!("invalid XML at byte {}: {e}", reader.error_position()))?;
+        match event {
+            Event::Start(ref start) | Event::Empty(ref start) => {
+                let is_empty = matches!(event, Event::Empty(_));
+                let name = arena.alloc_str(&String::from_utf8_lossy(start.name().as_ref()));
+                let mut element = Element::new(name, arena);
+                for attr in start.attributes() {
+                    let attr = attr.map_err(|e| format!("invalid XML attribute: {e}"))?;
+                    let key = format!("@{}", String::from_utf8_lossy(attr.key.as_ref()));
+                    let value = attr
+                        .unescape_value()
+                        .map_err(|e| format!("invalid XML: {e}"))?;
+                    element
+                        .members
+                        .push((arena.alloc_str(&key), Value::Str(arena.alloc_str(&value))));
+                    element.has_structure = true;
+                }
+                if stack.len() >= MAX_XML_DEPTH {
+                    return Err(format!("XML nests deeper than {MAX_XML_DEPTH} levels"));
+                }
+                if is_empty {
+                    let value = element.finish(arena);
+                    attach(&mut stack, &mut root, name, value, arena)?;
+                } else {
+                    stack.push(element);
+                }
+            }
+            Event::End(_) => {
+                let element = stack.pop().ok_or("unbalanced XML end tag")?;
+                let name = element.name;
+                let value = element.finish(arena);
+                attach(&mut stack, &mut root, name, value, arena)?;
+            }
+            Event::Text(t) => {
+                let raw = t.decode().map_err(|e| format!("invalid XML text: {e}"))?;
+                if let Some(top) = stack.last_mut() {
+                    top.text.push_str(&raw);
+                } else if !raw.trim().is_empty() {
+                    return Err("text outside the root element".into());
+                }
+            }
+            Event::CData(c) => {
+                let raw = c.decode().map_err(|e| format!("invalid XML CDATA: {e}"))?;
+                if let Some(top) = stack.last_mut() {
+                    top.text.push_str(&raw);
+                }
+            }
+            Event::GeneralRef(r) => {
+                let resolved = match r
+                    .resolve_char_ref()
+                    .map_err(|e| format!("invalid XML: {e}"))?
+                {
+                    Some(c) => c.to_string(),
+                    None => {
+                        let name = r.decode().map_err(|e| format!("invalid XML: {e}"))?;
+                        quick_xml::escape::unescape(&format!("&{name};"))
+                            .map_err(|e| format!("invalid XML entity: {e}"))?
+                            .into_owned()
+                    }
+                };
+                if let Some(top) = stack.last_mut() {
+                    top.text.push_str(&resolved);
+                }
+            }
+            Event::Eof => break,
+            Event::Decl(_) | Event::Comment(_) | Event::PI(_) | Event::DocType(_) => {}
+        }
+    }
+    if !stack.is_empty() {
+        return Err("XML ended before every element was closed".into());
+    }
+    let (name, value) = root.ok_or("XML has no root element")?;
+    Ok(Value::Object(arena.alloc_slice_copy(&[(name, value)])))
+}
+
+struct Element<'a> {
+    name: &'a str,
+    members: BumpVec<'a, (&'a str, Value<'a>)>,
+    text: String,
+    has_structure: bool,
+}
+
+impl<'a> Element<'a> {
+    fn new(name: &'a str, arena: &'a Bump) -> Self {
+        Element {
+            name,
+            members: BumpVec::new_in(arena),
+            text: String::new(),
+            has_structure: false,
+        }
+    }
+
+    fn finish(mut self, arena: &'a Bump) -> Value<'a> {
+        let text = self.text.trim();
+        if !self.has_structure {
+            return if text.is_empty() {
+                Value::Null
+            } else {
+                Value::Str(arena.alloc_str(text))
+            };
+        }
+        if !text.is_empty() {
+            self.members
+                .push(("#text", Value::Str(arena.alloc_str(text))));
+        }
+        Value::Object(self.members.into_bump_slice())
+    }
+}
+
+fn attach<'a>(
+    stack: &mut [Element<'a>],
+    root: &mut Option<(&'a str, Value<'a>)>,
+    name: &'a str,
+    value: Value<'a>,
+    arena: &'a Bump,
+) -> Result<(), String> {
+    let Some(parent) = stack.last_mut() else {
+        if root.is_some() {
+            return Err("XML has more than one root element".into());
+        }
+        *root = Some((name, value));
+        return Ok(());
+    };
+    parent.has_structure = true;
+    match parent.members.iter_mut().find(|(k, _)| *k == name) {
+        Some((_, existing)) => {
+            // A repeated child: the member becomes (or grows) an array.
+            let mut items = BumpVec::new_in(arena);
+            // Children are never arrays themselves (XML has none), so an array
+            // here was made by an earlier repeat of this child.
+            match *existing {
+                Value::Array(prev) => items.extend_from_slice(prev),
+                other => items.push(other),
+            }
+            items.push(value);
+            *existing = Value::Array(items.into_bump_slice());
+        }
+        None => parent.members.push((name, value)),
+    }
+    Ok(())
+}
+
+/// Serializes `value` as an XML document under `root`.
+pub fn to_xml(value: &Value<'_>, root: &str) -> Result<String, String> {
+    check_name(root)?;
+    let mut out = String::with_capacity(128);
+    write_element(root, value, &mut out, 0)?;
+    Ok(out)
+}
+
+fn check_name(name: &str) -> Result<(), String> {
+    let mut chars = name.chars();
+    let ok = chars.next().is_some_and(|c| c.is_alphabetic() || c == '_')
+        && chars.all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | ':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("'{name}' is not a valid XML element name"))
+    }
+}
+
+fn write_element(
+    name: &str,
+    value: &Value<'_>,
+    out: &mut String,
+    depth: usize,
+) -> Result<(), String> {
+    if depth > MAX_XML_DEPTH {
+        return Err(format!("value nests deeper than {MAX_XML_DEPTH} levels"));
+    }
+    match value {
+        Value::Array(items) => {
+            for item in *items {
+                write_element(name, item, out, depth + 1)?;
+            }
+        }
+        Value::Object(members) => {
+            check_name(name)?;
+            out.push('<');
+            out.push_str(name);
+            for (k, v) in members.iter() {
+                if let Some(attr) = k.strip_prefix('@') {
+                    check_name(attr)?;
+                    out.push(' ');
+                    out.push_str(attr);
+                    out.push_str("=\"");
+                    push_scalar(v, out, true);
+                    out.push('"');
+                }
+            }
+            out.push('>');
+            for (k, v) in members.iter() {
+                if *k == "#text" {
+                    push_scalar(v, out, false);
+                } else if !k.starts_with('@') {
+                    write_element(k, v, out, depth + 1)?;
+                }
+            }
+            out.push_str("</");
+            out.push_str(name);
+            out.push('>');
+        }
+        Value::Null => {
+            check_name(name)?;
+            out.push('<');
+            out.push_str(name);
+            out.push_str("/>");
+        }
+        scalar => {
+            check_name(name)?;
+            out.push('<');
+            out.push_str(name);
+            out.push('>');
+            push_scalar(scalar, out, false);
+            out.push_str("</");
+            out.push_str(name);
+            out.push('>');
+        }
+    }
+    Ok(())
+}
+
+fn push_scalar(v: &Value<'_>, out: &mut String, attribute: bool) {
+    let text: std::borrow::Cow<'_, str> = match v {
+        Value::Null => "".into(),
+        Value::Bool(b) => if *b { "true" } else { "false" }.into(),
+        Value::Str(s) => (*s).into(),
+        Value::Int(_) | Value::Float(_) | Value::Array(_) | Value::Object(_) => {
+            v.to_json_string().into()
+        }
+    };
+    if attribute {
+        out.push_str(&quick_xml::escape::escape(text.as_ref()));
+    } else {
+        out.push_str(&quick_xml::escape::partial_escape(text.as_ref()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse_json(text: &str) -> serde_json::Value {
+        let arena = Bump::new();
+        parse(text, &arena).unwrap().to_json()
+    }
+
+    #[test]
+    fn maps_elements_attributes_and_repeats() {
+        let got = parse_json(
+            r#"<?xml version="1.0"?><order id="7"><item>a &amp; b</item><item>c</item><note/><total>9.5</total></order>"#,
+        );
+        assert_eq!(
+            got,
+            json!({"order": {"@id": "7", "item": ["a & b", "c"], "note": null, "total": "9.5"}})
+        );
+    }
+
+    #[test]
+    fn mixed_text_goes_to_hash_text() {
+        assert_eq!(
+            parse_json("<a x=\"1\">hi</a>"),
+            json!({"a": {"@x": "1", "#text": "hi"}})
+        );
+        assert_eq!(parse_json("<a><![CDATA[<b>]]></a>"), json!({"a": "<b>"}));
+    }
+
+    #[test]
+    fn rejects_bad_xml() {
+        let arena = Bump::new();
+        assert!(parse("<a><b></a>", &arena).is_err());
+        assert!(parse("", &arena).is_err());
+        assert!(parse("<a/><b/>", &arena).is_err());
+    }
+
+    #[test]
+    fn writes_xml() {
+        let arena = Bump::new();
+        let src = json!({"@id": "7", "item": ["a & b", "c"], "n": 1.5, "none": null});
+        let v = Value::from_json(&src, &arena);
+        assert_eq!(
+            to_xml(&v, "order").unwrap(),
+            r#"<order id="7"><item>a &amp; b</item><item>c</item><n>1.5</n><none/></order>"#
+        );
+        assert!(to_xml(&v, "1bad").is_err());
+        // What publish_xml writes, parse_xml reads back to the same strings.
+        let back = parse(&to_xml(&v, "order").unwrap(), &arena)
+            .unwrap()
+            .to_json();
+        assert_eq!(back["order"]["item"], json!(["a & b", "c"]));
+    }
+}
