@@ -4,7 +4,11 @@
 //! Invariant: this crate is pure and synchronous. It does no I/O, spawns
 //! nothing, and depends on no async runtime or client crate (CI checks this).
 
+pub mod def;
+pub mod diag;
+pub mod functions;
 pub mod path;
+pub mod validate;
 pub mod value;
 
 pub use path::Path;

@@ -1,0 +1,218 @@
+//! Validation diagnostics: `{field, message}` pairs whose `field` is a path
+//! mirroring the submitted JSON (`tasks[0].function.input.connector`).
+//!
+//! These are exactly the elements of the error envelope's `details` array, so
+//! the HTTP layer serializes them as they are.
+
+use serde::Serialize;
+use std::fmt;
+
+/// One problem found in a definition.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Diagnostic {
+    /// Where the problem is. The empty string names the document itself (for
+    /// example when the body is not a JSON object), because the empty path is
+    /// the root in this notation and a client can print it as-is.
+    pub field: String,
+    pub message: String,
+}
+
+impl Diagnostic {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Diagnostic {
+        Diagnostic {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    /// `<field>: is required`.
+    pub fn required(field: &FieldPath) -> Diagnostic {
+        Diagnostic::new(field.as_str(), "is required")
+    }
+
+    /// `<field>: expected <expected>, got <type of actual>`.
+    pub fn type_mismatch(
+        field: &FieldPath,
+        expected: &str,
+        actual: &serde_json::Value,
+    ) -> Diagnostic {
+        Diagnostic::new(
+            field.as_str(),
+            format!("expected {expected}, got {}", type_name(actual)),
+        )
+    }
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.field, self.message)
+        }
+    }
+}
+
+/// The JSON type name used in messages: `null`, `boolean`, `integer`,
+/// `number`, `string`, `array`, `object`. A number without a fractional part
+/// is reported as `integer` so that `expected integer, got number` says what
+/// is wrong with `1.5`.
+pub fn type_name(v: &serde_json::Value) -> &'static str {
+    use serde_json::Value as J;
+    match v {
+        J::Null => "null",
+        J::Bool(_) => "boolean",
+        J::Number(n) if n.is_i64() || n.is_u64() => "integer",
+        J::Number(_) => "number",
+        J::String(_) => "string",
+        J::Array(_) => "array",
+        J::Object(_) => "object",
+    }
+}
+
+/// A field path under construction. Cheap enough for validation (one small
+/// string per visited field), and it renders exactly as `details[].field`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FieldPath(String);
+
+impl FieldPath {
+    /// The document itself; renders as the empty string.
+    pub fn root() -> FieldPath {
+        FieldPath(String::new())
+    }
+
+    /// The member `key` of this object: `a.key`, or `key` at the root. A key
+    /// that would make the path ambiguous (empty, or containing `.`, `[`, `]`,
+    /// `"` or whitespace) is written JSON-quoted in brackets: `headers["x.y"]`.
+    pub fn key(&self, key: &str) -> FieldPath {
+        let plain = !key.is_empty()
+            && !key
+                .chars()
+                .any(|c| matches!(c, '.' | '[' | ']' | '"') || c.is_whitespace());
+        let mut s = String::with_capacity(self.0.len() + key.len() + 4);
+        s.push_str(&self.0);
+        if plain {
+            if !s.is_empty() {
+                s.push('.');
+            }
+            s.push_str(key);
+        } else {
+            s.push('[');
+            s.push_str(&serde_json::Value::from(key).to_string());
+            s.push(']');
+        }
+        FieldPath(s)
+    }
+
+    /// The element `index` of this array: `tasks[3]`.
+    pub fn index(&self, index: usize) -> FieldPath {
+        FieldPath(format!("{}[{index}]", self.0))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn is_root(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Display for FieldPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<FieldPath> for String {
+    fn from(p: FieldPath) -> String {
+        p.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn paths_render_like_the_spec() {
+        let root = FieldPath::root();
+        assert_eq!(root.as_str(), "");
+        assert!(root.is_root());
+        assert_eq!(root.key("name").as_str(), "name");
+        assert_eq!(
+            root.key("tasks")
+                .index(0)
+                .key("function")
+                .key("input")
+                .key("connector")
+                .as_str(),
+            "tasks[0].function.input.connector"
+        );
+        assert_eq!(
+            root.key("tasks")
+                .index(2)
+                .key("tasks")
+                .index(1)
+                .key("id")
+                .to_string(),
+            "tasks[2].tasks[1].id"
+        );
+        assert_eq!(
+            root.key("config_json")
+                .key("rate_limit")
+                .key("requests_per_second")
+                .as_str(),
+            "config_json.rate_limit.requests_per_second"
+        );
+        assert_eq!(root.index(4).as_str(), "[4]");
+    }
+
+    #[test]
+    fn ambiguous_keys_are_quoted() {
+        let h = FieldPath::root().key("headers");
+        assert_eq!(h.key("x-api-key").as_str(), "headers.x-api-key");
+        assert_eq!(h.key("x.y").as_str(), r#"headers["x.y"]"#);
+        assert_eq!(h.key("").as_str(), r#"headers[""]"#);
+        assert_eq!(h.key("a b").as_str(), r#"headers["a b"]"#);
+        assert_eq!(FieldPath::root().key("a.b").as_str(), r#"["a.b"]"#);
+    }
+
+    #[test]
+    fn type_names() {
+        assert_eq!(type_name(&json!(null)), "null");
+        assert_eq!(type_name(&json!(true)), "boolean");
+        assert_eq!(type_name(&json!(3)), "integer");
+        assert_eq!(type_name(&json!(-3)), "integer");
+        assert_eq!(type_name(&json!(1.5)), "number");
+        assert_eq!(type_name(&json!("x")), "string");
+        assert_eq!(type_name(&json!([])), "array");
+        assert_eq!(type_name(&json!({})), "object");
+    }
+
+    #[test]
+    fn helpers_and_display() {
+        let p = FieldPath::root().key("tasks").index(0).key("name");
+        assert_eq!(
+            Diagnostic::required(&p),
+            Diagnostic::new("tasks[0].name", "is required")
+        );
+        assert_eq!(
+            Diagnostic::type_mismatch(&p, "string", &json!(7)).message,
+            "expected string, got integer"
+        );
+        assert_eq!(
+            Diagnostic::required(&p).to_string(),
+            "tasks[0].name: is required"
+        );
+        assert_eq!(
+            Diagnostic::new("", "expected object, got array").to_string(),
+            "expected object, got array"
+        );
+        assert_eq!(
+            serde_json::to_value(Diagnostic::required(&p)).unwrap(),
+            json!({"field": "tasks[0].name", "message": "is required"})
+        );
+    }
+}

@@ -1,0 +1,1092 @@
+//! Strict validation of workflow, channel and connector definitions, and the
+//! secret masking applied to everything shown back to users.
+//!
+//! The validators walk the raw `serde_json::Value` rather than the serde types
+//! in [`crate::def`], because serde stops at the first error while the admin
+//! API must report every problem at once with a path mirroring the submitted
+//! JSON. A definition with no diagnostics deserializes into the `def` types;
+//! the tests hold the two in step.
+//!
+//! Conventions (recorded in docs/decisions.md):
+//! - A problem with the document itself (not a JSON object) has field `""`.
+//! - An explicit `null` is not "absent": where a typed value is expected it is
+//!   `expected <type>, got null`. JSONLogic and `any` fields accept anything.
+//! - Unknown keys are ignored, except inside a channel's `config_json`.
+//! - JSONLogic is not compiled here; the logic compiler reports its errors.
+
+use crate::def::{
+    ChannelConfig, ChannelStatus, ConnectorType, GroupDef, HaltOn, HttpMethod, LoopDef,
+    RetryPolicy, SaslConfig, WorkflowStatus,
+};
+use crate::diag::{Diagnostic, FieldPath};
+use crate::functions::{Constraint, FieldSchema, FieldType, Function};
+use serde_json::{Map, Value as Json};
+use std::collections::HashMap;
+
+/// Longest identifier (`workflow_id`, `channel_id`, channel and connector names).
+pub const MAX_ID_LEN: usize = 128;
+/// Longest workflow `name`.
+pub const MAX_NAME_LEN: usize = 255;
+/// Longest `description`.
+pub const MAX_DESCRIPTION_LEN: usize = 2048;
+
+const ID_RULE: &str =
+    "must start with a letter or digit and contain only letters, digits, '.', '-', '_'";
+
+/// Collects diagnostics; every check pushes and carries on.
+#[derive(Default)]
+struct Ctx {
+    out: Vec<Diagnostic>,
+}
+
+impl Ctx {
+    fn push(&mut self, at: &FieldPath, message: impl Into<String>) {
+        self.out.push(Diagnostic::new(at.as_str(), message));
+    }
+
+    fn required(&mut self, at: &FieldPath) {
+        self.out.push(Diagnostic::required(at));
+    }
+
+    fn mismatch(&mut self, at: &FieldPath, expected: &str, got: &Json) {
+        self.out.push(Diagnostic::type_mismatch(at, expected, got));
+    }
+
+    /// The root must be an object; otherwise one diagnostic and `None`.
+    fn root<'a>(&mut self, def: &'a Json) -> Option<&'a Map<String, Json>> {
+        let obj = def.as_object();
+        if obj.is_none() {
+            self.mismatch(&FieldPath::root(), "object", def);
+        }
+        obj
+    }
+
+    // Typed accessors. Each returns the value when it is present and of the
+    // right type; otherwise it reports (missing only when `required`) and
+    // returns `None`, so callers can skip dependent checks.
+
+    fn string<'a>(
+        &mut self,
+        obj: &'a Map<String, Json>,
+        key: &str,
+        at: &FieldPath,
+        required: bool,
+    ) -> Option<&'a str> {
+        match obj.get(key) {
+            None => {
+                if required {
+                    self.required(&at.key(key));
+                }
+                None
+            }
+            Some(Json::String(s)) => Some(s),
+            Some(other) => {
+                self.mismatch(&at.key(key), "string", other);
+                None
+            }
+        }
+    }
+
+    /// A required string that must not be blank.
+    fn nonempty_string<'a>(
+        &mut self,
+        obj: &'a Map<String, Json>,
+        key: &str,
+        at: &FieldPath,
+        required: bool,
+    ) -> Option<&'a str> {
+        let s = self.string(obj, key, at, required)?;
+        if s.trim().is_empty() {
+            self.push(&at.key(key), "must not be empty");
+            return None;
+        }
+        Some(s)
+    }
+
+    fn max_len(&mut self, obj: &Map<String, Json>, key: &str, at: &FieldPath, max: usize) {
+        if let Some(s) = self.string(obj, key, at, false)
+            && s.chars().count() > max
+        {
+            self.push(&at.key(key), format!("must be at most {max} characters"));
+        }
+    }
+
+    fn boolean(&mut self, obj: &Map<String, Json>, key: &str, at: &FieldPath) {
+        if let Some(v) = obj.get(key)
+            && !v.is_boolean()
+        {
+            self.mismatch(&at.key(key), "boolean", v);
+        }
+    }
+
+    fn object<'a>(
+        &mut self,
+        obj: &'a Map<String, Json>,
+        key: &str,
+        at: &FieldPath,
+        required: bool,
+    ) -> Option<&'a Map<String, Json>> {
+        match obj.get(key) {
+            None => {
+                if required {
+                    self.required(&at.key(key));
+                }
+                None
+            }
+            Some(Json::Object(m)) => Some(m),
+            Some(other) => {
+                self.mismatch(&at.key(key), "object", other);
+                None
+            }
+        }
+    }
+
+    /// An integer within `min..=max` (inclusive; `None` means unbounded).
+    /// Integers only: `5.0` is a number, not an integer, exactly as the serde
+    /// types (`u32`, `u64`, `i64`) see it.
+    fn integer(
+        &mut self,
+        obj: &Map<String, Json>,
+        key: &str,
+        at: &FieldPath,
+        required: bool,
+        min: Option<i64>,
+        max: Option<i64>,
+    ) -> Option<i64> {
+        let at = at.key(key);
+        let v = match obj.get(key) {
+            None => {
+                if required {
+                    self.required(&at);
+                }
+                return None;
+            }
+            Some(v) => v,
+        };
+        let n = match v.as_i64() {
+            Some(n) => n,
+            None if v.is_u64() => {
+                // Beyond i64: over any upper bound, and out of range for the
+                // serde types otherwise.
+                let msg = match max {
+                    Some(_) => range_message(min, max).unwrap_or_default(),
+                    None => "is out of range".to_owned(),
+                };
+                self.push(&at, msg);
+                return None;
+            }
+            None => {
+                self.mismatch(&at, "integer", v);
+                return None;
+            }
+        };
+        if min.is_some_and(|m| n < m) || max.is_some_and(|m| n > m) {
+            self.push(&at, range_message(min, max).unwrap_or_default());
+            return None;
+        }
+        Some(n)
+    }
+
+    fn string_array<'a>(
+        &mut self,
+        obj: &'a Map<String, Json>,
+        key: &str,
+        at: &FieldPath,
+        required: bool,
+    ) -> Option<Vec<&'a str>> {
+        let at = at.key(key);
+        let items = match obj.get(key) {
+            None => {
+                if required {
+                    self.required(&at);
+                }
+                return None;
+            }
+            Some(Json::Array(items)) => items,
+            Some(other) => {
+                self.mismatch(&at, "array", other);
+                return None;
+            }
+        };
+        let mut out = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            match item {
+                Json::String(s) => out.push(s.as_str()),
+                other => self.mismatch(&at.index(i), "string", other),
+            }
+        }
+        Some(out)
+    }
+
+    /// A string that must be one of `allowed` (exact match).
+    fn one_of<'a>(
+        &mut self,
+        obj: &'a Map<String, Json>,
+        key: &str,
+        at: &FieldPath,
+        required: bool,
+        allowed: &[&str],
+    ) -> Option<&'a str> {
+        let s = self.string(obj, key, at, required)?;
+        if allowed.contains(&s) {
+            Some(s)
+        } else {
+            self.push(&at.key(key), one_of_message(allowed));
+            None
+        }
+    }
+
+    /// An identifier field (`workflow_id`, `channel_id`, names of channels and
+    /// connectors): 1..=128 characters of `[A-Za-z0-9._-]`, starting with a
+    /// letter or digit. It is used in URLs and routing, hence the charset.
+    fn identifier<'a>(
+        &mut self,
+        obj: &'a Map<String, Json>,
+        key: &str,
+        at: &FieldPath,
+        required: bool,
+    ) -> Option<&'a str> {
+        let s = self.string(obj, key, at, required)?;
+        let at = at.key(key);
+        if s.is_empty() {
+            self.push(&at, "must not be empty");
+            return None;
+        }
+        let mut ok = true;
+        if s.chars().count() > MAX_ID_LEN {
+            self.push(&at, format!("must be at most {MAX_ID_LEN} characters"));
+            ok = false;
+        }
+        if !is_identifier(s) {
+            self.push(&at, ID_RULE);
+            ok = false;
+        }
+        ok.then_some(s)
+    }
+}
+
+fn range_message(min: Option<i64>, max: Option<i64>) -> Option<String> {
+    Some(match (min, max) {
+        (Some(0), None) => "must not be negative".to_owned(),
+        (Some(lo), Some(hi)) => format!("must be between {lo} and {hi}"),
+        (Some(lo), None) => format!("must be at least {lo}"),
+        (None, Some(hi)) => format!("must be at most {hi}"),
+        (None, None) => return None,
+    })
+}
+
+fn one_of_message(allowed: &[&str]) -> String {
+    format!("must be one of {}", allowed.join(", "))
+}
+
+/// `[A-Za-z0-9][A-Za-z0-9._-]*` (ASCII only).
+pub fn is_identifier(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+}
+
+/// `[A-Za-z_][A-Za-z0-9_]*`: a valid name after `env://`.
+pub fn is_env_var_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// The prefix that makes a connector string an environment reference.
+pub const ENV_PREFIX: &str = "env://";
+
+/// Whether `s` is an `env://VAR` reference (well-formed or not).
+pub fn is_env_ref(s: &str) -> bool {
+    s.starts_with(ENV_PREFIX)
+}
+
+// ---------------------------------------------------------------- workflows
+
+/// Validates a workflow definition; empty means valid.
+pub fn validate_workflow(def: &Json) -> Vec<Diagnostic> {
+    let mut c = Ctx::default();
+    let Some(obj) = c.root(def) else { return c.out };
+    let root = FieldPath::root();
+
+    let workflow_id = c.identifier(obj, "workflow_id", &root, false);
+    let id = c.identifier(obj, "id", &root, false);
+    if let (Some(a), Some(b)) = (workflow_id, id)
+        && a != b
+    {
+        c.push(
+            &root.key("id"),
+            "must equal workflow_id when both are given",
+        );
+    }
+
+    if let Some(name) = c.nonempty_string(obj, "name", &root, true)
+        && name.chars().count() > MAX_NAME_LEN
+    {
+        c.push(
+            &root.key("name"),
+            format!("must be at most {MAX_NAME_LEN} characters"),
+        );
+    }
+    c.max_len(obj, "description", &root, MAX_DESCRIPTION_LEN);
+    c.integer(obj, "priority", &root, false, None, None);
+    // `condition` is JSONLogic: any JSON value.
+    c.string_array(obj, "tags", &root, false);
+    c.boolean(obj, "continue_on_error", &root);
+    c.nonempty_string(obj, "channel", &root, false);
+    c.one_of(obj, "status", &root, false, WorkflowStatus::NAMES);
+    c.integer(obj, "version", &root, false, Some(1), None);
+    c.integer(obj, "rollout_percentage", &root, false, Some(1), Some(100));
+    if let Some(r) = c.object(obj, "rollout", &root, false) {
+        let at = root.key("rollout");
+        // An empty or inverted range is legal (it accepts nothing), per spec.
+        c.integer(r, "bucket_start", &at, false, Some(0), Some(100));
+        c.integer(r, "bucket_end", &at, false, Some(0), Some(100));
+    }
+    check_loop(&mut c, obj, &root);
+    c.string(obj, "created_at", &root, false);
+    c.string(obj, "updated_at", &root, false);
+
+    let mut walker = StepWalker {
+        c: &mut c,
+        seen: HashMap::new(),
+    };
+    match obj.get("tasks") {
+        None => walker.c.required(&root.key("tasks")),
+        Some(tasks) => walker.steps(tasks, &root.key("tasks"), 0, false),
+    }
+    c.out
+}
+
+/// `loop: {max, init?, increment?, counter?}` on a workflow or a group.
+fn check_loop(c: &mut Ctx, obj: &Map<String, Json>, at: &FieldPath) {
+    let Some(l) = c.object(obj, "loop", at, false) else {
+        return;
+    };
+    let at = at.key("loop");
+    c.integer(
+        l,
+        "max",
+        &at,
+        true,
+        Some(1),
+        Some(i64::from(LoopDef::MAX_ITERATIONS)),
+    );
+    if let Some(v) = l.get("init")
+        && !v.is_number()
+    {
+        c.mismatch(&at.key("init"), "number", v);
+    }
+    match l.get("increment") {
+        Some(v) if !v.is_number() => c.mismatch(&at.key("increment"), "number", v),
+        Some(v) if v.as_f64() == Some(0.0) => c.push(&at.key("increment"), "must not be zero"),
+        _ => {}
+    }
+    if let Some(counter) = c.nonempty_string(l, "counter", &at, false) {
+        check_write_path(c, counter, &at.key("counter"));
+    }
+}
+
+/// A dotted write path: no empty segments, and never into the read-only
+/// `payload`.
+fn check_write_path(c: &mut Ctx, path: &str, at: &FieldPath) {
+    if path.split('.').any(str::is_empty) {
+        c.push(at, "must be a dotted path without empty segments");
+    } else if path == "payload" || path.starts_with("payload.") {
+        c.push(at, "must not write into payload, which is read-only");
+    }
+}
+
+/// Walks steps depth-first, remembering where each id was first used.
+struct StepWalker<'c> {
+    c: &'c mut Ctx,
+    seen: HashMap<String, FieldPath>,
+}
+
+impl StepWalker<'_> {
+    /// `tasks` is the value of a `tasks` key (top level or in a group at
+    /// `depth`); `too_deep` is set once the depth error was reported on this
+    /// branch, so one over-deep branch gives one diagnostic.
+    fn steps(&mut self, tasks: &Json, at: &FieldPath, depth: usize, too_deep: bool) {
+        let Some(items) = tasks.as_array() else {
+            self.c.mismatch(at, "array", tasks);
+            return;
+        };
+        if items.is_empty() {
+            self.c.push(at, "must not be empty");
+        }
+        for (i, step) in items.iter().enumerate() {
+            let at = at.index(i);
+            let Some(obj) = step.as_object() else {
+                self.c.mismatch(&at, "object", step);
+                continue;
+            };
+            if obj.contains_key("tasks") {
+                self.group(obj, &at, depth + 1, too_deep);
+            } else {
+                self.task(obj, &at);
+            }
+        }
+    }
+
+    fn step_id(&mut self, obj: &Map<String, Json>, at: &FieldPath) {
+        let Some(id) = self.c.nonempty_string(obj, "id", at, true) else {
+            return;
+        };
+        match self.seen.get(id) {
+            Some(first) => {
+                let msg = format!("duplicate step id '{id}' (first used at {first})");
+                self.c.push(&at.key("id"), msg);
+            }
+            None => {
+                self.seen.insert(id.to_owned(), at.clone());
+            }
+        }
+    }
+
+    fn group(&mut self, obj: &Map<String, Json>, at: &FieldPath, depth: usize, too_deep: bool) {
+        let mut too_deep = too_deep;
+        if depth > GroupDef::MAX_DEPTH && !too_deep {
+            self.c.push(
+                at,
+                format!("groups nest deeper than {} levels", GroupDef::MAX_DEPTH),
+            );
+            too_deep = true;
+        }
+        self.step_id(obj, at);
+        self.c.string(obj, "name", at, false);
+        self.c.string(obj, "description", at, false);
+        self.c.boolean(obj, "terminal", at);
+        self.c.boolean(obj, "continue_on_error", at);
+        if obj.contains_key("halt_on") {
+            self.c
+                .push(&at.key("halt_on"), "halt_on is not allowed on a group");
+        }
+        if obj.contains_key("function") {
+            self.c.push(
+                &at.key("function"),
+                "function is not allowed on a group (a step with tasks is a group)",
+            );
+        }
+        check_loop(self.c, obj, at);
+        self.steps(&obj["tasks"], &at.key("tasks"), depth, too_deep);
+    }
+
+    fn task(&mut self, obj: &Map<String, Json>, at: &FieldPath) {
+        self.step_id(obj, at);
+        self.c.string(obj, "name", at, true);
+        self.c.string(obj, "description", at, false);
+        self.c.boolean(obj, "continue_on_error", at);
+        self.c.boolean(obj, "terminal", at);
+        self.c.one_of(obj, "halt_on", at, false, HaltOn::NAMES);
+        let Some(func) = self.c.object(obj, "function", at, true) else {
+            return;
+        };
+        let at = at.key("function");
+        let function = match self.c.string(func, "name", &at, true) {
+            Some(name) => {
+                let f = Function::from_name(name);
+                if f.is_none() {
+                    self.c
+                        .push(&at.key("name"), format!("unknown function '{name}'"));
+                }
+                f
+            }
+            None => None,
+        };
+        let empty = Map::new();
+        let input = match func.get("input") {
+            None => &empty,
+            Some(Json::Object(m)) => m,
+            Some(other) => {
+                self.c.mismatch(&at.key("input"), "object", other);
+                return;
+            }
+        };
+        if let Some(f) = function
+            && f.checked_at_create()
+        {
+            check_input(self.c, f, input, &at.key("input"));
+        }
+    }
+}
+
+/// Schema-checks a connector or composition function's `input` against the
+/// catalogue, then applies the cross-field rules the table cannot express.
+fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPath) {
+    for field in f.input_schema() {
+        let fat = at.key(field.name);
+        match input.get(field.name) {
+            None if field.required => c.required(&fat),
+            None => {}
+            Some(v) => check_field(c, field, v, &fat),
+        }
+    }
+    if f == Function::ChannelCall {
+        let has = |k: &str| input.contains_key(k);
+        if has("channel") == has("channel_logic") {
+            c.push(at, "exactly one of channel, channel_logic is required");
+        }
+        if has("data") && has("data_logic") {
+            c.push(at, "at most one of data, data_logic is allowed");
+        }
+    }
+}
+
+fn check_field(c: &mut Ctx, field: &FieldSchema, v: &Json, at: &FieldPath) {
+    let ok = match field.ty {
+        FieldType::String => v.is_string(),
+        FieldType::Number => v.is_number(),
+        FieldType::Integer => v.is_i64() || v.is_u64(),
+        FieldType::Boolean => v.is_boolean(),
+        FieldType::Object => v.is_object(),
+        FieldType::Array => v.is_array(),
+        FieldType::Any | FieldType::Jsonlogic => true,
+    };
+    if !ok {
+        c.mismatch(at, field.ty.name(), v);
+        return;
+    }
+    // A required string names something (a connector, a query, a key);
+    // an empty one can never work.
+    if field.required && v.as_str().is_some_and(|s| s.trim().is_empty()) {
+        c.push(at, "must not be empty");
+    }
+    match field.constraint {
+        Constraint::None => {}
+        Constraint::OneOf(allowed) => {
+            if let Some(s) = v.as_str()
+                && !allowed.contains(&s)
+            {
+                c.push(at, one_of_message(allowed));
+            }
+        }
+        Constraint::Positive => {
+            if v.as_f64().is_some_and(|n| n <= 0.0) {
+                c.push(at, "must be greater than 0");
+            }
+        }
+        Constraint::StringMap => {
+            if let Some(m) = v.as_object() {
+                for (k, item) in m {
+                    if !item.is_string() {
+                        c.mismatch(&at.key(k), "string", item);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------- channels
+
+/// Validates a channel definition; empty means valid.
+pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {
+    let mut c = Ctx::default();
+    let Some(obj) = c.root(def) else { return c.out };
+    let root = FieldPath::root();
+
+    c.identifier(obj, "channel_id", &root, false);
+    // The name routes traffic (`/api/v1/data/{name}`), so it follows the
+    // identifier rules.
+    c.identifier(obj, "name", &root, true);
+    let channel_type = c.one_of(obj, "channel_type", &root, false, &["sync", "async"]);
+    let protocol = c.one_of(obj, "protocol", &root, false, &["rest", "http", "kafka"]);
+    let has_route = obj.contains_key("route_pattern");
+    let protocol = protocol.or(if obj.contains_key("protocol") {
+        None // invalid, already reported; skip protocol-specific checks
+    } else if has_route {
+        Some("rest")
+    } else {
+        Some("http")
+    });
+
+    // route_pattern and methods are checked whenever present; required for rest.
+    let rest = protocol == Some("rest");
+    if let Some(pattern) = c.string(obj, "route_pattern", &root, rest) {
+        check_route_pattern(&mut c, pattern, &root.key("route_pattern"));
+    }
+    if let Some(methods) = c.string_array(obj, "methods", &root, rest) {
+        let at = root.key("methods");
+        if methods.is_empty() {
+            c.push(&at, "must not be empty");
+        }
+        if let Some(Json::Array(items)) = obj.get("methods") {
+            for (i, m) in items.iter().enumerate() {
+                if let Some(s) = m.as_str()
+                    && !HttpMethod::NAMES.contains(&s)
+                {
+                    c.push(&at.index(i), one_of_message(HttpMethod::NAMES));
+                }
+            }
+        }
+    }
+    if protocol == Some("kafka") && channel_type == Some("sync") {
+        c.push(
+            &root.key("channel_type"),
+            "must be async for a kafka channel",
+        );
+    }
+
+    c.identifier(obj, "workflow_id", &root, true);
+    c.one_of(obj, "status", &root, false, ChannelStatus::NAMES);
+    c.integer(obj, "version", &root, false, Some(1), None);
+    c.max_len(obj, "description", &root, MAX_DESCRIPTION_LEN);
+    c.integer(obj, "priority", &root, false, None, None);
+    c.string(obj, "created_at", &root, false);
+    c.string(obj, "updated_at", &root, false);
+    // validation_logic is JSONLogic: any JSON value.
+
+    let config = c.object(obj, "config_json", &root, false);
+    let at = root.key("config_json");
+    match config {
+        Some(cfg) => check_channel_config(&mut c, cfg, &at, protocol == Some("kafka")),
+        None if protocol == Some("kafka") => c.required(&at.key("topic")),
+        None => {}
+    }
+    c.out
+}
+
+/// `/orders/{order_id}`: starts with `/`, no empty segments (the bare `/` is
+/// fine), every `{param}` is a whole segment with a unique name of
+/// `[A-Za-z_][A-Za-z0-9_]*`, and the last segment is not `async` (that suffix
+/// selects async mode and would make the route unreachable).
+fn check_route_pattern(c: &mut Ctx, pattern: &str, at: &FieldPath) {
+    let Some(rest) = pattern.strip_prefix('/') else {
+        c.push(at, "must start with '/'");
+        return;
+    };
+    if rest.is_empty() {
+        return;
+    }
+    let mut params: Vec<&str> = Vec::new();
+    let segments: Vec<&str> = rest.split('/').collect();
+    for seg in &segments {
+        if seg.is_empty() {
+            c.push(
+                at,
+                "must not contain empty segments ('//' or a trailing '/')",
+            );
+            return;
+        }
+        if seg.contains(['?', '#']) || seg.chars().any(char::is_whitespace) {
+            c.push(
+                at,
+                format!("segment '{seg}' must not contain '?', '#' or whitespace"),
+            );
+            continue;
+        }
+        if !seg.contains(['{', '}']) {
+            continue;
+        }
+        let name = seg.strip_prefix('{').and_then(|s| s.strip_suffix('}'));
+        match name {
+            // Parameter names follow the same rule as variable names.
+            Some(name) if is_env_var_name(name) => {
+                if params.contains(&name) {
+                    c.push(at, format!("path parameter '{name}' is used more than once"));
+                } else {
+                    params.push(name);
+                }
+            }
+            _ => c.push(
+                at,
+                format!(
+                    "segment '{seg}' is not a well-formed parameter; write {{name}} as a whole segment, name of letters, digits and '_'"
+                ),
+            ),
+        }
+    }
+    if segments.last() == Some(&"async") {
+        c.push(at, "must not end in '/async', which selects async mode");
+    }
+}
+
+fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, kafka: bool) {
+    unknown_keys(c, cfg, at, ChannelConfig::KEYS);
+    c.integer(cfg, "timeout_ms", at, false, Some(1), None);
+
+    if let Some(rl) = c.object(cfg, "rate_limit", at, false) {
+        let at = at.key("rate_limit");
+        unknown_keys(c, rl, &at, crate::def::RateLimitConfig::KEYS);
+        match rl.get("requests_per_second") {
+            None => c.required(&at.key("requests_per_second")),
+            Some(v) if !v.is_number() => c.mismatch(&at.key("requests_per_second"), "number", v),
+            Some(v) if v.as_f64().is_some_and(|n| n <= 0.0) => {
+                c.push(&at.key("requests_per_second"), "must be greater than 0")
+            }
+            Some(_) => {}
+        }
+        c.integer(rl, "burst", &at, false, Some(1), Some(i64::from(u32::MAX)));
+    }
+    if let Some(d) = c.object(cfg, "deduplication", at, false) {
+        let at = at.key("deduplication");
+        unknown_keys(c, d, &at, crate::def::DedupConfig::KEYS);
+        c.nonempty_string(d, "header", &at, false);
+        c.integer(d, "window_secs", &at, false, Some(1), None);
+    }
+    if let Some(k) = c.object(cfg, "cache", at, false) {
+        let at = at.key("cache");
+        unknown_keys(c, k, &at, crate::def::CacheConfig::KEYS);
+        c.boolean(k, "enabled", &at);
+        c.integer(k, "ttl_secs", &at, false, Some(1), None);
+    }
+    if let Some(b) = c.object(cfg, "backpressure", at, false) {
+        let at = at.key("backpressure");
+        unknown_keys(c, b, &at, crate::def::BackpressureConfig::KEYS);
+        c.integer(
+            b,
+            "max_concurrent",
+            &at,
+            true,
+            Some(1),
+            Some(i64::from(u32::MAX)),
+        );
+    }
+    if let Some(cors) = c.object(cfg, "cors", at, false) {
+        let at = at.key("cors");
+        unknown_keys(c, cors, &at, crate::def::CorsConfig::KEYS);
+        c.string_array(cors, "allowed_origins", &at, true);
+        if let Some(methods) = c.string_array(cors, "allowed_methods", &at, false) {
+            for (i, m) in methods.iter().enumerate() {
+                if !HttpMethod::NAMES.contains(m) {
+                    c.push(
+                        &at.key("allowed_methods").index(i),
+                        one_of_message(HttpMethod::NAMES),
+                    );
+                }
+            }
+        }
+        c.string_array(cors, "allowed_headers", &at, false);
+        c.integer(cors, "max_age_secs", &at, false, Some(0), None);
+    }
+    c.nonempty_string(cfg, "topic", at, kafka);
+    c.nonempty_string(cfg, "consumer_group", at, false);
+}
+
+fn unknown_keys(c: &mut Ctx, obj: &Map<String, Json>, at: &FieldPath, known: &[&str]) {
+    for k in obj.keys() {
+        if !known.contains(&k.as_str()) {
+            c.push(
+                &at.key(k),
+                format!("unknown field; expected one of {}", known.join(", ")),
+            );
+        }
+    }
+}
+
+// --------------------------------------------------------------- connectors
+
+/// Validates a connector definition; empty means valid.
+pub fn validate_connector(def: &Json) -> Vec<Diagnostic> {
+    let mut c = Ctx::default();
+    let Some(obj) = c.root(def) else { return c.out };
+    let root = FieldPath::root();
+
+    // The name is the connector's identifier (`/connectors/{id}`).
+    c.identifier(obj, "name", &root, true);
+    let declared = c
+        .one_of(obj, "connector_type", &root, true, ConnectorType::NAMES)
+        .and_then(ConnectorType::from_name);
+    c.max_len(obj, "description", &root, MAX_DESCRIPTION_LEN);
+    c.string(obj, "created_at", &root, false);
+    c.string(obj, "updated_at", &root, false);
+
+    let Some(cfg) = c.object(obj, "config", &root, true) else {
+        return c.out;
+    };
+    let at = root.key("config");
+    check_env_refs(&mut c, &obj["config"], &at);
+
+    let mut kind = declared;
+    if let Some(t) = c.one_of(cfg, "type", &at, false, ConnectorType::NAMES) {
+        if let Some(d) = declared
+            && d.name() != t
+        {
+            c.push(
+                &at.key("type"),
+                format!("must equal connector_type ('{}')", d.name()),
+            );
+        }
+        kind = kind.or(ConnectorType::from_name(t));
+    }
+
+    if let Some(kind) = kind {
+        match kind {
+            ConnectorType::Http => check_http_connector(&mut c, cfg, &at),
+            ConnectorType::Db => {
+                if let Some(s) = c.nonempty_string(cfg, "connection_string", &at, true) {
+                    let schemes = ["sqlite", "postgres", "postgresql", "mysql", "mariadb"];
+                    check_scheme(&mut c, s, &schemes, &at.key("connection_string"));
+                }
+                c.integer(
+                    cfg,
+                    "max_connections",
+                    &at,
+                    false,
+                    Some(1),
+                    Some(i64::from(u32::MAX)),
+                );
+                c.integer(cfg, "query_timeout_ms", &at, false, Some(1), None);
+                c.integer(cfg, "connect_timeout_ms", &at, false, Some(1), None);
+            }
+            ConnectorType::Cache => {
+                let backend = c.one_of(cfg, "backend", &at, true, &["memory", "redis"]);
+                let redis = backend == Some("redis");
+                if let Some(url) = c.nonempty_string(cfg, "url", &at, redis)
+                    && redis
+                {
+                    check_scheme(&mut c, url, &["redis", "rediss"], &at.key("url"));
+                }
+                c.integer(cfg, "max_entries", &at, false, Some(1), None);
+            }
+            ConnectorType::Mongodb => {
+                if let Some(s) = c.nonempty_string(cfg, "connection_string", &at, true) {
+                    let schemes = ["mongodb", "mongodb+srv"];
+                    check_scheme(&mut c, s, &schemes, &at.key("connection_string"));
+                }
+            }
+            ConnectorType::Kafka => check_kafka_connector(&mut c, cfg, &at),
+            ConnectorType::ObjectStorage => {
+                if let Some(url) = c.nonempty_string(cfg, "endpoint", &at, true) {
+                    check_http_url(&mut c, url, &at.key("endpoint"));
+                }
+                c.nonempty_string(cfg, "bucket", &at, true);
+                c.string(cfg, "region", &at, false);
+                c.nonempty_string(cfg, "access_key", &at, true);
+                c.nonempty_string(cfg, "secret_key", &at, true);
+            }
+        }
+    }
+
+    // `retry` applies to every connector type.
+    if let Some(r) = c.object(cfg, "retry", &at, false) {
+        let at = at.key("retry");
+        let max = i64::from(RetryPolicy::MAX_RETRIES_LIMIT);
+        c.integer(r, "max_retries", &at, false, Some(0), Some(max));
+        c.integer(r, "retry_delay_ms", &at, false, Some(0), None);
+    }
+    c.out
+}
+
+fn check_http_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
+    if let Some(url) = c.nonempty_string(cfg, "url", at, true) {
+        check_http_url(c, url, &at.key("url"));
+    }
+    if let Some(auth) = c.object(cfg, "auth", at, false) {
+        let at = at.key("auth");
+        let required: &[&str] =
+            match c.one_of(auth, "type", &at, true, &["bearer", "basic", "api_key"]) {
+                Some("bearer") => &["token"],
+                Some("basic") => &["username", "password"],
+                Some("api_key") => &["header", "key"],
+                _ => &[],
+            };
+        for k in required {
+            c.nonempty_string(auth, k, &at, true);
+        }
+    }
+    if let Some(h) = c.object(cfg, "headers", at, false) {
+        let at = at.key("headers");
+        for (k, v) in h {
+            if !v.is_string() {
+                c.mismatch(&at.key(k), "string", v);
+            }
+        }
+    }
+    c.integer(cfg, "timeout_ms", at, false, Some(1), None);
+}
+
+fn check_kafka_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
+    let bat = at.key("brokers");
+    let brokers: Vec<(FieldPath, &str)> = match cfg.get("brokers") {
+        None => {
+            c.required(&bat);
+            Vec::new()
+        }
+        Some(Json::Array(items)) => {
+            if items.is_empty() {
+                c.push(&bat, "must not be empty");
+            }
+            let mut out = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                match item.as_str() {
+                    Some(s) => out.push((bat.index(i), s)),
+                    None => c.mismatch(&bat.index(i), "string", item),
+                }
+            }
+            out
+        }
+        Some(Json::String(s)) if is_env_ref(s) => Vec::new(),
+        Some(Json::String(s)) => {
+            if s.trim().is_empty() {
+                c.push(&bat, "must not be empty");
+            }
+            s.split(',').map(|b| (bat.clone(), b.trim())).collect()
+        }
+        Some(other) => {
+            c.mismatch(&bat, "array or string", other);
+            Vec::new()
+        }
+    };
+    for (at, b) in brokers {
+        if !is_env_ref(b) && !is_host_port(b) {
+            c.push(&at, format!("broker '{b}' must be host:port"));
+        }
+    }
+    c.nonempty_string(cfg, "client_id", at, false);
+    if let Some(sasl) = c.object(cfg, "sasl", at, false) {
+        let at = at.key("sasl");
+        c.one_of(sasl, "mechanism", &at, true, SaslConfig::MECHANISMS);
+        c.nonempty_string(sasl, "username", &at, true);
+        c.nonempty_string(sasl, "password", &at, true);
+    }
+}
+
+fn is_host_port(s: &str) -> bool {
+    match s.rsplit_once(':') {
+        Some((host, port)) => {
+            !host.is_empty() && !host.contains(char::is_whitespace) && port.parse::<u16>().is_ok()
+        }
+        None => false,
+    }
+}
+
+/// `http://` or `https://` followed by a host. An `env://` reference is
+/// checked when it is resolved, not here. Private-address (SSRF) checks happen
+/// at call time, after DNS resolution, where `security.allow_private_networks`
+/// is known.
+fn check_http_url(c: &mut Ctx, url: &str, at: &FieldPath) {
+    if is_env_ref(url) {
+        return;
+    }
+    let lower = url.to_ascii_lowercase();
+    let rest = lower
+        .strip_prefix("http://")
+        .or_else(|| lower.strip_prefix("https://"));
+    let host_ok = rest.is_some_and(|r| {
+        let authority = r.split(['/', '?', '#']).next().unwrap_or("");
+        let host = authority.rsplit('@').next().unwrap_or("");
+        !host.is_empty() && !host.starts_with(':') && !authority.contains(char::is_whitespace)
+    });
+    if !host_ok {
+        c.push(at, "must be an http:// or https:// URL with a host");
+    }
+}
+
+/// The URL scheme (text before the first `:`) must be one of `schemes`.
+fn check_scheme(c: &mut Ctx, s: &str, schemes: &[&str], at: &FieldPath) {
+    if is_env_ref(s) {
+        return;
+    }
+    let scheme = s
+        .split_once(':')
+        .map(|(scheme, _)| scheme.to_ascii_lowercase());
+    if !scheme.is_some_and(|sc| schemes.contains(&sc.as_str())) {
+        let list: Vec<String> = schemes.iter().map(|s| format!("{s}:")).collect();
+        c.push(at, format!("must start with one of {}", list.join(", ")));
+    }
+}
+
+/// Every `env://` string in a connector's config must name a valid variable.
+fn check_env_refs(c: &mut Ctx, v: &Json, at: &FieldPath) {
+    match v {
+        Json::String(s) => {
+            if let Some(var) = s.strip_prefix(ENV_PREFIX)
+                && !is_env_var_name(var)
+            {
+                c.push(
+                    at,
+                    "must be env://NAME with NAME matching [A-Za-z_][A-Za-z0-9_]*",
+                );
+            }
+        }
+        Json::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                check_env_refs(c, item, &at.index(i));
+            }
+        }
+        Json::Object(m) => {
+            for (k, item) in m {
+                check_env_refs(c, item, &at.key(k));
+            }
+        }
+        _ => {}
+    }
+}
+
+// ------------------------------------------------------------------ masking
+
+/// What a masked value shows.
+pub const MASK: &str = "******";
+
+/// Keys whose values are secrets at any depth (compared case-insensitively).
+const SECRET_KEYS: &[&str] = &[
+    "token",
+    "password",
+    "key",
+    "secret",
+    "api_key",
+    "connection_string",
+];
+/// Also secrets: the object-storage credentials and the common spellings of
+/// the listed names with a prefix (`client_secret`, `refresh_token`, ...).
+const SECRET_SUFFIXES: &[&str] = &[
+    "_token",
+    "_password",
+    "_secret",
+    "secret_key",
+    "access_key",
+    "private_key",
+];
+/// A header value is masked when its name contains one of these.
+const SECRET_HEADER_PARTS: &[&str] = &["authorization", "token", "secret", "key"];
+
+fn is_secret_key(k: &str) -> bool {
+    let k = k.to_ascii_lowercase();
+    SECRET_KEYS.contains(&k.as_str()) || SECRET_SUFFIXES.iter().any(|s| k.ends_with(s))
+}
+
+fn is_secret_header(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    SECRET_HEADER_PARTS.iter().any(|p| name.contains(p))
+}
+
+/// Replaces secrets with `******` in place, at any depth: the value of every
+/// key named `token`, `password`, `key`, `secret`, `api_key` or
+/// `connection_string` (and the variants in `SECRET_SUFFIXES`), and, inside any
+/// object under a `headers` key, every value whose header name contains
+/// `authorization`, `token`, `secret` or `key`. Any non-null value is masked,
+/// whatever its type, so a structured secret does not leak either; `null`
+/// stays `null` because it hides nothing.
+pub fn mask_secrets(v: &mut Json) {
+    match v {
+        Json::Object(m) => {
+            for (k, item) in m.iter_mut() {
+                if is_secret_key(k) {
+                    if !item.is_null() {
+                        *item = Json::String(MASK.to_owned());
+                    }
+                    continue;
+                }
+                if k.eq_ignore_ascii_case("headers")
+                    && let Json::Object(headers) = item
+                {
+                    for (name, value) in headers.iter_mut() {
+                        if is_secret_header(name) && !value.is_null() {
+                            *value = Json::String(MASK.to_owned());
+                        }
+                    }
+                }
+                mask_secrets(item);
+            }
+        }
+        Json::Array(items) => items.iter_mut().for_each(mask_secrets),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests;

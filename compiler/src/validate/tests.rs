@@ -1,0 +1,1246 @@
+//! Tests of the definition validators and of secret masking.
+
+use super::*;
+use crate::def::{ChannelDef, ConnectorDef, WorkflowDef};
+use serde_json::json;
+
+fn d(field: &str, message: &str) -> Diagnostic {
+    Diagnostic::new(field, message)
+}
+
+/// Asserts the exact diagnostics, in order.
+#[track_caller]
+fn check(found: Vec<Diagnostic>, expected: &[(&str, &str)]) {
+    let expected: Vec<Diagnostic> = expected.iter().map(|(f, m)| d(f, m)).collect();
+    assert_eq!(
+        found, expected,
+        "\nfound:    {found:#?}\nexpected: {expected:#?}"
+    );
+}
+
+fn task(id: &str, function: &str, input: Json) -> Json {
+    json!({"id": id, "name": id, "function": {"name": function, "input": input}})
+}
+
+fn workflow(tasks: Json) -> Json {
+    json!({"name": "w", "tasks": tasks})
+}
+
+fn workflow_with(task: Json) -> Vec<Diagnostic> {
+    validate_workflow(&workflow(json!([task])))
+}
+
+fn shared(file: &str) -> Option<Json> {
+    let path = format!(
+        "{}/../../shared/bench/reference/{file}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    match std::fs::read_to_string(&path) {
+        Ok(text) => Some(serde_json::from_str(&text).unwrap()),
+        Err(e) => {
+            eprintln!("skipping: {path}: {e}");
+            None
+        }
+    }
+}
+
+// ---------------------------------------------------------------- workflows
+
+#[test]
+fn reference_workflow_and_channel_validate_clean() {
+    if let Some(w) = shared("workflow.json") {
+        check(validate_workflow(&w), &[]);
+        let def: WorkflowDef = serde_json::from_value(w).unwrap();
+        assert_eq!(def.id(), Some("bench-order-enrichment"));
+    }
+    if let Some(c) = shared("channel.json") {
+        check(validate_channel(&c), &[]);
+        serde_json::from_value::<ChannelDef>(c).unwrap();
+    }
+}
+
+/// Builds a group chain `levels` deep around one task.
+fn nested(levels: usize) -> Json {
+    let mut step = task("leaf", "log", json!({"message": "x"}));
+    for level in (1..=levels).rev() {
+        step = json!({"id": format!("n{level}"), "tasks": [step]});
+    }
+    step
+}
+
+#[test]
+fn reports_every_problem_with_exact_paths() {
+    let def = json!({
+        "workflow_id": "-bad id",
+        "priority": "high",
+        "tasks": [
+            task("a", "http_call", json!({"method": "GET"})),
+            task("b", "Foo", json!({})),
+            task("c", "http_call", json!({"connector": "api", "method": "FETCH", "timeout_ms": "5"})),
+            {"id": "g", "halt_on": "failure", "tasks": [
+                {"id": "g2", "tasks": [task("a", "map", json!({}))]}
+            ]},
+            nested(9),
+            {"id": "t", "function": {"name": "cache_write", "input": {"connector": "", "key": 5}}}
+        ]
+    });
+    let deep = format!("tasks[4]{}", ".tasks[0]".repeat(8));
+    check(
+        validate_workflow(&def),
+        &[
+            ("workflow_id", ID_RULE),
+            ("name", "is required"),
+            ("priority", "expected integer, got string"),
+            ("tasks[0].function.input.connector", "is required"),
+            ("tasks[1].function.name", "unknown function 'Foo'"),
+            (
+                "tasks[2].function.input.method",
+                "must be one of GET, POST, PUT, PATCH, DELETE",
+            ),
+            (
+                "tasks[2].function.input.timeout_ms",
+                "expected number, got string",
+            ),
+            ("tasks[3].halt_on", "halt_on is not allowed on a group"),
+            (
+                "tasks[3].tasks[0].tasks[0].id",
+                "duplicate step id 'a' (first used at tasks[0])",
+            ),
+            (&deep, "groups nest deeper than 8 levels"),
+            ("tasks[5].name", "is required"),
+            ("tasks[5].function.input.connector", "must not be empty"),
+            (
+                "tasks[5].function.input.key",
+                "expected string, got integer",
+            ),
+            ("tasks[5].function.input.value", "is required"),
+        ],
+    );
+}
+
+#[test]
+fn depth_eight_is_allowed_and_nine_is_reported_once() {
+    check(validate_workflow(&workflow(json!([nested(8)]))), &[]);
+    let found = validate_workflow(&workflow(json!([nested(12)])));
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert_eq!(found[0].message, "groups nest deeper than 8 levels");
+}
+
+#[test]
+fn root_must_be_an_object() {
+    check(
+        validate_workflow(&json!([1])),
+        &[("", "expected object, got array")],
+    );
+    check(
+        validate_channel(&json!("x")),
+        &[("", "expected object, got string")],
+    );
+    check(
+        validate_connector(&json!(null)),
+        &[("", "expected object, got null")],
+    );
+}
+
+#[test]
+fn workflow_top_level_fields() {
+    let long = "x".repeat(129);
+    let def = json!({
+        "workflow_id": long,
+        "id": "other",
+        "name": "  ",
+        "description": "d".repeat(2049),
+        "tags": ["a", 1],
+        "continue_on_error": "yes",
+        "status": "running",
+        "version": 0,
+        "rollout_percentage": 0,
+        "rollout": {"bucket_start": -1, "bucket_end": 101},
+        "created_at": 5,
+        "tasks": []
+    });
+    check(
+        validate_workflow(&def),
+        &[
+            ("workflow_id", "must be at most 128 characters"),
+            ("name", "must not be empty"),
+            ("description", "must be at most 2048 characters"),
+            ("tags[1]", "expected string, got integer"),
+            ("continue_on_error", "expected boolean, got string"),
+            ("status", "must be one of draft, active, archived, paused"),
+            ("version", "must be at least 1"),
+            ("rollout_percentage", "must be between 1 and 100"),
+            ("rollout.bucket_start", "must be between 0 and 100"),
+            ("rollout.bucket_end", "must be between 0 and 100"),
+            ("created_at", "expected string, got integer"),
+            ("tasks", "must not be empty"),
+        ],
+    );
+    let name = "n".repeat(256);
+    check(
+        validate_workflow(&json!({"name": name, "tasks": {}})),
+        &[
+            ("name", "must be at most 255 characters"),
+            ("tasks", "expected array, got object"),
+        ],
+    );
+    check(
+        validate_workflow(&json!({"name": "w"})),
+        &[("tasks", "is required")],
+    );
+}
+
+#[test]
+fn workflow_id_rules() {
+    let ok = ["a", "A1", "9", "a.b-c_d", &"x".repeat(128)];
+    for id in ok {
+        let mut w = workflow(json!([task("t", "log", json!({}))]));
+        w["workflow_id"] = json!(id);
+        check(validate_workflow(&w), &[]);
+    }
+    for id in ["_a", ".a", "a b", "ä", "a/b"] {
+        let mut w = workflow(json!([task("t", "log", json!({}))]));
+        w["workflow_id"] = json!(id);
+        check(validate_workflow(&w), &[("workflow_id", ID_RULE)]);
+    }
+    let mut w = workflow(json!([task("t", "log", json!({}))]));
+    w["workflow_id"] = json!("");
+    check(
+        validate_workflow(&w),
+        &[("workflow_id", "must not be empty")],
+    );
+    // The engine spelling `id` is accepted, and may repeat workflow_id.
+    let mut w = workflow(json!([task("t", "log", json!({}))]));
+    w["id"] = json!("wf");
+    check(validate_workflow(&w), &[]);
+    w["workflow_id"] = json!("wf");
+    check(validate_workflow(&w), &[]);
+    w["workflow_id"] = json!("wf2");
+    check(
+        validate_workflow(&w),
+        &[("id", "must equal workflow_id when both are given")],
+    );
+}
+
+#[test]
+fn step_structure() {
+    let def = workflow(json!([
+        "not a step",
+        {"name": "no id", "function": {"name": "log"}},
+        {"id": "", "name": "x", "function": {"name": "log"}},
+        {"id": 5, "name": 6, "function": "log"},
+        {"id": "f", "name": "f"},
+        {"id": "g", "name": "f", "function": {"input": []}},
+        {"id": "h", "name": "h", "function": {"name": "log", "input": []}},
+        {"id": "i", "name": "i", "halt_on": "always", "terminal": 1, "continue_on_error": null,
+         "function": {"name": "log"}},
+        {"id": "grp", "tasks": [], "function": {"name": "log"}, "terminal": "no", "name": 3},
+        {"id": "grp2", "tasks": null}
+    ]));
+    check(
+        validate_workflow(&def),
+        &[
+            ("tasks[0]", "expected object, got string"),
+            ("tasks[1].id", "is required"),
+            ("tasks[2].id", "must not be empty"),
+            ("tasks[3].id", "expected string, got integer"),
+            ("tasks[3].name", "expected string, got integer"),
+            ("tasks[3].function", "expected object, got string"),
+            ("tasks[4].function", "is required"),
+            ("tasks[5].function.name", "is required"),
+            ("tasks[5].function.input", "expected object, got array"),
+            ("tasks[6].function.input", "expected object, got array"),
+            ("tasks[7].continue_on_error", "expected boolean, got null"),
+            ("tasks[7].terminal", "expected boolean, got integer"),
+            ("tasks[7].halt_on", "must be one of never, failure"),
+            ("tasks[8].name", "expected string, got integer"),
+            ("tasks[8].terminal", "expected boolean, got string"),
+            (
+                "tasks[8].function",
+                "function is not allowed on a group (a step with tasks is a group)",
+            ),
+            ("tasks[8].tasks", "must not be empty"),
+            ("tasks[9].tasks", "expected array, got null"),
+        ],
+    );
+}
+
+#[test]
+fn duplicate_ids_across_tasks_and_groups() {
+    let def = workflow(json!([
+        {"id": "g", "tasks": [task("x", "log", json!({})), {"id": "g", "tasks": [task("y", "log", json!({}))]}]},
+        task("y", "log", json!({})),
+        task("x", "log", json!({}))
+    ]));
+    check(
+        validate_workflow(&def),
+        &[
+            (
+                "tasks[0].tasks[1].id",
+                "duplicate step id 'g' (first used at tasks[0])",
+            ),
+            (
+                "tasks[1].id",
+                "duplicate step id 'y' (first used at tasks[0].tasks[1].tasks[0])",
+            ),
+            (
+                "tasks[2].id",
+                "duplicate step id 'x' (first used at tasks[0].tasks[0])",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn function_names_are_exact() {
+    check(
+        workflow_with(task("t", "validate", json!({"rules": []}))),
+        &[],
+    );
+    check(
+        workflow_with(task("t", "Map", json!({}))),
+        &[("tasks[0].function.name", "unknown function 'Map'")],
+    );
+    check(
+        workflow_with(task("t", "", json!({}))),
+        &[("tasks[0].function.name", "unknown function ''")],
+    );
+}
+
+#[test]
+fn data_function_inputs_are_not_checked() {
+    // Bad input of data functions shows at execution, as the spec says.
+    check(
+        workflow_with(task("t", "map", json!({"mappings": "nope"}))),
+        &[],
+    );
+    check(
+        workflow_with(json!({"id": "t", "name": "t", "function": {"name": "parse_json"}})),
+        &[],
+    );
+}
+
+#[test]
+fn engine_extras_are_accepted() {
+    let def = json!({
+        "id": "wf", "name": "w", "channel": "orders", "status": "paused",
+        "rollout": {"bucket_start": 50, "bucket_end": 10},
+        "loop": {"max": 3},
+        "tasks": [
+            {"id": "t", "name": "t", "terminal": true, "halt_on": "failure", "continue_on_error": true,
+             "description": "d", "condition": {"==": [1, 1]}, "function": {"name": "log", "input": {"message": "m"}}},
+            {"id": "g", "condition": false, "terminal": false, "continue_on_error": true,
+             "loop": {"max": 10000, "init": -1.5, "increment": 0.5, "counter": "temp_data.i"},
+             "tasks": [task("u", "log", json!({}))]}
+        ]
+    });
+    check(validate_workflow(&def), &[]);
+    serde_json::from_value::<WorkflowDef>(def).unwrap();
+}
+
+#[test]
+fn loop_settings() {
+    let with_loop = |l: Json| {
+        validate_workflow(&json!({"name": "w", "loop": l, "tasks": [task("t", "log", json!({}))]}))
+    };
+    check(with_loop(json!({})), &[("loop.max", "is required")]);
+    check(
+        with_loop(json!([])),
+        &[("loop", "expected object, got array")],
+    );
+    check(
+        with_loop(json!({"max": 0})),
+        &[("loop.max", "must be between 1 and 10000")],
+    );
+    check(
+        with_loop(json!({"max": 10001})),
+        &[("loop.max", "must be between 1 and 10000")],
+    );
+    check(
+        with_loop(json!({"max": 2.5})),
+        &[("loop.max", "expected integer, got number")],
+    );
+    check(
+        with_loop(json!({"max": 1, "init": "0", "increment": 0, "counter": "a..b"})),
+        &[
+            ("loop.init", "expected number, got string"),
+            ("loop.increment", "must not be zero"),
+            (
+                "loop.counter",
+                "must be a dotted path without empty segments",
+            ),
+        ],
+    );
+    check(
+        with_loop(json!({"max": 1, "increment": "1", "counter": "payload.i"})),
+        &[
+            ("loop.increment", "expected number, got string"),
+            (
+                "loop.counter",
+                "must not write into payload, which is read-only",
+            ),
+        ],
+    );
+    check(
+        with_loop(json!({"max": 1, "counter": ""})),
+        &[("loop.counter", "must not be empty")],
+    );
+    // On a group the path is the group's.
+    let def =
+        workflow(json!([{"id": "g", "loop": {"max": -1}, "tasks": [task("t", "log", json!({}))]}]));
+    check(
+        validate_workflow(&def),
+        &[("tasks[0].loop.max", "must be between 1 and 10000")],
+    );
+}
+
+#[test]
+fn http_call_input() {
+    check(
+        workflow_with(task("t", "http_call", json!({"connector": "api"}))),
+        &[],
+    );
+    let full = json!({
+        "connector": "api", "method": "POST", "path": "/x", "path_logic": {"cat": ["/", 1]},
+        "headers": {"x-a": "1"}, "body": null, "body_logic": {"var": "data"},
+        "response_path": "data.r", "timeout_ms": 1.5
+    });
+    check(workflow_with(task("t", "http_call", full)), &[]);
+    let bad = json!({
+        "connector": 1, "method": "get", "path": 3, "headers": {"x-a": 1, "x-b": "ok"},
+        "response_path": [], "timeout_ms": 0
+    });
+    check(
+        workflow_with(task("t", "http_call", bad)),
+        &[
+            (
+                "tasks[0].function.input.connector",
+                "expected string, got integer",
+            ),
+            (
+                "tasks[0].function.input.method",
+                "must be one of GET, POST, PUT, PATCH, DELETE",
+            ),
+            (
+                "tasks[0].function.input.path",
+                "expected string, got integer",
+            ),
+            (
+                "tasks[0].function.input.headers.x-a",
+                "expected string, got integer",
+            ),
+            (
+                "tasks[0].function.input.response_path",
+                "expected string, got array",
+            ),
+            (
+                "tasks[0].function.input.timeout_ms",
+                "must be greater than 0",
+            ),
+        ],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "http_call",
+            json!({"connector": "a", "headers": []}),
+        )),
+        &[(
+            "tasks[0].function.input.headers",
+            "expected object, got array",
+        )],
+    );
+    // An absent input is `{}`, so the required connector is reported.
+    check(
+        workflow_with(json!({"id": "t", "name": "t", "function": {"name": "http_call"}})),
+        &[("tasks[0].function.input.connector", "is required")],
+    );
+}
+
+#[test]
+fn other_connector_inputs() {
+    let p = |f: &str| format!("tasks[0].function.input.{f}");
+    check(
+        workflow_with(task(
+            "t",
+            "db_read",
+            json!({"connector": "db", "query": "SELECT 1", "params": [1], "output": "rows"}),
+        )),
+        &[],
+    );
+    check(
+        workflow_with(task("t", "db_write", json!({"params": {}, "output": 1}))),
+        &[
+            (&p("connector"), "is required"),
+            (&p("query"), "is required"),
+            (&p("params"), "expected array, got object"),
+            (&p("output"), "expected string, got integer"),
+        ],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "cache_read",
+            json!({"connector": "c", "key": "k"}),
+        )),
+        &[],
+    );
+    check(
+        workflow_with(task("t", "cache_read", json!({"connector": "c"}))),
+        &[(&p("key"), "is required")],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "cache_write",
+            json!({"connector": "c", "key": "k", "value": null, "ttl_secs": 60}),
+        )),
+        &[],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "cache_write",
+            json!({"connector": "c", "key": "k", "value": 1, "ttl_secs": -1}),
+        )),
+        &[(&p("ttl_secs"), "must be greater than 0")],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "mongo_read",
+            json!({"connector": "m", "database": "d", "collection": "c", "filter": {"a": 1}}),
+        )),
+        &[],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "mongo_read",
+            json!({"connector": "m", "filter": "x"}),
+        )),
+        &[
+            (&p("database"), "is required"),
+            (&p("collection"), "is required"),
+            (&p("filter"), "expected object, got string"),
+        ],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "publish_kafka",
+            json!({"connector": "k", "topic": "t", "key_logic": 1}),
+        )),
+        &[],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "publish_kafka",
+            json!({"connector": "k", "topic": " "}),
+        )),
+        &[(&p("topic"), "must not be empty")],
+    );
+}
+
+#[test]
+fn channel_call_input() {
+    let at = "tasks[0].function.input";
+    check(
+        workflow_with(task("t", "channel_call", json!({"channel": "orders"}))),
+        &[],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "channel_call",
+            json!({"channel_logic": {"var": "data.c"}, "data_logic": {"var": "data"}}),
+        )),
+        &[],
+    );
+    check(
+        workflow_with(task("t", "channel_call", json!({}))),
+        &[(at, "exactly one of channel, channel_logic is required")],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "channel_call",
+            json!({"channel": "a", "channel_logic": "b", "data": 1, "data_logic": 2}),
+        )),
+        &[
+            (at, "exactly one of channel, channel_logic is required"),
+            (at, "at most one of data, data_logic is allowed"),
+        ],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "channel_call",
+            json!({"channel": 5, "timeout_ms": "x", "response_path": 1}),
+        )),
+        &[
+            (
+                "tasks[0].function.input.channel",
+                "expected string, got integer",
+            ),
+            (
+                "tasks[0].function.input.response_path",
+                "expected string, got integer",
+            ),
+            (
+                "tasks[0].function.input.timeout_ms",
+                "expected number, got string",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn clean_workflows_deserialize() {
+    let def = workflow(json!([
+        task("a", "http_call", json!({"connector": "api"})),
+        {"id": "g", "tasks": [task("b", "channel_call", json!({"channel": "x"}))], "loop": {"max": 2}}
+    ]));
+    check(validate_workflow(&def), &[]);
+    let w: WorkflowDef = serde_json::from_value(def).unwrap();
+    assert_eq!(w.tasks.len(), 2);
+}
+
+// ----------------------------------------------------------------- channels
+
+fn channel(extra: Json) -> Json {
+    let mut c = json!({"name": "orders", "workflow_id": "wf"});
+    for (k, v) in extra.as_object().unwrap() {
+        c[k] = v.clone();
+    }
+    c
+}
+
+#[test]
+fn minimal_channels() {
+    // Name-routed: protocol defaults to http.
+    check(validate_channel(&channel(json!({}))), &[]);
+    check(
+        validate_channel(&channel(
+            json!({"protocol": "rest", "route_pattern": "/", "methods": ["GET", "HEAD", "OPTIONS"]}),
+        )),
+        &[],
+    );
+    check(
+        validate_channel(&channel(
+            json!({"protocol": "kafka", "config_json": {"topic": "t", "consumer_group": "g"}}),
+        )),
+        &[],
+    );
+    check(
+        validate_channel(&channel(
+            json!({"protocol": "kafka", "channel_type": "async"}),
+        )),
+        &[("config_json.topic", "is required")],
+    );
+}
+
+#[test]
+fn channel_top_level_fields() {
+    let c = json!({
+        "channel_id": "bad id",
+        "name": "",
+        "channel_type": "stream",
+        "protocol": "grpc",
+        "status": "paused",
+        "version": "1",
+        "priority": 1.5,
+        "description": 5
+    });
+    check(
+        validate_channel(&c),
+        &[
+            ("channel_id", ID_RULE),
+            ("name", "must not be empty"),
+            ("channel_type", "must be one of sync, async"),
+            ("protocol", "must be one of rest, http, kafka"),
+            ("workflow_id", "is required"),
+            ("status", "must be one of draft, active, archived"),
+            ("version", "expected integer, got string"),
+            ("description", "expected string, got integer"),
+            ("priority", "expected integer, got number"),
+        ],
+    );
+    check(
+        validate_channel(&json!({})),
+        &[("name", "is required"), ("workflow_id", "is required")],
+    );
+}
+
+#[test]
+fn rest_channels_need_route_and_methods() {
+    check(
+        validate_channel(&channel(json!({"protocol": "rest"}))),
+        &[("route_pattern", "is required"), ("methods", "is required")],
+    );
+    // A route_pattern implies rest.
+    check(
+        validate_channel(&channel(json!({"route_pattern": "/a"}))),
+        &[("methods", "is required")],
+    );
+    check(
+        validate_channel(&channel(json!({"route_pattern": "/a", "methods": []}))),
+        &[("methods", "must not be empty")],
+    );
+    check(
+        validate_channel(&channel(
+            json!({"route_pattern": "/a", "methods": ["get", 1, "TRACE"]}),
+        )),
+        &[
+            ("methods[1]", "expected string, got integer"),
+            (
+                "methods[0]",
+                "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS",
+            ),
+            (
+                "methods[2]",
+                "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS",
+            ),
+        ],
+    );
+    check(
+        validate_channel(&channel(
+            json!({"protocol": "kafka", "channel_type": "sync", "config_json": {"topic": "t"}}),
+        )),
+        &[("channel_type", "must be async for a kafka channel")],
+    );
+}
+
+#[test]
+fn route_patterns() {
+    let route =
+        |p: &str| validate_channel(&channel(json!({"route_pattern": p, "methods": ["GET"]})));
+    for ok in [
+        "/",
+        "/orders",
+        "/orders/{order_id}",
+        "/a/{x}/b/{y_2}",
+        "/v1.0/items-list",
+    ] {
+        check(route(ok), &[]);
+    }
+    let bad = [
+        ("orders", "must start with '/'"),
+        (
+            "/a//b",
+            "must not contain empty segments ('//' or a trailing '/')",
+        ),
+        (
+            "/a/",
+            "must not contain empty segments ('//' or a trailing '/')",
+        ),
+        (
+            "/a/{id}/b/{id}",
+            "path parameter 'id' is used more than once",
+        ),
+        (
+            "/a/async",
+            "must not end in '/async', which selects async mode",
+        ),
+        (
+            "/a?x=1",
+            "segment 'a?x=1' must not contain '?', '#' or whitespace",
+        ),
+    ];
+    for (p, msg) in bad {
+        check(route(p), &[("route_pattern", msg)]);
+    }
+    for seg in ["{id", "id}", "x{id}", "{}", "{1a}", "{a-b}", "{{a}}"] {
+        let found = route(&format!("/a/{seg}"));
+        assert_eq!(found.len(), 1, "{seg}: {found:#?}");
+        assert!(
+            found[0].message.contains("is not a well-formed parameter"),
+            "{seg}: {found:#?}"
+        );
+    }
+}
+
+#[test]
+fn channel_config_json() {
+    let cfg = |c: Json| validate_channel(&channel(json!({"config_json": c})));
+    check(
+        cfg(json!({
+            "timeout_ms": 5000,
+            "rate_limit": {"requests_per_second": 0.5, "burst": 1, "key_logic": {"var": "client_ip"}},
+            "deduplication": {"key_logic": {"var": "data.id"}, "header": "x-idem", "window_secs": 1},
+            "cache": {"enabled": false, "ttl_secs": 1, "key_logic": null},
+            "backpressure": {"max_concurrent": 1},
+            "cors": {"allowed_origins": ["https://a.example"], "allowed_methods": ["GET"], "allowed_headers": ["x-a"], "max_age_secs": 0}
+        })),
+        &[],
+    );
+    check(
+        cfg(json!({
+            "timeout_ms": 0,
+            "timeout": 5,
+            "rate_limit": {"requests_per_second": 0, "burst": 0, "per": "ip"},
+            "deduplication": {"header": "", "window_secs": 0},
+            "cache": {"enabled": "yes", "ttl_secs": -5},
+            "backpressure": {},
+            "cors": {"allowed_origins": "*", "allowed_methods": ["FETCH"], "max_age_secs": -1},
+            "topic": 3
+        })),
+        &[
+            (
+                "config_json.timeout",
+                "unknown field; expected one of timeout_ms, rate_limit, deduplication, cache, backpressure, cors, topic, consumer_group",
+            ),
+            ("config_json.timeout_ms", "must be at least 1"),
+            (
+                "config_json.rate_limit.per",
+                "unknown field; expected one of requests_per_second, burst, key_logic",
+            ),
+            (
+                "config_json.rate_limit.requests_per_second",
+                "must be greater than 0",
+            ),
+            (
+                "config_json.rate_limit.burst",
+                "must be between 1 and 4294967295",
+            ),
+            ("config_json.deduplication.header", "must not be empty"),
+            (
+                "config_json.deduplication.window_secs",
+                "must be at least 1",
+            ),
+            ("config_json.cache.enabled", "expected boolean, got string"),
+            ("config_json.cache.ttl_secs", "must be at least 1"),
+            ("config_json.backpressure.max_concurrent", "is required"),
+            (
+                "config_json.cors.allowed_origins",
+                "expected array, got string",
+            ),
+            (
+                "config_json.cors.allowed_methods[0]",
+                "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS",
+            ),
+            ("config_json.cors.max_age_secs", "must not be negative"),
+            ("config_json.topic", "expected string, got integer"),
+        ],
+    );
+    check(
+        cfg(json!([])),
+        &[("config_json", "expected object, got array")],
+    );
+    check(
+        cfg(json!({"rate_limit": {}, "cors": {}, "timeout_ms": "5"})),
+        &[
+            ("config_json.timeout_ms", "expected integer, got string"),
+            ("config_json.rate_limit.requests_per_second", "is required"),
+            ("config_json.cors.allowed_origins", "is required"),
+        ],
+    );
+}
+
+#[test]
+fn clean_channels_deserialize() {
+    let c = channel(json!({
+        "route_pattern": "/o/{id}", "methods": ["POST"], "priority": 3,
+        "config_json": {"rate_limit": {"requests_per_second": 3}, "backpressure": {"max_concurrent": 2}}
+    }));
+    check(validate_channel(&c), &[]);
+    let def: ChannelDef = serde_json::from_value(c).unwrap();
+    assert_eq!(def.priority, 3);
+}
+
+// --------------------------------------------------------------- connectors
+
+fn connector(ty: &str, config: Json) -> Json {
+    json!({"name": "conn", "connector_type": ty, "config": config})
+}
+
+#[test]
+fn valid_connectors_of_every_type() {
+    let cases = [
+        (
+            "http",
+            json!({"type": "http", "url": "https://api.example.com/v1", "auth": {"type": "bearer", "token": "env://API_TOKEN"},
+                        "headers": {"x-a": "b"}, "timeout_ms": 1000, "retry": {"max_retries": 0, "retry_delay_ms": 0}}),
+        ),
+        (
+            "http",
+            json!({"url": "http://user@host:8080", "auth": {"type": "basic", "username": "u", "password": "p"}}),
+        ),
+        (
+            "http",
+            json!({"url": "env://BASE_URL", "auth": {"type": "api_key", "header": "X-Key", "key": "k"}}),
+        ),
+        (
+            "db",
+            json!({"type": "db", "connection_string": "postgres://u:p@h/db", "max_connections": 4, "query_timeout_ms": 10, "connect_timeout_ms": 10}),
+        ),
+        ("db", json!({"connection_string": "sqlite::memory:"})),
+        ("db", json!({"connection_string": "MariaDB://h/db"})),
+        ("db", json!({"connection_string": "env://DATABASE_URL"})),
+        ("cache", json!({"backend": "memory", "max_entries": 100})),
+        (
+            "cache",
+            json!({"backend": "redis", "url": "rediss://r:6380"}),
+        ),
+        (
+            "mongodb",
+            json!({"connection_string": "mongodb+srv://cluster/x"}),
+        ),
+        (
+            "kafka",
+            json!({"brokers": ["a:9092", "b:9093"], "client_id": "c", "sasl": {"mechanism": "SCRAM-SHA-512", "username": "u", "password": "p"}}),
+        ),
+        ("kafka", json!({"brokers": "a:9092, b:9093"})),
+        ("kafka", json!({"brokers": "env://KAFKA_BROKERS"})),
+        (
+            "object_storage",
+            json!({"endpoint": "https://s3.example.com", "bucket": "b", "region": "eu", "access_key": "a", "secret_key": "env://S3_SECRET"}),
+        ),
+    ];
+    for (ty, config) in cases {
+        let def = connector(ty, config);
+        check(validate_connector(&def), &[]);
+        let parsed: ConnectorDef = serde_json::from_value(def.clone()).unwrap();
+        parsed.typed().unwrap_or_else(|e| panic!("{def}: {e}"));
+    }
+}
+
+#[test]
+fn connector_top_level() {
+    check(
+        validate_connector(&json!({})),
+        &[
+            ("name", "is required"),
+            ("connector_type", "is required"),
+            ("config", "is required"),
+        ],
+    );
+    check(
+        validate_connector(&json!({"name": "a b", "connector_type": "sql", "config": []})),
+        &[
+            ("name", ID_RULE),
+            (
+                "connector_type",
+                "must be one of http, db, cache, mongodb, kafka, object_storage",
+            ),
+            ("config", "expected object, got array"),
+        ],
+    );
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"type": "db", "url": "https://x"}),
+        )),
+        &[("config.type", "must equal connector_type ('http')")],
+    );
+    // Without connector_type, config.type still selects the per-type checks.
+    check(
+        validate_connector(&json!({"name": "c", "config": {"type": "db"}})),
+        &[
+            ("connector_type", "is required"),
+            ("config.connection_string", "is required"),
+        ],
+    );
+}
+
+#[test]
+fn http_connector_rules() {
+    check(
+        validate_connector(&connector("http", json!({}))),
+        &[("config.url", "is required")],
+    );
+    for bad in [
+        "ftp://x",
+        "https://",
+        "api.example.com",
+        "http://:80/x",
+        "http://a b",
+    ] {
+        check(
+            validate_connector(&connector("http", json!({"url": bad}))),
+            &[(
+                "config.url",
+                "must be an http:// or https:// URL with a host",
+            )],
+        );
+    }
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"url": "https://x", "auth": {"type": "oauth"}}),
+        )),
+        &[("config.auth.type", "must be one of bearer, basic, api_key")],
+    );
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"url": "https://x", "auth": {"type": "bearer"}}),
+        )),
+        &[("config.auth.token", "is required")],
+    );
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"url": "https://x", "auth": {"type": "basic", "username": ""}}),
+        )),
+        &[
+            ("config.auth.username", "must not be empty"),
+            ("config.auth.password", "is required"),
+        ],
+    );
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"url": "https://x", "auth": {"type": "api_key", "key": 1}, "headers": {"a": 1}, "timeout_ms": 0}),
+        )),
+        &[
+            ("config.auth.header", "is required"),
+            ("config.auth.key", "expected string, got integer"),
+            ("config.headers.a", "expected string, got integer"),
+            ("config.timeout_ms", "must be at least 1"),
+        ],
+    );
+}
+
+#[test]
+fn other_connector_rules() {
+    let check_cfg = |ty: &str, cfg: Json, expected: &[(&str, &str)]| {
+        check(validate_connector(&connector(ty, cfg)), expected);
+    };
+    let db_schemes = "must start with one of sqlite:, postgres:, postgresql:, mysql:, mariadb:";
+    check_cfg(
+        "db",
+        json!({"connection_string": "oracle://x"}),
+        &[("config.connection_string", db_schemes)],
+    );
+    check_cfg(
+        "db",
+        json!({"connection_string": "nocolon"}),
+        &[("config.connection_string", db_schemes)],
+    );
+    check_cfg(
+        "db",
+        json!({"connection_string": "sqlite:x.db", "max_connections": 0, "query_timeout_ms": "1"}),
+        &[
+            ("config.max_connections", "must be between 1 and 4294967295"),
+            ("config.query_timeout_ms", "expected integer, got string"),
+        ],
+    );
+    check_cfg("cache", json!({}), &[("config.backend", "is required")]);
+    check_cfg(
+        "cache",
+        json!({"backend": "memcached"}),
+        &[("config.backend", "must be one of memory, redis")],
+    );
+    check_cfg(
+        "cache",
+        json!({"backend": "redis"}),
+        &[("config.url", "is required")],
+    );
+    check_cfg(
+        "cache",
+        json!({"backend": "redis", "url": "http://r"}),
+        &[("config.url", "must start with one of redis:, rediss:")],
+    );
+    check_cfg(
+        "mongodb",
+        json!({"connection_string": "postgres://x"}),
+        &[(
+            "config.connection_string",
+            "must start with one of mongodb:, mongodb+srv:",
+        )],
+    );
+    check_cfg("kafka", json!({}), &[("config.brokers", "is required")]);
+    check_cfg(
+        "kafka",
+        json!({"brokers": []}),
+        &[("config.brokers", "must not be empty")],
+    );
+    check_cfg(
+        "kafka",
+        json!({"brokers": 9092}),
+        &[("config.brokers", "expected array or string, got integer")],
+    );
+    check_cfg(
+        "kafka",
+        json!({"brokers": ["a:9092", "b", 3]}),
+        &[
+            ("config.brokers[2]", "expected string, got integer"),
+            ("config.brokers[1]", "broker 'b' must be host:port"),
+        ],
+    );
+    check_cfg(
+        "kafka",
+        json!({"brokers": "a:1,,b:x"}),
+        &[
+            ("config.brokers", "broker '' must be host:port"),
+            ("config.brokers", "broker 'b:x' must be host:port"),
+        ],
+    );
+    check_cfg(
+        "kafka",
+        json!({"brokers": "a:1", "sasl": {"mechanism": "plain"}}),
+        &[
+            (
+                "config.sasl.mechanism",
+                "must be one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512",
+            ),
+            ("config.sasl.username", "is required"),
+            ("config.sasl.password", "is required"),
+        ],
+    );
+    check_cfg(
+        "object_storage",
+        json!({"endpoint": "s3.amazonaws.com"}),
+        &[
+            (
+                "config.endpoint",
+                "must be an http:// or https:// URL with a host",
+            ),
+            ("config.bucket", "is required"),
+            ("config.access_key", "is required"),
+            ("config.secret_key", "is required"),
+        ],
+    );
+}
+
+#[test]
+fn retry_settings() {
+    let with_retry = |r: Json| {
+        validate_connector(&connector(
+            "cache",
+            json!({"backend": "memory", "retry": r}),
+        ))
+    };
+    check(with_retry(json!({})), &[]);
+    check(
+        with_retry(json!({"max_retries": 10, "retry_delay_ms": 60000})),
+        &[],
+    );
+    check(
+        with_retry(json!({"max_retries": 11, "retry_delay_ms": -1})),
+        &[
+            ("config.retry.max_retries", "must be between 0 and 10"),
+            ("config.retry.retry_delay_ms", "must not be negative"),
+        ],
+    );
+    check(
+        with_retry(json!({"max_retries": 1.5, "retry_delay_ms": "100"})),
+        &[
+            ("config.retry.max_retries", "expected integer, got number"),
+            (
+                "config.retry.retry_delay_ms",
+                "expected integer, got string",
+            ),
+        ],
+    );
+    check(
+        with_retry(json!(3)),
+        &[("config.retry", "expected object, got integer")],
+    );
+}
+
+#[test]
+fn env_references() {
+    assert!(is_env_var_name("API_TOKEN") && is_env_var_name("_x1") && !is_env_var_name("1X"));
+    assert!(!is_env_var_name("") && !is_env_var_name("A-B"));
+    let msg = "must be env://NAME with NAME matching [A-Za-z_][A-Za-z0-9_]*";
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"url": "env://", "auth": {"type": "bearer", "token": "env://BAD-NAME"}, "headers": {"x": "env://1"}}),
+        )),
+        &[
+            ("config.url", msg),
+            ("config.auth.token", msg),
+            ("config.headers.x", msg),
+        ],
+    );
+    // Enumerated discriminators cannot be deferred to the environment.
+    check(
+        validate_connector(&connector("cache", json!({"backend": "env://BACKEND"}))),
+        &[("config.backend", "must be one of memory, redis")],
+    );
+}
+
+#[test]
+fn numbers_beyond_i64_are_out_of_range() {
+    let def = json!({"name": "w", "priority": u64::MAX, "version": u64::MAX, "tasks": [task("t", "log", json!({}))]});
+    check(
+        validate_workflow(&def),
+        &[
+            ("priority", "is out of range"),
+            ("version", "is out of range"),
+        ],
+    );
+}
+
+// ------------------------------------------------------------------ masking
+
+#[test]
+fn masks_secret_keys_at_any_depth() {
+    let mut v = json!({
+        "name": "api",
+        "config": {
+            "url": "https://x",
+            "auth": {"type": "bearer", "token": "env://API_TOKEN"},
+            "nested": [{"Password": "p", "api_key": 5, "secret": {"a": 1}, "key": null}],
+            "connection_string": "postgres://u:p@h/db",
+            "secret_key": "s", "access_key": "a", "client_secret": "c",
+            "keys": "not masked", "key_logic": {"var": "x"}, "token_url": "https://t"
+        }
+    });
+    mask_secrets(&mut v);
+    assert_eq!(
+        v,
+        json!({
+            "name": "api",
+            "config": {
+                "url": "https://x",
+                "auth": {"type": "bearer", "token": "******"},
+                "nested": [{"Password": "******", "api_key": "******", "secret": "******", "key": null}],
+                "connection_string": "******",
+                "secret_key": "******", "access_key": "******", "client_secret": "******",
+                "keys": "not masked", "key_logic": {"var": "x"}, "token_url": "https://t"
+            }
+        })
+    );
+}
+
+#[test]
+fn masks_sensitive_header_values() {
+    let mut v = json!({
+        "headers": {"Authorization": "Bearer x", "x-api-key": "k", "X-Auth-Token": "t",
+                    "x-client-secret": "s", "content-type": "application/json", "accept": "*/*"},
+        "metadata": {"headers": {"proxy-authorization": "Basic y", "x-tenant": "t1"}},
+        "list": [{"headers": {"keycloak-session": "z"}}],
+        "not_headers": {"authorization": "kept"}
+    });
+    mask_secrets(&mut v);
+    assert_eq!(
+        v,
+        json!({
+            "headers": {"Authorization": "******", "x-api-key": "******", "X-Auth-Token": "******",
+                        "x-client-secret": "******", "content-type": "application/json", "accept": "*/*"},
+            "metadata": {"headers": {"proxy-authorization": "******", "x-tenant": "t1"}},
+            "list": [{"headers": {"keycloak-session": "******"}}],
+            "not_headers": {"authorization": "kept"}
+        })
+    );
+}
+
+#[test]
+fn masking_leaves_scalars_and_clean_documents_alone() {
+    for mut v in [
+        json!("token"),
+        json!(1),
+        json!(null),
+        json!([1, "a"]),
+        json!({"a": {"b": [1]}}),
+    ] {
+        let before = v.clone();
+        mask_secrets(&mut v);
+        assert_eq!(v, before);
+    }
+}
