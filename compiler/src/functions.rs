@@ -230,484 +230,128 @@ use FieldType as T;
 /// The HTTP methods `http_call` may use.
 pub const HTTP_CALL_METHODS: &[&str] = &["GET", "POST", "PUT", "PATCH", "DELETE"];
 
+// The tables below are data, one line per field, in the spec's order; they are
+// kept out of rustfmt so that they stay readable as tables.
+
+#[rustfmt::skip]
 const PARSE: &[FieldSchema] = &[
-    f(
-        "source",
-        T::String,
-        true,
-        None,
-        "request",
-        "Dotted context path the raw value is read from, for example `payload`.",
-    ),
-    f(
-        "target",
-        T::String,
-        true,
-        None,
-        "output",
-        "Field under `data` receiving the parsed value (`order` is `data.order`).",
-    ),
+    f("source", T::String, true, None, "request", "Dotted context path the raw value is read from, for example `payload`."),
+    f("target", T::String, true, None, "output", "Field under `data` receiving the parsed value (`order` is `data.order`)."),
 ];
 
-const MAP: &[FieldSchema] = &[f(
-    "mappings",
-    T::Array,
-    true,
-    None,
-    "request",
-    "Ordered items `{path: string (dotted, required), logic: JSONLogic (required)}`.",
-)];
+#[rustfmt::skip]
+const MAP: &[FieldSchema] = &[
+    f("mappings", T::Array, true, None, "request", "Ordered items `{path: string (dotted, required), logic: JSONLogic (required)}`."),
+];
 
+#[rustfmt::skip]
 const FILTER: &[FieldSchema] = &[
-    f(
-        "condition",
-        T::Jsonlogic,
-        true,
-        None,
-        "control",
-        "The pipeline continues only when this is truthy.",
-    ),
-    with(
-        f(
-            "on_reject",
-            T::String,
-            false,
-            Some("halt"),
-            "control",
-            "`halt` stops the workflow; `skip` skips only this task.",
-        ),
-        Constraint::OneOf(&["halt", "skip"]),
-    ),
+    f("condition", T::Jsonlogic, true, None, "control", "The pipeline continues only when this is truthy."),
+    with(f("on_reject", T::String, false, Some("halt"), "control", "`halt` stops the workflow; `skip` skips only this task."),
+        Constraint::OneOf(&["halt", "skip"])),
 ];
 
-const VALIDATION: &[FieldSchema] = &[f(
-    "rules",
-    T::Array,
-    true,
-    None,
-    "request",
-    "Items `{logic: JSONLogic (required), message: string (required)}`; a rule passes only when logic is exactly true.",
-)];
+#[rustfmt::skip]
+const VALIDATION: &[FieldSchema] = &[
+    f("rules", T::Array, true, None, "request", "Items `{logic: JSONLogic (required), message: string (required)}`; a rule passes only when logic is exactly true."),
+];
 
+#[rustfmt::skip]
 const LOG: &[FieldSchema] = &[
-    f(
-        "message",
-        T::Jsonlogic,
-        true,
-        None,
-        "request",
-        "The log message.",
-    ),
-    with(
-        f(
-            "level",
-            T::String,
-            false,
-            Some("info"),
-            "control",
-            "Log level.",
-        ),
-        Constraint::OneOf(&["trace", "debug", "info", "warn", "error"]),
-    ),
-    f(
-        "fields",
-        T::Object,
-        false,
-        Some("{}"),
-        "request",
-        "Map of field name to JSONLogic.",
-    ),
+    f("message", T::Jsonlogic, true, None, "request", "The log message."),
+    with(f("level", T::String, false, Some("info"), "control", "Log level."),
+        Constraint::OneOf(&["trace", "debug", "info", "warn", "error"])),
+    f("fields", T::Object, false, Some("{}"), "request", "Map of field name to JSONLogic."),
 ];
 
+#[rustfmt::skip]
 const PUBLISH_JSON: &[FieldSchema] = &[
-    f(
-        "source",
-        T::String,
-        true,
-        None,
-        "request",
-        "Field under `data` to serialize.",
-    ),
-    f(
-        "target",
-        T::String,
-        true,
-        None,
-        "output",
-        "Field under `data` receiving the string.",
-    ),
-    f(
-        "pretty",
-        T::Boolean,
-        false,
-        Some("false"),
-        "control",
-        "Pretty-print the JSON.",
-    ),
+    f("source", T::String, true, None, "request", "Field under `data` to serialize."),
+    f("target", T::String, true, None, "output", "Field under `data` receiving the string."),
+    f("pretty", T::Boolean, false, Some("false"), "control", "Pretty-print the JSON."),
 ];
 
+#[rustfmt::skip]
 const PUBLISH_XML: &[FieldSchema] = &[
-    f(
-        "source",
-        T::String,
-        true,
-        None,
-        "request",
-        "Field under `data` to serialize.",
-    ),
-    f(
-        "target",
-        T::String,
-        true,
-        None,
-        "output",
-        "Field under `data` receiving the string.",
-    ),
-    f(
-        "root_element",
-        T::String,
-        false,
-        Some("root"),
-        "control",
-        "XML root element name.",
-    ),
+    f("source", T::String, true, None, "request", "Field under `data` to serialize."),
+    f("target", T::String, true, None, "output", "Field under `data` receiving the string."),
+    f("root_element", T::String, false, Some("root"), "control", "XML root element name."),
 ];
 
+#[rustfmt::skip]
 const HTTP_CALL: &[FieldSchema] = &[
-    f(
-        "connector",
-        T::String,
-        true,
-        None,
-        "connection",
-        "HTTP connector name.",
-    ),
-    with(
-        f(
-            "method",
-            T::String,
-            false,
-            Some("GET"),
-            "request",
-            "HTTP method.",
-        ),
-        Constraint::OneOf(HTTP_CALL_METHODS),
-    ),
-    f(
-        "path",
-        T::String,
-        false,
-        None,
-        "request",
-        "Appended to the connector's base URL.",
-    ),
-    f(
-        "path_logic",
-        T::Jsonlogic,
-        false,
-        None,
-        "request",
-        "Dynamic path, used instead of `path`.",
-    ),
-    with(
-        f(
-            "headers",
-            T::Object,
-            false,
-            Some("{}"),
-            "request",
-            "Request headers, string to string.",
-        ),
-        Constraint::StringMap,
-    ),
-    f(
-        "body",
-        T::Any,
-        false,
-        None,
-        "request",
-        "Static body, sent as JSON.",
-    ),
-    f(
-        "body_logic",
-        T::Jsonlogic,
-        false,
-        None,
-        "request",
-        "Dynamic body, used instead of `body`.",
-    ),
-    f(
-        "response_path",
-        T::String,
-        false,
-        None,
-        "output",
-        "Dotted path for the response body; when omitted the body is discarded.",
-    ),
-    with(
-        f(
-            "timeout_ms",
-            T::Number,
-            false,
-            Some("30000"),
-            "control",
-            "Per-request timeout in milliseconds.",
-        ),
-        Constraint::Positive,
-    ),
+    f("connector", T::String, true, None, "connection", "HTTP connector name."),
+    with(f("method", T::String, false, Some("GET"), "request", "HTTP method."),
+        Constraint::OneOf(HTTP_CALL_METHODS)),
+    f("path", T::String, false, None, "request", "Appended to the connector's base URL."),
+    f("path_logic", T::Jsonlogic, false, None, "request", "Dynamic path, used instead of `path`."),
+    with(f("headers", T::Object, false, Some("{}"), "request", "Request headers, string to string."),
+        Constraint::StringMap),
+    f("body", T::Any, false, None, "request", "Static body, sent as JSON."),
+    f("body_logic", T::Jsonlogic, false, None, "request", "Dynamic body, used instead of `body`."),
+    f("response_path", T::String, false, None, "output", "Dotted path for the response body; when omitted the body is discarded."),
+    with(f("timeout_ms", T::Number, false, Some("30000"), "control", "Per-request timeout in milliseconds."),
+        Constraint::Positive),
 ];
 
+#[rustfmt::skip]
 const DB_READ: &[FieldSchema] = &[
-    f(
-        "connector",
-        T::String,
-        true,
-        None,
-        "connection",
-        "SQL connector name.",
-    ),
-    f(
-        "query",
-        T::String,
-        true,
-        None,
-        "request",
-        "SELECT with placeholders: `?` for SQLite/MySQL, `$1`, `$2`, ... for PostgreSQL.",
-    ),
-    f(
-        "params",
-        T::Array,
-        false,
-        None,
-        "request",
-        "Values bound in order.",
-    ),
-    f(
-        "output",
-        T::String,
-        false,
-        Some("data"),
-        "output",
-        "Dotted path for the row array.",
-    ),
+    f("connector", T::String, true, None, "connection", "SQL connector name."),
+    f("query", T::String, true, None, "request", "SELECT with placeholders: `?` for SQLite/MySQL, `$1`, `$2`, ... for PostgreSQL."),
+    f("params", T::Array, false, None, "request", "Values bound in order."),
+    f("output", T::String, false, Some("data"), "output", "Dotted path for the row array."),
 ];
 
+#[rustfmt::skip]
 const DB_WRITE: &[FieldSchema] = &[
-    f(
-        "connector",
-        T::String,
-        true,
-        None,
-        "connection",
-        "SQL connector name.",
-    ),
-    f(
-        "query",
-        T::String,
-        true,
-        None,
-        "request",
-        "INSERT/UPDATE/DELETE with placeholders: `?` for SQLite/MySQL, `$1`, `$2`, ... for PostgreSQL.",
-    ),
-    f(
-        "params",
-        T::Array,
-        false,
-        None,
-        "request",
-        "Values bound in order.",
-    ),
-    f(
-        "output",
-        T::String,
-        false,
-        Some("data"),
-        "output",
-        "Dotted path receiving `{rows_affected: N}`.",
-    ),
+    f("connector", T::String, true, None, "connection", "SQL connector name."),
+    f("query", T::String, true, None, "request", "INSERT/UPDATE/DELETE with placeholders: `?` for SQLite/MySQL, `$1`, `$2`, ... for PostgreSQL."),
+    f("params", T::Array, false, None, "request", "Values bound in order."),
+    f("output", T::String, false, Some("data"), "output", "Dotted path receiving `{rows_affected: N}`."),
 ];
 
+#[rustfmt::skip]
 const CACHE_READ: &[FieldSchema] = &[
-    f(
-        "connector",
-        T::String,
-        true,
-        None,
-        "connection",
-        "Cache connector name.",
-    ),
+    f("connector", T::String, true, None, "connection", "Cache connector name."),
     f("key", T::String, true, None, "request", "Cache key."),
-    f(
-        "output",
-        T::String,
-        false,
-        Some("data"),
-        "output",
-        "Dotted path for the value; a missing key yields null.",
-    ),
+    f("output", T::String, false, Some("data"), "output", "Dotted path for the value; a missing key yields null."),
 ];
 
+#[rustfmt::skip]
 const CACHE_WRITE: &[FieldSchema] = &[
-    f(
-        "connector",
-        T::String,
-        true,
-        None,
-        "connection",
-        "Cache connector name.",
-    ),
+    f("connector", T::String, true, None, "connection", "Cache connector name."),
     f("key", T::String, true, None, "request", "Cache key."),
-    f(
-        "value",
-        T::Any,
-        true,
-        None,
-        "request",
-        "Value to store; non-strings are JSON-serialized.",
-    ),
-    with(
-        f(
-            "ttl_secs",
-            T::Number,
-            false,
-            None,
-            "control",
-            "Time to live in seconds; no expiry when omitted.",
-        ),
-        Constraint::Positive,
-    ),
+    f("value", T::Any, true, None, "request", "Value to store; non-strings are JSON-serialized."),
+    with(f("ttl_secs", T::Number, false, None, "control", "Time to live in seconds; no expiry when omitted."),
+        Constraint::Positive),
 ];
 
+#[rustfmt::skip]
 const MONGO_READ: &[FieldSchema] = &[
-    f(
-        "connector",
-        T::String,
-        true,
-        None,
-        "connection",
-        "Document database connector name.",
-    ),
-    f(
-        "database",
-        T::String,
-        true,
-        None,
-        "request",
-        "Database name.",
-    ),
-    f(
-        "collection",
-        T::String,
-        true,
-        None,
-        "request",
-        "Collection name.",
-    ),
-    f(
-        "filter",
-        T::Object,
-        false,
-        Some("{}"),
-        "request",
-        "Find filter document.",
-    ),
-    f(
-        "output",
-        T::String,
-        false,
-        Some("data"),
-        "output",
-        "Dotted path for the document array.",
-    ),
+    f("connector", T::String, true, None, "connection", "Document database connector name."),
+    f("database", T::String, true, None, "request", "Database name."),
+    f("collection", T::String, true, None, "request", "Collection name."),
+    f("filter", T::Object, false, Some("{}"), "request", "Find filter document."),
+    f("output", T::String, false, Some("data"), "output", "Dotted path for the document array."),
 ];
 
+#[rustfmt::skip]
 const PUBLISH_KAFKA: &[FieldSchema] = &[
-    f(
-        "connector",
-        T::String,
-        true,
-        None,
-        "connection",
-        "Kafka connector name.",
-    ),
-    f(
-        "topic",
-        T::String,
-        true,
-        None,
-        "request",
-        "Topic to publish to.",
-    ),
-    f(
-        "key_logic",
-        T::Jsonlogic,
-        false,
-        None,
-        "request",
-        "Derives the message key.",
-    ),
-    f(
-        "value_logic",
-        T::Jsonlogic,
-        false,
-        Some("full data context"),
-        "request",
-        "Derives the message value.",
-    ),
+    f("connector", T::String, true, None, "connection", "Kafka connector name."),
+    f("topic", T::String, true, None, "request", "Topic to publish to."),
+    f("key_logic", T::Jsonlogic, false, None, "request", "Derives the message key."),
+    f("value_logic", T::Jsonlogic, false, Some("full data context"), "request", "Derives the message value."),
 ];
 
+#[rustfmt::skip]
 const CHANNEL_CALL: &[FieldSchema] = &[
-    f(
-        "channel",
-        T::String,
-        false,
-        None,
-        "request",
-        "Static target channel name; exactly one of channel / channel_logic.",
-    ),
-    f(
-        "channel_logic",
-        T::Jsonlogic,
-        false,
-        None,
-        "request",
-        "Resolves to the channel name; exactly one of channel / channel_logic.",
-    ),
-    f(
-        "data",
-        T::Any,
-        false,
-        Some("request payload"),
-        "request",
-        "Payload for the called channel; at most one of data / data_logic.",
-    ),
-    f(
-        "data_logic",
-        T::Jsonlogic,
-        false,
-        None,
-        "request",
-        "Dynamic payload; at most one of data / data_logic.",
-    ),
-    f(
-        "response_path",
-        T::String,
-        false,
-        Some("data"),
-        "output",
-        "Where the called channel's response is stored.",
-    ),
-    with(
-        f(
-            "timeout_ms",
-            T::Number,
-            false,
-            Some("from config"),
-            "control",
-            "Timeout for the call in milliseconds.",
-        ),
-        Constraint::Positive,
-    ),
+    f("channel", T::String, false, None, "request", "Static target channel name; exactly one of channel / channel_logic."),
+    f("channel_logic", T::Jsonlogic, false, None, "request", "Resolves to the channel name; exactly one of channel / channel_logic."),
+    f("data", T::Any, false, Some("request payload"), "request", "Payload for the called channel; at most one of data / data_logic."),
+    f("data_logic", T::Jsonlogic, false, None, "request", "Dynamic payload; at most one of data / data_logic."),
+    f("response_path", T::String, false, Some("data"), "output", "Where the called channel's response is stored."),
+    with(f("timeout_ms", T::Number, false, Some("from config"), "control", "Timeout for the call in milliseconds."),
+        Constraint::Positive),
 ];
 
 /// The input fields of a function, from the spec's input table.
