@@ -15,8 +15,8 @@
 //! - JSONLogic is not compiled here; the logic compiler reports its errors.
 
 use crate::def::{
-    ChannelConfig, ChannelStatus, ConnectorType, GroupDef, HaltOn, HttpMethod, LoopDef,
-    RetryPolicy, SaslConfig, WorkflowStatus,
+    ChannelConfig, ChannelDef, ChannelStatus, ConnectorDef, ConnectorType, GroupDef, HaltOn,
+    HttpMethod, LoopDef, RetryPolicy, SaslConfig, WorkflowDef, WorkflowStatus,
 };
 use crate::diag::{Diagnostic, FieldPath};
 use crate::functions::{Constraint, FieldSchema, FieldType, Function};
@@ -1015,6 +1015,41 @@ fn check_env_refs(c: &mut Ctx, v: &Json, at: &FieldPath) {
         }
         _ => {}
     }
+}
+
+// ------------------------------------------------------------ parse helpers
+
+/// Validates, then deserializes: what create/update/import/lint need.
+/// `Err` carries every diagnostic. Should serde still reject a definition the
+/// validator passed (a gap in the validator), its message is reported at the
+/// root instead of panicking.
+pub fn parse_workflow(def: &Json) -> Result<WorkflowDef, Vec<Diagnostic>> {
+    parse(def, validate_workflow)
+}
+
+/// As [`parse_workflow`], for channels.
+pub fn parse_channel(def: &Json) -> Result<ChannelDef, Vec<Diagnostic>> {
+    parse(def, validate_channel)
+}
+
+/// As [`parse_workflow`], for connectors. The typed view of `config` is
+/// checked too, so [`ConnectorDef::typed`] succeeds on the result.
+pub fn parse_connector(def: &Json) -> Result<ConnectorDef, Vec<Diagnostic>> {
+    let c: ConnectorDef = parse(def, validate_connector)?;
+    c.typed()
+        .map_err(|e| vec![Diagnostic::new("config", e.to_string())])?;
+    Ok(c)
+}
+
+fn parse<T: serde::de::DeserializeOwned>(
+    def: &Json,
+    validate: fn(&Json) -> Vec<Diagnostic>,
+) -> Result<T, Vec<Diagnostic>> {
+    let diags = validate(def);
+    if !diags.is_empty() {
+        return Err(diags);
+    }
+    T::deserialize(def).map_err(|e| vec![Diagnostic::new("", e.to_string())])
 }
 
 // ------------------------------------------------------------------ masking

@@ -1244,3 +1244,175 @@ fn masking_leaves_scalars_and_clean_documents_alone() {
         assert_eq!(v, before);
     }
 }
+
+// ------------------------------------------------------------ parse helpers
+
+#[test]
+fn parse_helpers_validate_then_deserialize() {
+    let w = parse_workflow(&workflow(json!([task("t", "log", json!({}))]))).unwrap();
+    assert_eq!(w.tasks[0].id(), "t");
+    let errs = parse_workflow(&json!({"tasks": []})).unwrap_err();
+    assert_eq!(errs.len(), 2, "{errs:#?}");
+
+    let c = parse_channel(&channel(json!({"route_pattern": "/a", "methods": ["GET"]}))).unwrap();
+    assert_eq!(c.methods.len(), 1);
+    assert!(parse_channel(&json!({"name": "x"})).is_err());
+
+    let k = parse_connector(&connector("kafka", json!({"brokers": ["a:1"]}))).unwrap();
+    assert!(k.typed().is_ok());
+    assert_eq!(
+        parse_connector(&connector("kafka", json!({}))).unwrap_err(),
+        vec![d("config.brokers", "is required")]
+    );
+}
+
+// ------------------------------------------------- validator/serde agreement
+
+/// Every leaf and every container of `v`, each replaced in turn by each of
+/// `probes`, and every object member removed in turn.
+fn mutations(v: &Json) -> Vec<Json> {
+    let probes = [
+        json!(null),
+        json!(0),
+        json!(-1),
+        json!(1),
+        json!(300),
+        json!(1.5),
+        json!(u64::MAX),
+        json!(""),
+        json!("x"),
+        json!(true),
+        json!([]),
+        json!(["x"]),
+        json!({}),
+    ];
+    let mut out = Vec::new();
+    fn walk(root: &Json, at: &mut Vec<Json>, v: &Json, probes: &[Json], out: &mut Vec<Json>) {
+        let set = |value: Option<&Json>, at: &[Json]| {
+            let mut copy = root.clone();
+            let mut slot = &mut copy;
+            for (i, step) in at.iter().enumerate() {
+                if i + 1 == at.len() && value.is_none() {
+                    if let Some(m) = slot.as_object_mut() {
+                        m.shift_remove(step.as_str().unwrap());
+                    }
+                    return copy;
+                }
+                slot = match step {
+                    Json::String(k) => slot.get_mut(k.as_str()).unwrap(),
+                    Json::Number(n) => slot.get_mut(n.as_u64().unwrap() as usize).unwrap(),
+                    _ => unreachable!(),
+                };
+            }
+            *slot = value.unwrap().clone();
+            copy
+        };
+        if !at.is_empty() {
+            for p in probes {
+                out.push(set(Some(p), at));
+            }
+            if at.last().unwrap().is_string() {
+                out.push(set(None, at));
+            }
+        }
+        match v {
+            Json::Object(m) => {
+                for (k, item) in m {
+                    at.push(json!(k));
+                    walk(root, at, item, probes, out);
+                    at.pop();
+                }
+            }
+            Json::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    at.push(json!(i));
+                    walk(root, at, item, probes, out);
+                    at.pop();
+                }
+            }
+            _ => {}
+        }
+    }
+    walk(v, &mut Vec::new(), v, &probes, &mut out);
+    out
+}
+
+#[test]
+fn whatever_validates_also_deserializes() {
+    let wf = json!({
+        "workflow_id": "w", "name": "n", "description": "d", "priority": 1, "tags": ["a"],
+        "continue_on_error": false, "channel": "c", "status": "draft", "version": 1,
+        "rollout_percentage": 50, "rollout": {"bucket_start": 0, "bucket_end": 50},
+        "loop": {"max": 2, "init": 0, "increment": 1, "counter": "temp_data.i"},
+        "created_at": "t", "updated_at": "t",
+        "tasks": [
+            {"id": "a", "name": "a", "description": "d", "continue_on_error": true, "terminal": false,
+             "halt_on": "never", "function": {"name": "http_call", "input": {"connector": "c", "method": "GET", "timeout_ms": 5}}},
+            {"id": "g", "name": "g", "terminal": true, "continue_on_error": false, "loop": {"max": 1},
+             "tasks": [{"id": "b", "name": "b", "function": {"name": "channel_call", "input": {"channel": "x"}}}]}
+        ]
+    });
+    let ch = json!({
+        "channel_id": "c", "name": "n", "channel_type": "sync", "protocol": "rest",
+        "route_pattern": "/a/{b}", "methods": ["GET"], "workflow_id": "w", "status": "draft",
+        "version": 1, "description": "d", "priority": 0, "created_at": "t", "updated_at": "t",
+        "config_json": {
+            "timeout_ms": 10,
+            "rate_limit": {"requests_per_second": 1, "burst": 1},
+            "deduplication": {"header": "h", "window_secs": 1},
+            "cache": {"enabled": true, "ttl_secs": 1},
+            "backpressure": {"max_concurrent": 1},
+            "cors": {"allowed_origins": ["x"], "allowed_methods": ["GET"], "allowed_headers": ["x"], "max_age_secs": 1},
+            "topic": "t", "consumer_group": "g"
+        }
+    });
+    let connectors = [
+        connector(
+            "http",
+            json!({"type": "http", "url": "https://x", "auth": {"type": "basic", "username": "u", "password": "p"},
+                                 "headers": {"a": "b"}, "timeout_ms": 1, "retry": {"max_retries": 1, "retry_delay_ms": 1}}),
+        ),
+        connector(
+            "db",
+            json!({"connection_string": "sqlite:x", "max_connections": 1, "query_timeout_ms": 1, "connect_timeout_ms": 1}),
+        ),
+        connector(
+            "cache",
+            json!({"backend": "redis", "url": "redis://r", "max_entries": 1}),
+        ),
+        connector("mongodb", json!({"connection_string": "mongodb://m"})),
+        connector(
+            "kafka",
+            json!({"brokers": ["a:1"], "client_id": "c", "sasl": {"mechanism": "PLAIN", "username": "u", "password": "p"}}),
+        ),
+        connector(
+            "object_storage",
+            json!({"endpoint": "https://s", "bucket": "b", "region": "r", "access_key": "a", "secret_key": "s"}),
+        ),
+    ];
+
+    let mut checked = 0;
+    for m in mutations(&wf) {
+        if validate_workflow(&m).is_empty() {
+            serde_json::from_value::<WorkflowDef>(m.clone()).unwrap_or_else(|e| panic!("{m}: {e}"));
+            checked += 1;
+        }
+    }
+    for m in mutations(&ch) {
+        if validate_channel(&m).is_empty() {
+            serde_json::from_value::<ChannelDef>(m.clone()).unwrap_or_else(|e| panic!("{m}: {e}"));
+            checked += 1;
+        }
+    }
+    for c in &connectors {
+        for m in mutations(c) {
+            if validate_connector(&m).is_empty() {
+                let def: ConnectorDef =
+                    serde_json::from_value(m.clone()).unwrap_or_else(|e| panic!("{m}: {e}"));
+                def.typed().unwrap_or_else(|e| panic!("{m}: {e}"));
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 100, "only {checked} mutations validated clean");
+}
