@@ -7,6 +7,7 @@
 pub mod def;
 pub mod diag;
 pub mod functions;
+pub mod logic;
 pub mod path;
 pub mod validate;
 pub mod value;

@@ -1,0 +1,841 @@
+//! The interpreter: walks the flat node array recursively (depth is bounded
+//! by `MAX_DEPTH` at compile time), keeps iterator scopes as a linked list on
+//! the Rust stack, and allocates results only in the caller's arena.
+
+use super::ops::compare::{Rel, loose_eq_checked, relate, strict_eq};
+use super::ops::string::{substr_range, write_js_string};
+use super::ops::{to_number, truthy};
+use super::{EvalError, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Program};
+use crate::path::{Segment, get_segments};
+use crate::value::Value;
+use bumpalo::Bump;
+use bumpalo::collections::{String as BString, Vec as BVec};
+use std::cell::Cell;
+
+type R<'a> = Result<Value<'a>, EvalError<'a>>;
+
+pub(super) fn run<'a>(prog: &'a Program, root: NodeId, data: Value<'a>, arena: &'a Bump) -> R<'a> {
+    let ev = Ev {
+        prog,
+        arena,
+        budget: Cell::new(MAX_EVAL_ALLOC),
+    };
+    let scope = Scope {
+        frame: Frame::Data(data),
+        index: None,
+        parent: None,
+    };
+    ev.eval(root, &scope)
+}
+
+/// Evaluates a node whose arguments are all constants (the folder). `None`
+/// when it fails: the error must then surface at evaluation time instead.
+pub(super) fn fold(prog: &Program, id: NodeId) -> Option<serde_json::Value> {
+    let arena = Bump::new();
+    run(prog, id, Value::Null, &arena).ok().map(|v| v.to_json())
+}
+
+/// The value of a constant node.
+pub(super) fn const_value<'a>(prog: &'a Program, id: NodeId, arena: &'a Bump) -> Value<'a> {
+    match &prog.nodes[id as usize] {
+        Node::Bool(b) => Value::Bool(*b),
+        Node::Int(i) => Value::Int(*i),
+        Node::Float(f) => Value::Float(*f),
+        Node::Str(s) => Value::Str(s),
+        Node::Json(i) => Value::from_json(&prog.consts[*i as usize], arena),
+        _ => Value::Null,
+    }
+}
+
+/// What a path piece means as an object key: strings as they are, anything
+/// else as JavaScript's `String(x)` (only non-strings allocate).
+pub(super) fn key_text<'a>(v: Value<'a>, arena: &'a Bump) -> &'a str {
+    match v {
+        Value::Str(s) => s,
+        other => {
+            let mut out = BString::new_in(arena);
+            let _ = write_js_string(&other, "null", &mut out);
+            out.into_bump_str()
+        }
+    }
+}
+
+/// The array index a key also names: plain non-negative integers only
+/// (`"1"` yes, `"01"`, `"-1"`, `"1.5"` no), as `Segment::parse` decides.
+#[inline]
+pub(super) fn index_of(key: &str) -> Option<usize> {
+    let b = key.as_bytes();
+    if b.is_empty()
+        || b.len() > 18
+        || !b.iter().all(u8::is_ascii_digit)
+        || (b.len() > 1 && b[0] == b'0')
+    {
+        return None;
+    }
+    key.parse().ok()
+}
+
+/// `val`'s scope marker `[n]`: how many levels to climb (sign ignored, as the
+/// compat-tables use both `[2]` and `[-2]`).
+pub(super) fn level_of(marker: &[Value<'_>]) -> u32 {
+    match marker.first() {
+        Some(v) => to_number(v).map_or(0, |f| f.abs().min(f64::from(u32::MAX)) as u32),
+        None => 0,
+    }
+}
+
+/// The data an expression sees. Iterators push the current item (`reduce`
+/// its `{current, accumulator}` pair, kept unboxed so it costs nothing
+/// unless someone reads the pair as a whole).
+#[derive(Clone, Copy)]
+enum Frame<'a> {
+    Data(Value<'a>),
+    Reduce {
+        current: Value<'a>,
+        accumulator: Value<'a>,
+    },
+}
+
+/// A scope: its frame, the iteration index when an iterator pushed it, and
+/// the enclosing scope. Lives on the Rust stack, so scopes never allocate.
+struct Scope<'s, 'a> {
+    frame: Frame<'a>,
+    index: Option<usize>,
+    parent: Option<&'s Scope<'s, 'a>>,
+}
+
+/// Where a `val` level lands: a frame, or an iterator's metadata
+/// (`{"index": i}`), which counts as its own level as in the compat-tables
+/// (`[[1], "index"]` is the index, `[[2], …]` the data around the iterator).
+#[derive(Clone, Copy)]
+enum Cursor<'a> {
+    Frame(Frame<'a>),
+    Meta(usize),
+}
+
+impl<'a> Scope<'_, 'a> {
+    /// Climbs `level` levels: each scope is one level, plus one for an
+    /// iterator's metadata. Climbing past the root stays at the root.
+    fn at_level(&self, level: u32) -> Cursor<'a> {
+        let mut scope = self;
+        let mut n = level;
+        loop {
+            if n == 0 {
+                return Cursor::Frame(scope.frame);
+            }
+            n -= 1;
+            if let Some(i) = scope.index {
+                if n == 0 {
+                    return Cursor::Meta(i);
+                }
+                n -= 1;
+            }
+            match scope.parent {
+                Some(p) => scope = p,
+                None => return Cursor::Frame(scope.frame),
+            }
+        }
+    }
+}
+
+/// One step into an object (by key) or array (by index).
+#[inline]
+fn step<'a>(v: Value<'a>, key: &str, index: Option<usize>) -> Option<Value<'a>> {
+    match v {
+        Value::Object(members) => members.iter().find(|(k, _)| *k == key).map(|(_, v)| *v),
+        Value::Array(items) => items.get(index?).copied(),
+        _ => None,
+    }
+}
+
+#[inline]
+fn first_step<'a>(c: Cursor<'a>, key: &str, index: Option<usize>) -> Option<Value<'a>> {
+    match c {
+        Cursor::Frame(Frame::Data(v)) => step(v, key, index),
+        Cursor::Frame(Frame::Reduce {
+            current,
+            accumulator,
+        }) => match key {
+            "current" => Some(current),
+            "accumulator" => Some(accumulator),
+            _ => None,
+        },
+        Cursor::Meta(i) => (key == "index").then_some(Value::Int(i as i64)),
+    }
+}
+
+/// Walks a dotted path that was only known at evaluation time (pieces as
+/// `Segment::parse` reads them, without allocating).
+fn walk_dotted<'a>(c: Cursor<'a>, path: &str, arena: &'a Bump) -> Option<Value<'a>> {
+    if path.is_empty() {
+        return Some(whole(c, arena));
+    }
+    let mut pieces = path.split('.').map(|p| match p.strip_prefix('#') {
+        Some(rest) => (rest, None),
+        None => (p, index_of(p)),
+    });
+    let (k, i) = pieces.next()?;
+    let mut v = first_step(c, k, i)?;
+    for (k, i) in pieces {
+        v = step(v, k, i)?;
+    }
+    Some(v)
+}
+
+static NAN_ERROR: [(&str, Value<'static>); 1] = [("type", Value::Str("NaN"))];
+static INVALID_ERROR: [(&str, Value<'static>); 1] = [("type", Value::Str("Invalid Arguments"))];
+
+/// The whole value at a cursor (materializes reduce pairs and metadata).
+fn whole<'a>(c: Cursor<'a>, arena: &'a Bump) -> Value<'a> {
+    match c {
+        Cursor::Frame(Frame::Data(v)) => v,
+        Cursor::Frame(Frame::Reduce {
+            current,
+            accumulator,
+        }) => Value::Object(
+            arena.alloc_slice_copy(&[("current", current), ("accumulator", accumulator)]),
+        ),
+        Cursor::Meta(i) => {
+            Value::Object(arena.alloc_slice_copy(&[("index", Value::Int(i as i64))]))
+        }
+    }
+}
+
+/// An operator's arguments: unevaluated nodes, or the already-evaluated items
+/// of a spread (`{"max": {"var": "xs"}}`).
+#[derive(Clone, Copy)]
+enum Args<'a> {
+    Nodes(&'a [NodeId]),
+    Values(&'a [Value<'a>]),
+}
+
+impl Args<'_> {
+    #[inline]
+    fn len(&self) -> usize {
+        match self {
+            Args::Nodes(n) => n.len(),
+            Args::Values(v) => v.len(),
+        }
+    }
+}
+
+#[inline]
+fn number<'a>(f: f64) -> R<'a> {
+    if f.is_finite() {
+        Ok(Value::Float(f))
+    } else {
+        Err(EvalError::NaN)
+    }
+}
+
+struct Ev<'a> {
+    prog: &'a Program,
+    arena: &'a Bump,
+    /// Bytes operators may still allocate (see `MAX_EVAL_ALLOC`).
+    budget: Cell<usize>,
+}
+
+impl<'a> Ev<'a> {
+    fn charge(&self, bytes: usize) -> Result<(), EvalError<'a>> {
+        let left = self.budget.get();
+        if bytes > left {
+            return Err(EvalError::InvalidArguments(
+                "evaluation exceeds its allocation budget",
+            ));
+        }
+        self.budget.set(left - bytes);
+        Ok(())
+    }
+
+    fn eval(&self, id: NodeId, scope: &Scope<'_, 'a>) -> R<'a> {
+        let prog: &'a Program = self.prog;
+        match &prog.nodes[id as usize] {
+            Node::Var {
+                level,
+                path,
+                default,
+            } => {
+                let cursor = if *level == 0 {
+                    Cursor::Frame(scope.frame)
+                } else {
+                    scope.at_level(*level)
+                };
+                match self.lookup(cursor, path) {
+                    Some(v) => Ok(v),
+                    None => match default {
+                        Some(d) => self.eval(*d, scope),
+                        None => Ok(Value::Null),
+                    },
+                }
+            }
+            Node::Op { op, start, len } => {
+                let args = &prog.args[*start as usize..(*start + *len) as usize];
+                self.op(*op, Args::Nodes(args), scope)
+            }
+            Node::Null => Ok(Value::Null),
+            Node::Bool(b) => Ok(Value::Bool(*b)),
+            Node::Int(i) => Ok(Value::Int(*i)),
+            Node::Float(f) => Ok(Value::Float(*f)),
+            Node::Str(s) => Ok(Value::Str(s)),
+            Node::Json(i) => Ok(Value::from_json(&prog.consts[*i as usize], self.arena)),
+            Node::Spread { op, arg } => {
+                let values = match self.eval(*arg, scope)? {
+                    Value::Array(items) => items,
+                    other => std::slice::from_ref(self.arena.alloc(other)),
+                };
+                self.op(*op, Args::Values(values), scope)
+            }
+            Node::Exists { path } => Ok(Value::Bool(
+                self.lookup(Cursor::Frame(scope.frame), path).is_some(),
+            )),
+            Node::Missing { keys, need } => self.missing_const(keys, *need, scope),
+            Node::InStrs { needle, set } => {
+                let found = match self.eval(*needle, scope)? {
+                    Value::Str(s) if set.len() <= 8 => set.iter().any(|k| **k == *s),
+                    Value::Str(s) => set.binary_search_by(|k| (**k).cmp(s)).is_ok(),
+                    _ => false,
+                };
+                Ok(Value::Bool(found))
+            }
+        }
+    }
+
+    #[inline]
+    fn lookup(&self, cursor: Cursor<'a>, path: &[Segment]) -> Option<Value<'a>> {
+        match path.split_first() {
+            None => Some(whole(cursor, self.arena)),
+            Some((first, rest)) => get_segments(first_step(cursor, &first.key, first.index)?, rest),
+        }
+    }
+
+    /// Argument `i`, evaluated (`null` past the end, as JavaScript's
+    /// `undefined` would be for these operators).
+    #[inline]
+    fn arg(&self, args: Args<'a>, i: usize, scope: &Scope<'_, 'a>) -> R<'a> {
+        match args {
+            Args::Nodes(n) => match n.get(i) {
+                Some(&id) => self.eval(id, scope),
+                None => Ok(Value::Null),
+            },
+            Args::Values(v) => Ok(v.get(i).copied().unwrap_or(Value::Null)),
+        }
+    }
+
+    #[inline]
+    fn num_arg(
+        &self,
+        args: Args<'a>,
+        i: usize,
+        scope: &Scope<'_, 'a>,
+    ) -> Result<f64, EvalError<'a>> {
+        to_number(&self.arg(args, i, scope)?).ok_or(EvalError::NaN)
+    }
+
+    fn op(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
+        let n = args.len();
+        match op {
+            Op::If => {
+                let mut i = 0;
+                while i + 1 < n {
+                    if truthy(&self.arg(args, i, scope)?) {
+                        return self.arg(args, i + 1, scope);
+                    }
+                    i += 2;
+                }
+                self.arg(args, i, scope)
+            }
+            Op::And | Op::Or => {
+                let want = op == Op::Or;
+                let mut last = Value::Bool(false);
+                for i in 0..n {
+                    last = self.arg(args, i, scope)?;
+                    if truthy(&last) == want {
+                        break;
+                    }
+                }
+                Ok(last)
+            }
+            Op::Not => Ok(Value::Bool(!truthy(&self.arg(args, 0, scope)?))),
+            Op::NotNot => Ok(Value::Bool(truthy(&self.arg(args, 0, scope)?))),
+            Op::Coalesce => {
+                for i in 0..n {
+                    let v = self.arg(args, i, scope)?;
+                    if !v.is_null() {
+                        return Ok(v);
+                    }
+                }
+                Ok(Value::Null)
+            }
+            Op::Try => self.try_(args, scope),
+            Op::Throw => Err(EvalError::Thrown(self.arg(args, 0, scope)?)),
+            Op::Eq | Op::Ne | Op::StrictEq | Op::StrictNe | Op::Lt | Op::Le | Op::Gt | Op::Ge => {
+                self.compare(op, args, scope)
+            }
+            Op::Add => {
+                if let Args::Nodes(&[a, b]) = args {
+                    let x = to_number(&self.eval(a, scope)?).ok_or(EvalError::NaN)?;
+                    let y = to_number(&self.eval(b, scope)?).ok_or(EvalError::NaN)?;
+                    return number(x + y);
+                }
+                let mut sum = 0.0;
+                for i in 0..n {
+                    sum += self.num_arg(args, i, scope)?;
+                }
+                number(sum)
+            }
+            Op::Mul => {
+                if let Args::Nodes(&[a, b]) = args {
+                    let x = to_number(&self.eval(a, scope)?).ok_or(EvalError::NaN)?;
+                    let y = to_number(&self.eval(b, scope)?).ok_or(EvalError::NaN)?;
+                    return number(x * y);
+                }
+                let mut product = 1.0;
+                for i in 0..n {
+                    product *= self.num_arg(args, i, scope)?;
+                }
+                number(product)
+            }
+            Op::Sub => {
+                if n == 0 {
+                    return Err(EvalError::InvalidArguments(
+                        "'-' needs at least one argument",
+                    ));
+                }
+                let first = self.num_arg(args, 0, scope)?;
+                if n == 1 {
+                    return number(-first);
+                }
+                let mut acc = first;
+                for i in 1..n {
+                    acc -= self.num_arg(args, i, scope)?;
+                }
+                number(acc)
+            }
+            Op::Div => {
+                if n == 0 {
+                    return Err(EvalError::InvalidArguments(
+                        "'/' needs at least one argument",
+                    ));
+                }
+                let first = self.num_arg(args, 0, scope)?;
+                if n == 1 {
+                    return number(1.0 / first);
+                }
+                let mut acc = first;
+                for i in 1..n {
+                    acc /= self.num_arg(args, i, scope)?;
+                }
+                number(acc)
+            }
+            Op::Mod => {
+                if n < 2 {
+                    return Err(EvalError::InvalidArguments(
+                        "'%' needs at least two arguments",
+                    ));
+                }
+                let mut acc = self.num_arg(args, 0, scope)?;
+                for i in 1..n {
+                    acc %= self.num_arg(args, i, scope)?;
+                }
+                number(acc)
+            }
+            Op::Max | Op::Min => {
+                let mut best: Option<(f64, Value<'a>)> = None;
+                for i in 0..n {
+                    let v = self.arg(args, i, scope)?;
+                    let f = to_number(&v).ok_or(EvalError::NaN)?;
+                    let better = match best {
+                        None => true,
+                        Some((b, _)) => (op == Op::Max && f > b) || (op == Op::Min && f < b),
+                    };
+                    if better {
+                        let v = if matches!(v, Value::Int(_) | Value::Float(_)) {
+                            v
+                        } else {
+                            Value::Float(f)
+                        };
+                        best = Some((f, v));
+                    }
+                }
+                Ok(best.map_or(Value::Null, |(_, v)| v))
+            }
+            Op::Map | Op::Filter | Op::Reduce | Op::All | Op::Some | Op::None => {
+                let Args::Nodes(nodes) = args else {
+                    return Err(EvalError::InvalidArguments(
+                        "iterators need [collection, rule]",
+                    ));
+                };
+                self.iterate(op, nodes, scope)
+            }
+            Op::Merge => {
+                // One array argument is its own result: no copy.
+                if let Args::Nodes(&[one]) = args {
+                    return match self.eval(one, scope)? {
+                        v @ Value::Array(_) => Ok(v),
+                        other => Ok(Value::Array(std::slice::from_ref(self.arena.alloc(other)))),
+                    };
+                }
+                let mut out = BVec::new_in(self.arena);
+                for i in 0..n {
+                    match self.arg(args, i, scope)? {
+                        Value::Array(items) => out.extend_from_slice(items),
+                        other => out.push(other),
+                    }
+                }
+                self.charge(out.len() * size_of::<Value>())?;
+                Ok(Value::Array(out.into_bump_slice()))
+            }
+            Op::In => {
+                let needle = self.arg(args, 0, scope)?;
+                Ok(Value::Bool(match self.arg(args, 1, scope)? {
+                    Value::Str(hay) => match needle {
+                        Value::Str(s) => hay.contains(s),
+                        other => hay.contains(key_text(other, self.arena)),
+                    },
+                    Value::Array(items) => items.iter().any(|item| strict_eq(&needle, item)),
+                    _ => false,
+                }))
+            }
+            Op::Cat => {
+                let mut out = BString::new_in(self.arena);
+                for i in 0..n {
+                    let v = self.arg(args, i, scope)?;
+                    // One string argument is its own result: no copy.
+                    if n == 1 && matches!(v, Value::Str(_)) {
+                        return Ok(v);
+                    }
+                    let _ = write_js_string(&v, "", &mut out);
+                    if out.len() > self.budget.get() {
+                        return Err(EvalError::InvalidArguments(
+                            "evaluation exceeds its allocation budget",
+                        ));
+                    }
+                }
+                self.charge(out.len())?;
+                Ok(Value::Str(out.into_bump_str()))
+            }
+            Op::Substr => {
+                let s = key_text(self.arg(args, 0, scope)?, self.arena);
+                let start = to_number(&self.arg(args, 1, scope)?).unwrap_or(0.0);
+                let len = if n > 2 {
+                    match self.arg(args, 2, scope)? {
+                        Value::Null => None,
+                        v => Some(to_number(&v).unwrap_or(0.0)),
+                    }
+                } else {
+                    None
+                };
+                let (from, to) = substr_range(s, start, len);
+                Ok(Value::Str(s.get(from..to).unwrap_or_default()))
+            }
+            Op::Length => match self.arg(args, 0, scope)? {
+                Value::Str(s) => Ok(Value::Int(s.chars().count() as i64)),
+                Value::Array(items) => Ok(Value::Int(items.len() as i64)),
+                _ => Err(EvalError::InvalidArguments(
+                    "'length' needs a string or an array",
+                )),
+            },
+            Op::Log => self.arg(args, 0, scope),
+            Op::Array => {
+                let mut out = BVec::with_capacity_in(n, self.arena);
+                for i in 0..n {
+                    out.push(self.arg(args, i, scope)?);
+                }
+                Ok(Value::Array(out.into_bump_slice()))
+            }
+            Op::Var => self.var_dynamic(args, scope),
+            Op::Val | Op::Exists => self.val_dynamic(op, args, scope),
+            Op::Missing | Op::MissingSome => self.missing_dynamic(op, args, scope),
+        }
+    }
+
+    fn compare(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
+        let n = args.len();
+        if n < 2 {
+            return Err(EvalError::InvalidArguments(
+                "comparisons need at least two arguments",
+            ));
+        }
+        // Chains compare neighbours and stop at the first false, without
+        // evaluating the rest (`{"<": [3, 2, {"throw": …}]}` is false).
+        let mut prev = self.arg(args, 0, scope)?;
+        for i in 1..n {
+            let cur = self.arg(args, i, scope)?;
+            let holds = match op {
+                Op::Eq => loose_eq_checked(&prev, &cur).map_err(|()| EvalError::NaN)?,
+                Op::Ne => !loose_eq_checked(&prev, &cur).map_err(|()| EvalError::NaN)?,
+                Op::StrictEq => strict_eq(&prev, &cur),
+                Op::StrictNe => !strict_eq(&prev, &cur),
+                Op::Lt => relate(&prev, &cur, Rel::Lt).map_err(|()| EvalError::NaN)?,
+                Op::Le => relate(&prev, &cur, Rel::Le).map_err(|()| EvalError::NaN)?,
+                Op::Gt => relate(&prev, &cur, Rel::Gt).map_err(|()| EvalError::NaN)?,
+                _ => relate(&prev, &cur, Rel::Ge).map_err(|()| EvalError::NaN)?,
+            };
+            if !holds {
+                return Ok(Value::Bool(false));
+            }
+            prev = cur;
+        }
+        Ok(Value::Bool(true))
+    }
+
+    /// `try`: the first argument that evaluates without error wins; each
+    /// later argument sees the previous error as its data (`{"type": …}`);
+    /// the last error propagates.
+    fn try_(&self, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
+        let n = args.len();
+        let mut error: Option<EvalError<'a>> = None;
+        for i in 0..n {
+            let handler;
+            let s = match &error {
+                None => scope,
+                Some(e) => {
+                    handler = Scope {
+                        frame: Frame::Data(self.error_value(e)),
+                        index: None,
+                        parent: Some(scope),
+                    };
+                    &handler
+                }
+            };
+            match self.arg(args, i, s) {
+                Ok(v) => return Ok(v),
+                Err(e) => error = Some(e),
+            }
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok(Value::Null),
+        }
+    }
+
+    fn error_value(&self, e: &EvalError<'a>) -> Value<'a> {
+        match *e {
+            EvalError::NaN => Value::Object(&NAN_ERROR),
+            EvalError::InvalidArguments(_) => Value::Object(&INVALID_ERROR),
+            EvalError::Thrown(Value::Str(s)) => {
+                Value::Object(self.arena.alloc_slice_copy(&[("type", Value::Str(s))]))
+            }
+            EvalError::Thrown(v) => v,
+        }
+    }
+
+    fn iterate(&self, op: Op, nodes: &'a [NodeId], scope: &Scope<'_, 'a>) -> R<'a> {
+        let (Some(&coll), Some(&body)) = (nodes.first(), nodes.get(1)) else {
+            return Err(EvalError::InvalidArguments(
+                "iterators need [collection, rule]",
+            ));
+        };
+        let items = match self.eval(coll, scope)? {
+            Value::Array(items) => items,
+            // map/filter/reduce treat anything else (a missing value) as
+            // empty; the quantifiers refuse it (compat-tables).
+            _ if matches!(op, Op::All | Op::Some | Op::None) => {
+                return Err(EvalError::InvalidArguments("all/some/none need an array"));
+            }
+            _ => &[],
+        };
+        let item_scope = |i: usize, item: Value<'a>| Scope {
+            frame: Frame::Data(item),
+            index: Some(i),
+            parent: Some(scope),
+        };
+        match op {
+            Op::Map => {
+                self.charge(size_of_val(items))?;
+                let mut out = BVec::with_capacity_in(items.len(), self.arena);
+                for (i, item) in items.iter().enumerate() {
+                    out.push(self.eval(body, &item_scope(i, *item))?);
+                }
+                Ok(Value::Array(out.into_bump_slice()))
+            }
+            Op::Filter => {
+                let mut out = BVec::new_in(self.arena);
+                for (i, item) in items.iter().enumerate() {
+                    if truthy(&self.eval(body, &item_scope(i, *item))?) {
+                        out.push(*item);
+                    }
+                }
+                self.charge(out.len() * size_of::<Value>())?;
+                Ok(Value::Array(out.into_bump_slice()))
+            }
+            Op::Reduce => {
+                let mut acc = match nodes.get(2) {
+                    Some(&init) => self.eval(init, scope)?,
+                    None => Value::Null,
+                };
+                for (i, item) in items.iter().enumerate() {
+                    let s = Scope {
+                        frame: Frame::Reduce {
+                            current: *item,
+                            accumulator: acc,
+                        },
+                        index: Some(i),
+                        parent: Some(scope),
+                    };
+                    acc = self.eval(body, &s)?;
+                }
+                Ok(acc)
+            }
+            Op::All => {
+                if items.is_empty() {
+                    return Ok(Value::Bool(false));
+                }
+                for (i, item) in items.iter().enumerate() {
+                    if !truthy(&self.eval(body, &item_scope(i, *item))?) {
+                        return Ok(Value::Bool(false));
+                    }
+                }
+                Ok(Value::Bool(true))
+            }
+            _ => {
+                // some / none
+                let mut any = false;
+                for (i, item) in items.iter().enumerate() {
+                    if truthy(&self.eval(body, &item_scope(i, *item))?) {
+                        any = true;
+                        break;
+                    }
+                }
+                Ok(Value::Bool(if op == Op::Some { any } else { !any }))
+            }
+        }
+    }
+
+    /// `var` with a path computed at evaluation time: `[path, default]`.
+    fn var_dynamic(&self, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
+        let cursor = Cursor::Frame(scope.frame);
+        let found = match self.arg(args, 0, scope)? {
+            Value::Null => Some(whole(cursor, self.arena)),
+            path => walk_dotted(cursor, key_text(path, self.arena), self.arena),
+        };
+        match found {
+            Some(v) => Ok(v),
+            None => self.arg(args, 1, scope),
+        }
+    }
+
+    /// `val` / `exists` with pieces computed at evaluation time.
+    fn val_dynamic(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
+        let n = args.len();
+        let mut cursor = Cursor::Frame(scope.frame);
+        let mut pending = if n > 0 {
+            Some(self.arg(args, 0, scope)?)
+        } else {
+            None
+        };
+        match pending {
+            Some(Value::Array(marker)) if op == Op::Val => {
+                cursor = scope.at_level(level_of(marker));
+                pending = None;
+            }
+            Some(Value::Null) if n == 1 => pending = None,
+            _ => {}
+        }
+        let mut i = 1;
+        // `None` until the first piece steps off the cursor.
+        let mut at: Option<Value<'a>> = None;
+        loop {
+            let piece = match pending.take() {
+                Some(p) => p,
+                None if i < n => {
+                    i += 1;
+                    self.arg(args, i - 1, scope)?
+                }
+                None => break,
+            };
+            let key = key_text(piece, self.arena);
+            let next = match at {
+                None => first_step(cursor, key, index_of(key)),
+                Some(v) => step(v, key, index_of(key)),
+            };
+            match next {
+                Some(v) => at = Some(v),
+                None => {
+                    return Ok(if op == Op::Exists {
+                        Value::Bool(false)
+                    } else {
+                        Value::Null
+                    });
+                }
+            }
+        }
+        Ok(match op {
+            Op::Exists => Value::Bool(true),
+            _ => at.unwrap_or_else(|| whole(cursor, self.arena)),
+        })
+    }
+
+    /// A key is missing when its value is absent, `null` or `""`.
+    fn is_missing(v: Option<Value<'_>>) -> bool {
+        matches!(v, None | Some(Value::Null) | Some(Value::Str("")))
+    }
+
+    fn missing_const(
+        &self,
+        keys: &'a [MissingKey],
+        need: Option<NodeId>,
+        scope: &Scope<'_, 'a>,
+    ) -> R<'a> {
+        let need = match need {
+            Some(id) => Some(to_number(&self.eval(id, scope)?).unwrap_or(0.0)),
+            None => None,
+        };
+        let cursor = Cursor::Frame(scope.frame);
+        let mut out = BVec::new_in(self.arena);
+        for key in keys {
+            if Self::is_missing(self.lookup(cursor, &key.path)) {
+                out.push(Value::Str(&key.text));
+            }
+        }
+        Ok(self.missing_result(out, keys.len(), need))
+    }
+
+    fn missing_result(
+        &self,
+        missing: BVec<'a, Value<'a>>,
+        total: usize,
+        need: Option<f64>,
+    ) -> Value<'a> {
+        if let Some(need) = need
+            && (total - missing.len()) as f64 >= need
+        {
+            return Value::EMPTY_ARRAY;
+        }
+        Value::Array(missing.into_bump_slice())
+    }
+
+    fn missing_dynamic(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
+        let (need, keys): (Option<f64>, &'a [Value<'a>]) = if op == Op::MissingSome {
+            let need = to_number(&self.arg(args, 0, scope)?).unwrap_or(0.0);
+            match self.arg(args, 1, scope)? {
+                Value::Array(items) => (Some(need), items),
+                other => (Some(need), std::slice::from_ref(self.arena.alloc(other))),
+            }
+        } else {
+            match self.arg(args, 0, scope)? {
+                Value::Array(items) => (None, items),
+                first => {
+                    let mut all = BVec::with_capacity_in(args.len(), self.arena);
+                    all.push(first);
+                    for i in 1..args.len() {
+                        all.push(self.arg(args, i, scope)?);
+                    }
+                    (None, all.into_bump_slice())
+                }
+            }
+        };
+        let cursor = Cursor::Frame(scope.frame);
+        let mut out = BVec::new_in(self.arena);
+        for key in keys {
+            let found = match key {
+                Value::Null => Some(whole(cursor, self.arena)),
+                k => walk_dotted(cursor, key_text(*k, self.arena), self.arena),
+            };
+            if Self::is_missing(found) {
+                out.push(*key);
+            }
+        }
+        Ok(self.missing_result(out, keys.len(), need))
+    }
+}

@@ -1,0 +1,286 @@
+//! JSONLogic: compile a rule once into a flat, immutable program, then evaluate
+//! it many times against arena-allocated data.
+//!
+//! Layout: [`compile`](compile()) (in `compile.rs`) turns the rule JSON into a
+//! `Program` — a `Vec<Node>` whose operator nodes reference their arguments as a
+//! `u32` range into a shared `args` vector — folding pure constant sub-rules and
+//! pre-splitting every constant `var`/`val` path. `eval.rs` walks that array
+//! with a small recursive interpreter; `ops/` holds the value semantics
+//! (coercion, comparison, strings) shared by the interpreter and the folder.
+//!
+//! Semantics follow the JSONLogic reference (`tests.json`) and the community
+//! compat-tables (including `val`, `??`, `exists`, `try`/`throw`, `preserve`
+//! and scoped iterators); see `docs/jsonlogic.md` for the details and the
+//! conformance counts.
+
+mod compile;
+mod eval;
+mod ops;
+#[cfg(test)]
+mod tests;
+
+use crate::path::Segment;
+use crate::value::Value;
+use bumpalo::Bump;
+use std::fmt;
+
+pub use ops::compare::{loose_eq, strict_eq};
+pub use ops::truthy;
+
+/// The deepest nesting (of operators, argument lists and literal containers) a
+/// rule may have. Enforced at compile time so evaluation, which recurses once
+/// per nesting level, can never overflow the stack.
+pub const MAX_DEPTH: usize = 64;
+
+/// The most bytes one evaluation may allocate for operator results (`cat`,
+/// `merge`, `map`, …). A rule like `reduce` + `cat [acc, acc]` doubles its
+/// output each step; this cap turns that into an error instead of an
+/// out-of-memory.
+pub const MAX_EVAL_ALLOC: usize = 64 << 20;
+
+/// A compiled JSONLogic rule. Immutable, `Send + Sync`; evaluate it from any
+/// number of threads, each with its own arena.
+#[derive(Debug)]
+pub struct Logic {
+    prog: Program,
+    root: NodeId,
+    /// The whole rule's value when it folded to a constant.
+    constant: Option<serde_json::Value>,
+}
+
+/// Compiles a JSONLogic rule.
+pub fn compile(rule: &serde_json::Value) -> Result<Logic, CompileError> {
+    compile::compile(rule)
+}
+
+impl Logic {
+    /// Evaluates the rule against `data`. The result borrows from `self`
+    /// (string constants) and from `arena` (anything computed).
+    pub fn eval<'a>(
+        &'a self,
+        data: Value<'a>,
+        arena: &'a Bump,
+    ) -> Result<Value<'a>, EvalError<'a>> {
+        eval::run(&self.prog, self.root, data, arena)
+    }
+
+    /// The rule's value when it does not depend on the data (it folded to a
+    /// constant at compile time).
+    pub fn constant(&self) -> Option<&serde_json::Value> {
+        self.constant.as_ref()
+    }
+
+    /// True when the rule folded to a constant that is truthy (for example a
+    /// missing condition written as `true`): callers may skip evaluation.
+    pub fn is_always_true(&self) -> bool {
+        self.constant.as_ref().is_some_and(ops::truthy_json)
+    }
+}
+
+/// A rule that cannot be compiled (unknown operator, malformed arguments,
+/// nesting too deep).
+#[derive(thiserror::Error, Debug, Clone, PartialEq)]
+#[error("{message}")]
+pub struct CompileError {
+    pub message: String,
+}
+
+impl CompileError {
+    pub(crate) fn new(message: impl Into<String>) -> CompileError {
+        CompileError {
+            message: message.into(),
+        }
+    }
+}
+
+/// Why an evaluation failed. These are the three error classes of the
+/// compat-tables: `NaN`, `Invalid Arguments`, and a value raised by `throw`.
+#[derive(Debug, Clone)]
+pub enum EvalError<'a> {
+    /// A numeric operation had a non-numeric operand or a non-finite result
+    /// (`{"+": ["abc"]}`, `{"/": [1, 0]}`, `{">": [1, "A"]}`).
+    NaN,
+    /// An operator got arguments it cannot work with (`{"-": []}` through a
+    /// dynamic argument list, `all` over a non-array, the allocation budget).
+    InvalidArguments(&'static str),
+    /// The value passed to `throw` (a string such as `"Not an admin"`, or an
+    /// object such as `{"type": "…"}`).
+    Thrown(Value<'a>),
+}
+
+impl EvalError<'_> {
+    /// The error's `type` as the compat-tables name it: `"NaN"`,
+    /// `"Invalid Arguments"`, or the thrown string / the thrown object's
+    /// `type` member (`None` for a thrown value without one).
+    pub fn error_type(&self) -> Option<&str> {
+        match self {
+            EvalError::NaN => Some("NaN"),
+            EvalError::InvalidArguments(_) => Some("Invalid Arguments"),
+            EvalError::Thrown(Value::Str(s)) => Some(s),
+            EvalError::Thrown(v) => v.get("type").and_then(|t| t.as_str()),
+        }
+    }
+
+    /// The error as the JSON object a `try` handler sees: `{"type": "NaN"}`,
+    /// `{"type": "Invalid Arguments"}`, `{"type": "<thrown string>"}`, or the
+    /// thrown value itself when it is not a string.
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            EvalError::Thrown(v) if !matches!(v, Value::Str(_)) => v.to_json(),
+            _ => serde_json::json!({ "type": self.error_type().unwrap_or_default() }),
+        }
+    }
+}
+
+impl fmt::Display for EvalError<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EvalError::NaN => f.write_str(
+                "NaN: a numeric operation got a non-number or produced a non-finite result",
+            ),
+            EvalError::InvalidArguments(why) => write!(f, "Invalid Arguments: {why}"),
+            EvalError::Thrown(Value::Str(s)) => write!(f, "thrown: {s}"),
+            EvalError::Thrown(v) => write!(f, "thrown: {}", v.to_json_string()),
+        }
+    }
+}
+
+impl std::error::Error for EvalError<'_> {}
+
+/// Index of a node in `Program::nodes`.
+pub(crate) type NodeId = u32;
+
+/// The compiled rule: nodes in post-order (children before parents), so a
+/// folded sub-rule can be dropped by truncating the vectors.
+#[derive(Debug, Default)]
+pub(crate) struct Program {
+    pub(crate) nodes: Vec<Node>,
+    /// Argument lists of `Node::Op`, as node ids.
+    pub(crate) args: Vec<NodeId>,
+    /// Array and object constants, copied into the arena when evaluated.
+    pub(crate) consts: Vec<serde_json::Value>,
+}
+
+/// The operators, a closed set: dispatch is a `match`, never a name lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    If,
+    And,
+    Or,
+    Not,
+    NotNot,
+    Coalesce,
+    Try,
+    Throw,
+    Eq,
+    StrictEq,
+    Ne,
+    StrictNe,
+    Gt,
+    Ge,
+    Lt,
+    Le,
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Mod,
+    Max,
+    Min,
+    Map,
+    Filter,
+    Reduce,
+    All,
+    Some,
+    None,
+    Merge,
+    In,
+    Cat,
+    Substr,
+    Length,
+    Log,
+    /// `var` whose path is only known at evaluation time.
+    Var,
+    /// `val` whose path is only known at evaluation time.
+    Val,
+    /// `exists` whose path is only known at evaluation time.
+    Exists,
+    Missing,
+    MissingSome,
+    /// A rule array (`[1, {"var": "x"}]`): evaluates each element.
+    Array,
+}
+
+/// One compiled node.
+#[derive(Debug)]
+pub(crate) enum Node {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    /// Borrowed by results for free (`Value::Str` of `&'a self`).
+    Str(Box<str>),
+    /// An array or object constant: index into `Program::consts`.
+    Json(u32),
+    /// An operator applied to the argument nodes `args[start..start + len]`.
+    Op {
+        op: Op,
+        start: u32,
+        len: u32,
+    },
+    /// An operator whose argument list is the value of one node (`{"max":
+    /// {"var": "xs"}}`): an array result is the list, anything else one item.
+    Spread {
+        op: Op,
+        arg: NodeId,
+    },
+    /// `var`/`val` with a constant path, split at compile time. `level` is how
+    /// many scopes to climb (`val`'s `[[n], …]`); `default` is `var`'s
+    /// fallback for a missing path.
+    Var {
+        level: u32,
+        path: Box<[Segment]>,
+        default: Option<NodeId>,
+    },
+    /// `exists` with a constant path.
+    Exists {
+        path: Box<[Segment]>,
+    },
+    /// `missing` (`need == None`) or `missing_some` with constant string keys.
+    Missing {
+        keys: Box<[MissingKey]>,
+        need: Option<NodeId>,
+    },
+    /// `in` against a constant array of strings: sorted for binary search.
+    InStrs {
+        needle: NodeId,
+        set: Box<[Box<str>]>,
+    },
+}
+
+/// A `missing` key: the text reported back and its pre-split path.
+#[derive(Debug)]
+pub(crate) struct MissingKey {
+    pub(crate) text: Box<str>,
+    pub(crate) path: Box<[Segment]>,
+}
+
+impl Node {
+    pub(crate) fn is_const(&self) -> bool {
+        matches!(
+            self,
+            Node::Null
+                | Node::Bool(_)
+                | Node::Int(_)
+                | Node::Float(_)
+                | Node::Str(_)
+                | Node::Json(_)
+        )
+    }
+}
+
+#[cfg(test)]
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Logic>();
+};

@@ -1,0 +1,435 @@
+//! Unit tests for the tricky parts of the JSONLogic compiler and evaluator:
+//! scopes, constant folding, the depth limit, truthiness and equality tables.
+//! The full behavioural suites live in `tests/jsonlogic_conformance.rs`.
+
+use super::*;
+use serde_json::{Value as Json, json};
+
+fn eval_json(rule: Json, data: Json) -> Result<Json, String> {
+    let logic = compile(&rule).map_err(|e| format!("compile: {e}"))?;
+    let arena = Bump::new();
+    let data = Value::from_json(&data, &arena);
+    logic
+        .eval(data, &arena)
+        .map(|v| v.to_json())
+        .map_err(|e| e.to_string())
+}
+
+fn ok(rule: Json, data: Json) -> Json {
+    eval_json(rule.clone(), data).unwrap_or_else(|e| panic!("{rule}: {e}"))
+}
+
+#[test]
+fn var_reads_root_paths_indices_and_defaults() {
+    let data = json!({"a": {"b": [10, {"c": "deep"}]}, "0": "zero-key"});
+    assert_eq!(ok(json!({"var": "a.b.1.c"}), data.clone()), json!("deep"));
+    assert_eq!(ok(json!({"var": ["a.x", 5]}), data.clone()), json!(5));
+    assert_eq!(ok(json!({"var": ""}), json!(3)), json!(3));
+    assert_eq!(ok(json!({"var": null}), json!([1])), json!([1]));
+    assert_eq!(ok(json!({"var": 1}), json!(["x", "y"])), json!("y"));
+    // A numeric segment also names an object key.
+    assert_eq!(ok(json!({"var": "0"}), data.clone()), json!("zero-key"));
+    // A found null is returned as null, not replaced by the default.
+    assert_eq!(
+        ok(json!({"var": ["n", 1]}), json!({"n": null})),
+        json!(null)
+    );
+    // A path computed at evaluation time is split then.
+    assert_eq!(
+        ok(
+            json!({"var": {"cat": ["a.", {"var": "k"}]}}),
+            json!({"k": "b", "a": {"b": 2}})
+        ),
+        json!(2)
+    );
+    assert_eq!(
+        ok(json!({"var": [{"if": [true, "a.b.0"]}]}), data),
+        json!(10)
+    );
+}
+
+#[test]
+fn var_paths_are_split_at_compile_time() {
+    let logic = compile(&json!({"var": "a.b.2"})).unwrap();
+    let root = &logic.prog.nodes[logic.root as usize];
+    let Node::Var {
+        level: 0,
+        path,
+        default: None,
+    } = root
+    else {
+        panic!("not a compiled var: {root:?}")
+    };
+    assert_eq!(path.len(), 3);
+    assert_eq!(path[2].index, Some(2));
+    // `val` keys are literal: a dot is part of the key.
+    let logic = compile(&json!({"val": "a.b"})).unwrap();
+    let Node::Var { path, .. } = &logic.prog.nodes[logic.root as usize] else {
+        panic!()
+    };
+    assert_eq!(path.len(), 1);
+}
+
+#[test]
+fn iterator_scopes() {
+    let data = json!({"xs": [1, 2, 3], "k": 10, "people": [{"n": "a", "d": "x"}, {"n": "b", "d": "y"}], "d": "y"});
+    // The body sees the element; `[[1], "index"]` is the iteration index and
+    // `[[2], …]` (or `[[-2], …]`) the data around the iterator.
+    assert_eq!(
+        ok(
+            json!({"map": [{"var": "xs"}, {"+": [{"val": []}, {"val": [[1], "index"]}]}]}),
+            data.clone()
+        ),
+        json!([1, 3, 5])
+    );
+    assert_eq!(
+        ok(
+            json!({"map": [{"var": "xs"}, {"+": [{"val": []}, {"val": [[-2], "k"]}]}]}),
+            data.clone()
+        ),
+        json!([11, 12, 13])
+    );
+    assert_eq!(
+        ok(
+            json!({"filter": [{"var": "people"}, {"==": [{"var": "d"}, {"val": [[2], "d"]}]}]}),
+            data.clone()
+        ),
+        json!([{"n": "b", "d": "y"}])
+    );
+    // Nested iterators: two levels per iterator; climbing past the root stays there.
+    assert_eq!(
+        ok(
+            json!({"map": [[1], {"map": [{"val": [[4], "xs"]}, {"val": [[9], "k"]}]}]}),
+            data.clone()
+        ),
+        json!([[10, 10, 10]])
+    );
+    // reduce's scope is {current, accumulator}, readable as a whole too.
+    assert_eq!(
+        ok(
+            json!({"reduce": [{"var": "xs"}, {"+": [{"var": "accumulator"}, {"var": "current"}]}, 0]}),
+            data.clone()
+        ),
+        json!(6)
+    );
+    assert_eq!(
+        ok(json!({"reduce": [[7], {"var": ""}, 0]}), json!(null)),
+        json!({"current": 7, "accumulator": 0})
+    );
+    // The quantifiers refuse a non-array; map/filter/reduce treat it as empty.
+    assert_eq!(
+        ok(json!({"map": [{"var": "nope"}, 1]}), data.clone()),
+        json!([])
+    );
+    assert!(
+        eval_json(json!({"some": [{"var": "nope"}, true]}), data)
+            .unwrap_err()
+            .starts_with("Invalid Arguments")
+    );
+}
+
+#[test]
+fn try_sees_the_error_as_its_data() {
+    assert_eq!(
+        ok(
+            json!({"try": [{"throw": "boom"}, {"val": "type"}]}),
+            json!(null)
+        ),
+        json!("boom")
+    );
+    assert_eq!(
+        ok(
+            json!({"try": [{"/": [1, 0]}, {"val": "type"}]}),
+            json!(null)
+        ),
+        json!("NaN")
+    );
+    assert_eq!(
+        ok(
+            json!({"try": [{"throw": "x"}, {"val": [[2], "fb"]}]}),
+            json!({"fb": 1})
+        ),
+        json!(1)
+    );
+    let logic =
+        compile(&json!({"try": [{"throw": "a"}, {"throw": {"type": "b", "code": 7}}]})).unwrap();
+    let arena = Bump::new();
+    let err = logic.eval(Value::Null, &arena).unwrap_err();
+    assert_eq!(err.error_type(), Some("b"));
+    assert_eq!(err.to_json(), json!({"type": "b", "code": 7}));
+    assert_eq!(err.to_string(), r#"thrown: {"type":"b","code":7}"#);
+}
+
+#[test]
+fn constants_fold() {
+    let logic = compile(&json!({"+": [1, {"*": [2, 3]}, {"max": [4, 5]}]})).unwrap();
+    assert_eq!(logic.constant(), Some(&json!(12)));
+    assert_eq!(
+        logic.prog.nodes.len(),
+        1,
+        "folded sub-rules leave no nodes behind"
+    );
+    assert!(logic.is_always_true());
+    assert!(!compile(&json!({"==": [1, 2]})).unwrap().is_always_true());
+    // Partially constant: the constant part folds, the rest stays.
+    let logic =
+        compile(&json!({"if": [{"var": "x"}, {"cat": ["a", "b"]}, [1, {"-": [3, 1]}]]})).unwrap();
+    assert!(logic.constant().is_none());
+    assert!(logic.prog.nodes.iter().all(|n| !matches!(
+        n,
+        Node::Op {
+            op: Op::Cat | Op::Sub | Op::Array,
+            ..
+        }
+    )));
+    // Literal arrays of constants become one constant.
+    assert_eq!(
+        compile(&json!([1, {"+": [1, 1]}])).unwrap().constant(),
+        Some(&json!([1, 2]))
+    );
+    // preserve returns its argument unevaluated.
+    assert_eq!(
+        compile(&json!({"preserve": {"var": "x"}}))
+            .unwrap()
+            .constant(),
+        Some(&json!({"var": "x"}))
+    );
+}
+
+#[test]
+fn failing_constants_fail_at_evaluation_not_compilation() {
+    for rule in [
+        json!({"throw": "x"}),
+        json!({"/": [1, 0]}),
+        json!({"+": ["abc"]}),
+        json!({"%": [1, 0]}),
+    ] {
+        let logic = compile(&rule).unwrap_or_else(|e| panic!("{rule} should compile: {e}"));
+        assert!(logic.constant().is_none());
+        let arena = Bump::new();
+        assert!(
+            logic.eval(Value::Null, &arena).is_err(),
+            "{rule} should fail"
+        );
+    }
+    assert_eq!(
+        ok(json!({"try": [{"/": [1, 0]}, 5]}), json!(null)),
+        json!(5)
+    );
+    // An argument list only known at evaluation time is checked then.
+    let err = eval_json(json!({"-": {"var": "xs"}}), json!({"xs": []})).unwrap_err();
+    assert!(err.starts_with("Invalid Arguments"), "{err}");
+    // A constant one is checked at compile time, like a literal list.
+    assert!(compile(&json!({"-": {"preserve": []}})).is_err());
+}
+
+#[test]
+fn compile_errors() {
+    let err = compile(&json!({"foo": [1]})).unwrap_err();
+    assert_eq!(err.message, "unknown operator 'foo'");
+    assert!(compile(&json!({"method": ["x", "toUpperCase"]})).is_err());
+    assert!(
+        compile(&json!({"if": 5}))
+            .unwrap_err()
+            .message
+            .contains("Invalid Arguments")
+    );
+    assert!(compile(&json!({"<": [1]})).is_err());
+    assert!(compile(&json!({"%": [1]})).is_err());
+    assert!(compile(&json!({"map": [null, 1]})).is_err());
+}
+
+#[test]
+fn nesting_deeper_than_the_limit_is_a_compile_error() {
+    let mut rule = json!(1);
+    for _ in 0..MAX_DEPTH / 2 {
+        rule = json!({"!": [rule]});
+    }
+    assert!(compile(&rule).is_ok(), "{MAX_DEPTH} levels are allowed");
+    let deeper = json!({"!": [rule]});
+    let err = compile(&deeper).unwrap_err();
+    assert_eq!(
+        err.message,
+        format!("rule nests deeper than {MAX_DEPTH} levels")
+    );
+    // Literal data counts too (it is copied recursively at evaluation).
+    let mut literal = json!(0);
+    for _ in 0..MAX_DEPTH + 1 {
+        literal = json!({"a": literal, "b": 1});
+    }
+    assert!(compile(&json!({"preserve": literal.clone()})).is_err());
+    assert!(compile(&literal).is_err());
+    // Far deeper than the stack could take is still a clean error.
+    let mut huge = json!(1);
+    for _ in 0..1_000 {
+        huge = json!([huge]);
+    }
+    assert!(compile(&huge).is_err());
+    // serde_json's own recursive drop would overflow on this; leak it instead.
+    std::mem::forget(huge);
+}
+
+#[test]
+fn truthiness_table() {
+    let arena = Bump::new();
+    let cases = [
+        (json!(null), false),
+        (json!(false), false),
+        (json!(true), true),
+        (json!(0), false),
+        (json!(0.0), false),
+        (json!(-1), true),
+        (json!(0.5), true),
+        (json!(""), false),
+        (json!("0"), true),
+        (json!("false"), true),
+        (json!([]), false),
+        (json!([0]), true),
+        (json!({}), true),
+    ];
+    for (v, want) in cases {
+        assert_eq!(truthy(&Value::from_json(&v, &arena)), want, "truthy({v})");
+        assert_eq!(ops::truthy_json(&v), want, "truthy_json({v})");
+    }
+}
+
+#[test]
+fn loose_equality_table() {
+    let arena = Bump::new();
+    let cases = [
+        (json!(1), json!(1.0), true),
+        (json!(1), json!("1"), true),
+        (json!("1.5"), json!(1.5), true),
+        (json!(" 2 "), json!(2), true),
+        (json!(""), json!(0), true),
+        (json!(1), json!(true), true),
+        (json!(0), json!(false), true),
+        (json!("1"), json!(true), true),
+        (json!(null), json!(null), true),
+        (json!(null), json!(0), true),
+        (json!(null), json!(false), true),
+        (json!(null), json!(""), false),
+        (json!(null), json!(1), false),
+        (json!(null), json!([]), false),
+        (json!("a"), json!("a"), true),
+        (json!("a"), json!("b"), false),
+        (json!([1, 2]), json!([1, 2]), true),
+        // NaN in JavaScript, hence unequal; the `==` operator raises NaN.
+        (json!(1), json!("A"), false),
+        (json!([1]), json!(1), false),
+        (json!({}), json!(1), false),
+    ];
+    for (a, b, want) in cases {
+        let (x, y) = (Value::from_json(&a, &arena), Value::from_json(&b, &arena));
+        assert_eq!(loose_eq(&x, &y), want, "{a} == {b}");
+        assert_eq!(loose_eq(&y, &x), want, "{b} == {a}");
+    }
+    assert!(
+        eval_json(json!({"==": [1, "A"]}), json!(null))
+            .unwrap_err()
+            .starts_with("NaN")
+    );
+    assert!(strict_eq(&Value::Int(1), &Value::Float(1.0)));
+    assert!(!strict_eq(&Value::Int(1), &Value::Str("1")));
+}
+
+#[test]
+fn strings() {
+    assert_eq!(
+        ok(
+            json!({"cat": ["a", 1.5, null, true, [1, [2, null]], {}]}),
+            json!(null)
+        ),
+        json!("a1.5true1,2,[object Object]")
+    );
+    assert_eq!(
+        ok(
+            json!({"substr": [{"var": "s"}, 1, 2]}),
+            json!({"s": "héllo"})
+        ),
+        json!("él")
+    );
+    assert_eq!(
+        ok(json!({"substr": ["abc", 1e300, -1e300]}), json!(null)),
+        json!("")
+    );
+    assert_eq!(
+        ok(json!({"length": {"var": "s"}}), json!({"s": "héllo"})),
+        json!(5)
+    );
+    assert_eq!(
+        ok(
+            json!({"in": [{"var": "x"}, ["b", "a", "c"]]}),
+            json!({"x": "a"})
+        ),
+        json!(true)
+    );
+    assert_eq!(
+        ok(
+            json!({"in": [{"var": "x"}, ["b", "a", "c"]]}),
+            json!({"x": 1})
+        ),
+        json!(false)
+    );
+    let logic = compile(&json!({"in": [{"var": "x"}, ["b", "a", "c"]]})).unwrap();
+    assert!(matches!(
+        logic.prog.nodes[logic.root as usize],
+        Node::InStrs { .. }
+    ));
+}
+
+#[test]
+fn missing_keys() {
+    let logic = compile(&json!({"missing": ["a", "b.c", "d"]})).unwrap();
+    assert!(matches!(
+        logic.prog.nodes[logic.root as usize],
+        Node::Missing { .. }
+    ));
+    assert_eq!(
+        ok(
+            json!({"missing": ["a", "b.c", "d"]}),
+            json!({"a": 1, "b": {"c": ""}})
+        ),
+        json!(["b.c", "d"])
+    );
+    assert_eq!(
+        ok(json!({"missing_some": [1, ["a", "b"]]}), json!({"b": 1})),
+        json!([])
+    );
+    assert_eq!(
+        ok(
+            json!({"missing": {"var": "keys"}}),
+            json!({"keys": ["x", "y"], "y": 0})
+        ),
+        json!(["x"])
+    );
+}
+
+#[test]
+fn runaway_allocation_is_an_error() {
+    // Each step doubles the string: 2^40 bytes without the budget.
+    let rule = json!({"reduce": [{"var": "xs"}, {"cat": [{"var": "accumulator"}, {"var": "accumulator"}]}, "ab"]});
+    let data = json!({"xs": vec![0; 40]});
+    let err = eval_json(rule, data).unwrap_err();
+    assert!(err.contains("allocation budget"), "{err}");
+}
+
+#[test]
+fn scalar_results_allocate_nothing() {
+    /// Arena bytes handed out so far (all chunks minus what is left).
+    fn used(arena: &Bump) -> usize {
+        arena.allocated_bytes() - arena.chunk_capacity()
+    }
+    let logic =
+        compile(&json!({"if": [{"==": [{"var": "x.y"}, 1]}, "yes", {"+": [{"var": "x.y"}, 1]}]}))
+            .unwrap();
+    let (data, other) = (json!({"x": {"y": 2}}), json!({"x": {"y": 1}}));
+    let arena = Bump::new();
+    let v = Value::from_json(&data, &arena);
+    let before = used(&arena);
+    let out = logic.eval(v, &arena).unwrap();
+    assert_eq!(used(&arena), before, "evaluation allocated");
+    assert_eq!(out.to_json(), json!(3));
+    let v = Value::from_json(&other, &arena);
+    assert_eq!(logic.eval(v, &arena).unwrap().as_str(), Some("yes"));
+}
