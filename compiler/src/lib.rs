@@ -7,8 +7,10 @@
 pub mod def;
 pub mod diag;
 pub mod functions;
+pub mod fuzz;
 pub mod logic;
 pub mod path;
+pub mod plan;
 pub mod validate;
 pub mod value;
 

@@ -49,7 +49,9 @@ impl Path {
     }
 
     pub fn from_segments(segments: impl IntoIterator<Item = Segment>) -> Path {
-        Path { segments: segments.into_iter().collect() }
+        Path {
+            segments: segments.into_iter().collect(),
+        }
     }
 
     pub fn segments(&self) -> &[Segment] {
@@ -67,7 +69,9 @@ impl Path {
 
     /// The path without its first segment.
     pub fn tail(&self) -> Path {
-        Path { segments: self.segments.iter().skip(1).cloned().collect() }
+        Path {
+            segments: self.segments.iter().skip(1).cloned().collect(),
+        }
     }
 
     /// Reads the value at this path; `None` when any segment is missing.
@@ -102,7 +106,10 @@ impl Path {
 impl Segment {
     pub fn parse(text: &str) -> Segment {
         if let Some(rest) = text.strip_prefix('#') {
-            return Segment { key: rest.into(), index: None };
+            return Segment {
+                key: rest.into(),
+                index: None,
+            };
         }
         let index = if !text.is_empty()
             && text.len() <= 18
@@ -113,12 +120,18 @@ impl Segment {
         } else {
             None
         };
-        Segment { key: text.into(), index }
+        Segment {
+            key: text.into(),
+            index,
+        }
     }
 
     /// A segment that is only ever an object key.
     pub fn key(text: &str) -> Segment {
-        Segment { key: text.into(), index: None }
+        Segment {
+            key: text.into(),
+            index: None,
+        }
     }
 }
 
@@ -173,7 +186,11 @@ fn set_segments<'a>(
             let new_child = set_segments(child, rest, value, arena, path, depth + 1)?;
             let len = items.len().max(index + 1);
             let out = arena.alloc_slice_fill_with(len, |i| {
-                if i == index { new_child } else { items.get(i).copied().unwrap_or(Value::Null) }
+                if i == index {
+                    new_child
+                } else {
+                    items.get(i).copied().unwrap_or(Value::Null)
+                }
             });
             Ok(Value::Array(out))
         }
@@ -183,12 +200,20 @@ fn set_segments<'a>(
             let new_child = set_segments(child, rest, value, arena, path, depth + 1)?;
             let out = match pos {
                 Some(p) => arena.alloc_slice_fill_with(members.len(), |i| {
-                    if i == p { (members[i].0, new_child) } else { members[i] }
+                    if i == p {
+                        (members[i].0, new_child)
+                    } else {
+                        members[i]
+                    }
                 }),
                 None => {
                     let key: &'a str = arena.alloc_str(&seg.key);
                     arena.alloc_slice_fill_with(members.len() + 1, |i| {
-                        if i < members.len() { members[i] } else { (key, new_child) }
+                        if i < members.len() {
+                            members[i]
+                        } else {
+                            (key, new_child)
+                        }
                     })
                 }
             };
@@ -216,7 +241,10 @@ fn set_segments<'a>(
 
 fn check_index(index: usize, path: &Path, depth: usize) -> Result<(), PathError> {
     if index > MAX_WRITE_INDEX {
-        return Err(PathError::IndexTooLarge { index, at: path.prefix_string(depth + 1) });
+        return Err(PathError::IndexTooLarge {
+            index,
+            at: path.prefix_string(depth + 1),
+        });
     }
     Ok(())
 }
@@ -252,20 +280,44 @@ mod tests {
         let src = json!({"a": [{"b": 1}, {"0": "zero"}]});
         let v = Value::from_json(&src, &arena);
         assert_eq!(Path::parse("a.0.b").get(v).unwrap().to_json(), json!(1));
-        assert_eq!(Path::parse("a.1.0").get(v).unwrap().to_json(), json!("zero"));
-        assert_eq!(Path::parse("a.1.#0").get(v).unwrap().to_json(), json!("zero"));
+        assert_eq!(
+            Path::parse("a.1.0").get(v).unwrap().to_json(),
+            json!("zero")
+        );
+        assert_eq!(
+            Path::parse("a.1.#0").get(v).unwrap().to_json(),
+            json!("zero")
+        );
         assert!(Path::parse("a.5").get(v).is_none());
         assert!(Path::parse("a.x").get(v).is_none());
     }
 
     #[test]
     fn writes_create_intermediates() {
-        assert_eq!(write(json!({}), "a.b.c", json!(1)), json!({"a": {"b": {"c": 1}}}));
-        assert_eq!(write(json!({}), "a.2", json!(true)), json!({"a": [null, null, true]}));
-        assert_eq!(write(json!({}), "a.#2", json!(true)), json!({"a": {"2": true}}));
-        assert_eq!(write(json!({"a": {"0": 1}}), "a.0", json!(2)), json!({"a": {"0": 2}}));
-        assert_eq!(write(json!({"a": 5}), "a.b", json!(2)), json!({"a": {"b": 2}}));
-        assert_eq!(write(json!({"x": 1, "a": [1]}), "a.1", json!(2)), json!({"x": 1, "a": [1, 2]}));
+        assert_eq!(
+            write(json!({}), "a.b.c", json!(1)),
+            json!({"a": {"b": {"c": 1}}})
+        );
+        assert_eq!(
+            write(json!({}), "a.2", json!(true)),
+            json!({"a": [null, null, true]})
+        );
+        assert_eq!(
+            write(json!({}), "a.#2", json!(true)),
+            json!({"a": {"2": true}})
+        );
+        assert_eq!(
+            write(json!({"a": {"0": 1}}), "a.0", json!(2)),
+            json!({"a": {"0": 2}})
+        );
+        assert_eq!(
+            write(json!({"a": 5}), "a.b", json!(2)),
+            json!({"a": {"b": 2}})
+        );
+        assert_eq!(
+            write(json!({"x": 1, "a": [1]}), "a.1", json!(2)),
+            json!({"x": 1, "a": [1, 2]})
+        );
         assert_eq!(write(json!({"x": 1}), "", json!(2)), json!(2));
     }
 
@@ -274,7 +326,9 @@ mod tests {
         let arena = Bump::new();
         let src = json!({"a": {"b": 1}});
         let before = Value::from_json(&src, &arena);
-        let after = Path::parse("a.b").set(before, Value::Int(2), &arena).unwrap();
+        let after = Path::parse("a.b")
+            .set(before, Value::Int(2), &arena)
+            .unwrap();
         assert_eq!(before.to_json(), json!({"a": {"b": 1}}));
         assert_eq!(after.to_json(), json!({"a": {"b": 2}}));
     }
@@ -286,7 +340,9 @@ mod tests {
         let v = Value::from_json(&src, &arena);
         let err = Path::parse("a.x").set(v, Value::Null, &arena).unwrap_err();
         assert_eq!(err.to_string(), "cannot write key 'x' into an array at 'a'");
-        let err = Path::parse("a.999999999").set(v, Value::Null, &arena).unwrap_err();
+        let err = Path::parse("a.999999999")
+            .set(v, Value::Null, &arena)
+            .unwrap_err();
         assert!(matches!(err, PathError::IndexTooLarge { .. }));
     }
 }

@@ -96,9 +96,32 @@ impl<'a> Value<'a> {
             serde_json::Value::Array(items) => Value::Array(
                 arena.alloc_slice_fill_iter(items.iter().map(|i| Value::from_json(i, arena))),
             ),
-            serde_json::Value::Object(map) => Value::Object(arena.alloc_slice_fill_iter(
-                map.iter().map(|(k, v)| (k.as_str(), Value::from_json(v, arena))),
-            )),
+            serde_json::Value::Object(map) => Value::Object(
+                arena.alloc_slice_fill_iter(
+                    map.iter()
+                        .map(|(k, v)| (k.as_str(), Value::from_json(v, arena))),
+                ),
+            ),
+        }
+    }
+
+    /// Deep-copies a `serde_json::Value` into the arena, strings included, for
+    /// values (such as connector responses) that do not outlive the arena.
+    pub fn copy_json(json: &serde_json::Value, arena: &'a Bump) -> Value<'a> {
+        match json {
+            serde_json::Value::String(s) => Value::Str(arena.alloc_str(s)),
+            serde_json::Value::Array(items) => Value::Array(
+                arena.alloc_slice_fill_iter(items.iter().map(|i| Value::copy_json(i, arena))),
+            ),
+            serde_json::Value::Object(map) => Value::Object(
+                arena.alloc_slice_fill_iter(
+                    map.iter()
+                        .map(|(k, v)| (&*arena.alloc_str(k), Value::copy_json(v, arena))),
+                ),
+            ),
+            serde_json::Value::Null => Value::Null,
+            serde_json::Value::Bool(b) => Value::Bool(*b),
+            serde_json::Value::Number(n) => number_from_json(n),
         }
     }
 
@@ -110,9 +133,14 @@ impl<'a> Value<'a> {
             Value::Int(i) => serde_json::Value::from(i),
             Value::Float(f) => float_to_json(f),
             Value::Str(s) => serde_json::Value::String(s.to_owned()),
-            Value::Array(items) => serde_json::Value::Array(items.iter().map(|v| v.to_json()).collect()),
+            Value::Array(items) => {
+                serde_json::Value::Array(items.iter().map(|v| v.to_json()).collect())
+            }
             Value::Object(members) => serde_json::Value::Object(
-                members.iter().map(|(k, v)| ((*k).to_owned(), v.to_json())).collect(),
+                members
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), v.to_json()))
+                    .collect(),
             ),
         }
     }
@@ -167,8 +195,7 @@ impl PartialEq for Value<'_> {
             (Value::Str(a), Value::Str(b)) => a == b,
             (Value::Array(a), Value::Array(b)) => a == b,
             (Value::Object(a), Value::Object(b)) => {
-                a.len() == b.len()
-                    && a.iter().all(|(k, v)| other.get(k).is_some_and(|w| w == *v))
+                a.len() == b.len() && a.iter().all(|(k, v)| other.get(k).is_some_and(|w| w == *v))
             }
             _ => false,
         }
@@ -322,7 +349,10 @@ mod tests {
         let src = json!({"a": [1], "b": {}});
         let mut out = Vec::new();
         Value::from_json(&src, &arena).write_json_pretty(&mut out);
-        assert_eq!(String::from_utf8(out).unwrap(), "{\n  \"a\": [\n    1\n  ],\n  \"b\": {}\n}");
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "{\n  \"a\": [\n    1\n  ],\n  \"b\": {}\n}"
+        );
     }
 
     #[test]

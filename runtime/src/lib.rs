@@ -4,5 +4,8 @@
 //! functions reach the outside world only through the traits in
 //! [`connectors`]; the service crate provides the real implementations.
 
+pub mod connectors;
+pub mod exec;
 pub mod json;
+pub mod rollout;
 pub mod xml;

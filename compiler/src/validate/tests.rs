@@ -35,13 +35,10 @@ fn shared(file: &str) -> Option<Json> {
         "{}/../../shared/bench/reference/{file}",
         env!("CARGO_MANIFEST_DIR")
     );
-    match std::fs::read_to_string(&path) {
-        Ok(text) => Some(serde_json::from_str(&text).unwrap()),
-        Err(e) => {
-            eprintln!("skipping: {path}: {e}");
-            None
-        }
-    }
+    // The shared directory always sits beside the repository (CI included):
+    // a missing file is a failure, not a skip.
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    Some(serde_json::from_str(&text).unwrap())
 }
 
 // ---------------------------------------------------------------- workflows

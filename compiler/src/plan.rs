@@ -1,0 +1,926 @@
+//! Compiled plans: what a validated workflow definition becomes.
+//!
+//! A plan has no strings to look up and no rule JSON to walk: every JSONLogic
+//! expression is a compiled [`Logic`], every path is pre-split, every function
+//! is a [`FunctionPlan`] variant with its input already checked and compiled.
+//! The runtime only executes it.
+//!
+//! Data functions' inputs are not schema-checked when a workflow is created
+//! (the spec says bad input shows at execution). A data task whose input does
+//! not compile therefore becomes [`FunctionPlan::Invalid`], which fails when it
+//! runs, and the problem is also returned as a warning so `validate` can show it.
+
+use crate::diag::Diagnostic;
+use crate::functions::Function;
+use crate::logic::{self, Logic};
+use crate::path::{Path, Segment};
+use crate::validate;
+use serde_json::{Map, Value as Json};
+
+/// One compiled workflow version.
+#[derive(Debug)]
+pub struct Plan {
+    pub workflow_id: Box<str>,
+    pub name: Box<str>,
+    pub version: i64,
+    pub priority: i64,
+    /// `None` when the workflow always matches (absent or constant-true condition).
+    pub condition: Option<Logic>,
+    /// The rollout bucket range `[start, end)` over 0..100.
+    pub rollout: Rollout,
+    pub continue_on_error: bool,
+    pub body: Block,
+    /// True when some step calls a connector or another channel.
+    pub needs_io: bool,
+    /// Number of task steps (for sizing per-execution buffers).
+    pub task_count: usize,
+}
+
+/// A bucket range `[start, end)`. `[0, 100)` accepts every request; an empty or
+/// inverted range accepts none; a request with no bucket is accepted by all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rollout {
+    pub start: u8,
+    pub end: u8,
+}
+
+impl Default for Rollout {
+    fn default() -> Self {
+        Rollout { start: 0, end: 100 }
+    }
+}
+
+impl Rollout {
+    #[inline]
+    pub fn accepts(&self, bucket: Option<u8>) -> bool {
+        match bucket {
+            None => true,
+            Some(b) => self.start <= b && b < self.end,
+        }
+    }
+}
+
+/// Steps run in order, optionally repeated by a loop.
+#[derive(Debug, Default)]
+pub struct Block {
+    pub steps: Vec<Step>,
+    pub repeat: Option<LoopPlan>,
+}
+
+/// `loop: {max, init, increment, counter}`: the block runs `max` times; before
+/// each pass the counter path holds `init + pass * increment`.
+#[derive(Debug)]
+pub struct LoopPlan {
+    pub max: u32,
+    pub init: f64,
+    pub increment: f64,
+    pub counter: WritePath,
+}
+
+#[derive(Debug)]
+pub enum Step {
+    Task(Task),
+    Group(Group),
+}
+
+#[derive(Debug)]
+pub struct Group {
+    pub id: Box<str>,
+    /// Where the group sits in the definition, e.g. `tasks[1]`.
+    pub field: Box<str>,
+    /// Evaluated once on entry; a false one skips the whole group.
+    pub condition: Option<Logic>,
+    pub terminal: bool,
+    pub body: Block,
+}
+
+#[derive(Debug)]
+pub struct Task {
+    pub id: Box<str>,
+    /// Where the task sits in the definition, e.g. `tasks[1].tasks[0]`.
+    pub field: Box<str>,
+    pub condition: Option<Logic>,
+    pub continue_on_error: bool,
+    pub terminal: bool,
+    /// `halt_on: failure`: a failure halts even under `continue_on_error`.
+    pub halt_on_failure: bool,
+    pub function: FunctionPlan,
+}
+
+/// Which top-level area of the context a write path starts in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Area {
+    Data,
+    TempData,
+    Metadata,
+}
+
+/// A write destination: an area plus a path inside it (empty = the whole area).
+#[derive(Debug, Clone)]
+pub struct WritePath {
+    pub area: Area,
+    pub path: Path,
+    /// As written by the user, for messages.
+    pub text: Box<str>,
+}
+
+impl WritePath {
+    /// Paths starting with `data`, `temp_data` or `metadata` are rooted at the
+    /// context; any other path is relative to `data`.
+    pub fn parse(text: &str) -> WritePath {
+        let full = Path::parse(text);
+        let area = match full.first_key() {
+            Some("data") => Some(Area::Data),
+            Some("temp_data") => Some(Area::TempData),
+            Some("metadata") => Some(Area::Metadata),
+            _ => None,
+        };
+        match area {
+            Some(area) => WritePath {
+                area,
+                path: full.tail(),
+                text: text.into(),
+            },
+            None => WritePath {
+                area: Area::Data,
+                path: full,
+                text: text.into(),
+            },
+        }
+    }
+
+    /// A path relative to `data` whatever its first segment (the `target` of
+    /// parse_json/parse_xml and `source`/`target` of publish_json/publish_xml).
+    pub fn in_data(text: &str) -> WritePath {
+        WritePath {
+            area: Area::Data,
+            path: Path::parse(text),
+            text: text.into(),
+        }
+    }
+}
+
+/// A read path rooted at the whole context (`payload`, `data.raw`, ...).
+#[derive(Debug, Clone)]
+pub struct ReadPath {
+    pub path: Path,
+    pub text: Box<str>,
+}
+
+impl ReadPath {
+    pub fn parse(text: &str) -> ReadPath {
+        ReadPath {
+            path: Path::parse(text),
+            text: text.into(),
+        }
+    }
+
+    /// A path read relative to `data`.
+    pub fn in_data(text: &str) -> ReadPath {
+        let mut segments = vec![Segment::key("data")];
+        segments.extend(Path::parse(text).segments().iter().cloned());
+        ReadPath {
+            path: Path::from_segments(segments),
+            text: text.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    Trace,
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpMethod {
+    Get,
+    Post,
+    Put,
+    Patch,
+    Delete,
+}
+
+impl HttpMethod {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HttpMethod::Get => "GET",
+            HttpMethod::Post => "POST",
+            HttpMethod::Put => "PUT",
+            HttpMethod::Patch => "PATCH",
+            HttpMethod::Delete => "DELETE",
+        }
+    }
+}
+
+/// A value that is either fixed in the definition or computed by JSONLogic.
+#[derive(Debug)]
+pub enum Source {
+    Static(Json),
+    Logic(Logic),
+}
+
+#[derive(Debug)]
+pub struct HttpCallPlan {
+    pub connector: Box<str>,
+    pub method: HttpMethod,
+    pub path: Option<Source>,
+    pub headers: Vec<(Box<str>, Box<str>)>,
+    pub body: Option<Source>,
+    pub response_path: Option<WritePath>,
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug)]
+pub struct SqlPlan {
+    pub connector: Box<str>,
+    pub query: Box<str>,
+    /// Each parameter is JSONLogic (a plain literal evaluates to itself).
+    pub params: Vec<Logic>,
+    pub output: WritePath,
+}
+
+#[derive(Debug)]
+pub struct CacheReadPlan {
+    pub connector: Box<str>,
+    pub key: Source,
+    pub output: WritePath,
+}
+
+#[derive(Debug)]
+pub struct CacheWritePlan {
+    pub connector: Box<str>,
+    pub key: Source,
+    pub value: Source,
+    pub ttl_secs: Option<u64>,
+}
+
+#[derive(Debug)]
+pub struct MongoReadPlan {
+    pub connector: Box<str>,
+    pub database: Box<str>,
+    pub collection: Box<str>,
+    pub filter: Source,
+    pub output: WritePath,
+}
+
+#[derive(Debug)]
+pub struct PublishKafkaPlan {
+    pub connector: Box<str>,
+    pub topic: Box<str>,
+    pub key: Option<Logic>,
+    /// `None`: the full data context.
+    pub value: Option<Logic>,
+}
+
+#[derive(Debug)]
+pub struct ChannelCallPlan {
+    pub channel: Source,
+    /// `None`: the request payload.
+    pub data: Option<Source>,
+    pub response_path: WritePath,
+    pub timeout_ms: Option<u64>,
+}
+
+/// A task's function with its input compiled.
+#[derive(Debug)]
+pub enum FunctionPlan {
+    ParseJson {
+        source: ReadPath,
+        target: WritePath,
+    },
+    ParseXml {
+        source: ReadPath,
+        target: WritePath,
+    },
+    Map {
+        mappings: Vec<(WritePath, Logic)>,
+    },
+    Filter {
+        condition: Logic,
+        skip: bool,
+    },
+    Validation {
+        rules: Vec<(Logic, Box<str>)>,
+    },
+    Log {
+        message: Logic,
+        level: LogLevel,
+        fields: Vec<(Box<str>, Logic)>,
+    },
+    PublishJson {
+        source: ReadPath,
+        target: WritePath,
+        pretty: bool,
+    },
+    PublishXml {
+        source: ReadPath,
+        target: WritePath,
+        root: Box<str>,
+    },
+    HttpCall(HttpCallPlan),
+    DbRead(SqlPlan),
+    DbWrite(SqlPlan),
+    CacheRead(CacheReadPlan),
+    CacheWrite(CacheWritePlan),
+    MongoRead(MongoReadPlan),
+    PublishKafka(PublishKafkaPlan),
+    ChannelCall(ChannelCallPlan),
+    /// A data function whose input did not compile: fails when it runs.
+    Invalid {
+        function: &'static str,
+        message: Box<str>,
+    },
+}
+
+impl FunctionPlan {
+    pub fn needs_io(&self) -> bool {
+        matches!(
+            self,
+            FunctionPlan::HttpCall(_)
+                | FunctionPlan::DbRead(_)
+                | FunctionPlan::DbWrite(_)
+                | FunctionPlan::CacheRead(_)
+                | FunctionPlan::CacheWrite(_)
+                | FunctionPlan::MongoRead(_)
+                | FunctionPlan::PublishKafka(_)
+                | FunctionPlan::ChannelCall(_)
+        )
+    }
+}
+
+/// A compiled workflow and the warnings found while compiling it.
+#[derive(Debug)]
+pub struct Compiled {
+    pub plan: Plan,
+    pub warnings: Vec<Diagnostic>,
+}
+
+/// Validates and compiles a workflow definition. Errors are every problem
+/// found, each with its field path.
+pub fn compile_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
+    let mut errors = validate::validate_workflow(def);
+    let Some(obj) = def.as_object() else {
+        return Err(errors);
+    };
+    let mut cx = Cx {
+        errors: Vec::new(),
+        warnings: Vec::new(),
+        task_count: 0,
+        needs_io: false,
+    };
+    let condition = cx.condition(obj.get("condition"), "condition");
+    let body = match obj.get("tasks").and_then(Json::as_array) {
+        Some(steps) => cx.block(steps, obj.get("loop"), "", "loop"),
+        None => Block::default(),
+    };
+    errors.extend(cx.errors);
+    if !errors.is_empty() {
+        dedup(&mut errors);
+        return Err(errors);
+    }
+    let rollout = obj
+        .get("rollout")
+        .map_or_else(Rollout::default, |r| Rollout {
+            start: r
+                .get("bucket_start")
+                .and_then(Json::as_u64)
+                .unwrap_or(0)
+                .min(100) as u8,
+            end: r
+                .get("bucket_end")
+                .and_then(Json::as_u64)
+                .unwrap_or(100)
+                .min(100) as u8,
+        });
+    let workflow_id = obj
+        .get("workflow_id")
+        .or_else(|| obj.get("id"))
+        .and_then(Json::as_str)
+        .unwrap_or_default();
+    let plan = Plan {
+        workflow_id: workflow_id.into(),
+        name: obj
+            .get("name")
+            .and_then(Json::as_str)
+            .unwrap_or_default()
+            .into(),
+        version: obj.get("version").and_then(Json::as_i64).unwrap_or(1),
+        priority: obj.get("priority").and_then(Json::as_i64).unwrap_or(0),
+        condition,
+        rollout,
+        continue_on_error: bool_field(obj, "continue_on_error"),
+        body,
+        needs_io: cx.needs_io,
+        task_count: cx.task_count,
+    };
+    Ok(Compiled {
+        plan,
+        warnings: cx.warnings,
+    })
+}
+
+/// The validator and the compiler may both notice one problem; report it once.
+fn dedup(errors: &mut Vec<Diagnostic>) {
+    let mut seen = std::collections::HashSet::new();
+    errors.retain(|d| seen.insert((d.field.clone(), d.message.clone())));
+}
+
+fn bool_field(obj: &Map<String, Json>, key: &str) -> bool {
+    obj.get(key).and_then(Json::as_bool).unwrap_or(false)
+}
+
+fn str_field<'j>(obj: &'j Map<String, Json>, key: &str) -> Option<&'j str> {
+    obj.get(key).and_then(Json::as_str)
+}
+
+fn join(prefix: &str, field: &str) -> String {
+    if prefix.is_empty() {
+        field.to_owned()
+    } else {
+        format!("{prefix}.{field}")
+    }
+}
+
+/// Compilation state: diagnostics collected so far.
+struct Cx {
+    errors: Vec<Diagnostic>,
+    warnings: Vec<Diagnostic>,
+    task_count: usize,
+    needs_io: bool,
+}
+
+/// An input problem in a data function: a warning now, a failure at run time.
+struct InputProblem(String, String);
+
+impl Cx {
+    fn error(&mut self, field: impl Into<String>, message: impl Into<String>) {
+        self.errors.push(Diagnostic {
+            field: field.into(),
+            message: message.into(),
+        });
+    }
+
+    /// Compiles a JSONLogic field whose problems are errors. Absent or
+    /// constant-true compiles to `None` ("always").
+    fn condition(&mut self, rule: Option<&Json>, field: &str) -> Option<Logic> {
+        let logic = self.logic(rule?, field)?;
+        if logic.is_always_true() {
+            None
+        } else {
+            Some(logic)
+        }
+    }
+
+    fn logic(&mut self, rule: &Json, field: &str) -> Option<Logic> {
+        match logic::compile(rule) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                self.error(field, format!("invalid JSONLogic: {}", e.message));
+                None
+            }
+        }
+    }
+
+    fn block(
+        &mut self,
+        steps: &[Json],
+        repeat: Option<&Json>,
+        prefix: &str,
+        loop_field: &str,
+    ) -> Block {
+        let steps = steps
+            .iter()
+            .enumerate()
+            .filter_map(|(i, step)| {
+                let field = format!(
+                    "{}tasks[{i}]",
+                    if prefix.is_empty() {
+                        String::new()
+                    } else {
+                        format!("{prefix}.")
+                    }
+                );
+                self.step(step, &field)
+            })
+            .collect();
+        let repeat = repeat.and_then(|r| self.loop_plan(r, loop_field));
+        Block { steps, repeat }
+    }
+
+    fn loop_plan(&mut self, def: &Json, field: &str) -> Option<LoopPlan> {
+        let obj = def.as_object()?;
+        let max = obj.get("max").and_then(Json::as_u64)?;
+        let counter = str_field(obj, "counter").unwrap_or("temp_data.loop_index");
+        let _ = field;
+        Some(LoopPlan {
+            max: max.min(u32::MAX as u64) as u32,
+            init: obj.get("init").and_then(Json::as_f64).unwrap_or(0.0),
+            increment: obj.get("increment").and_then(Json::as_f64).unwrap_or(1.0),
+            counter: WritePath::parse(counter),
+        })
+    }
+
+    fn step(&mut self, def: &Json, field: &str) -> Option<Step> {
+        let obj = def.as_object()?;
+        let id: Box<str> = str_field(obj, "id").unwrap_or_default().into();
+        let condition = self.condition(obj.get("condition"), &join(field, "condition"));
+        if let Some(children) = obj.get("tasks").and_then(Json::as_array) {
+            let body = self.block(children, obj.get("loop"), field, &join(field, "loop"));
+            return Some(Step::Group(Group {
+                id,
+                field: field.into(),
+                condition,
+                terminal: bool_field(obj, "terminal"),
+                body,
+            }));
+        }
+        self.task_count += 1;
+        let function = obj.get("function").and_then(Json::as_object);
+        let name = function
+            .and_then(|f| str_field(f, "name"))
+            .unwrap_or_default();
+        let empty = Map::new();
+        let input = function
+            .and_then(|f| f.get("input"))
+            .and_then(Json::as_object)
+            .unwrap_or(&empty);
+        let function = self.function(name, input, &join(field, "function.input"))?;
+        self.needs_io |= function.needs_io();
+        Some(Step::Task(Task {
+            id,
+            field: field.into(),
+            condition,
+            continue_on_error: bool_field(obj, "continue_on_error"),
+            terminal: bool_field(obj, "terminal"),
+            halt_on_failure: str_field(obj, "halt_on") == Some("failure"),
+            function,
+        }))
+    }
+
+    fn function(
+        &mut self,
+        name: &str,
+        input: &Map<String, Json>,
+        field: &str,
+    ) -> Option<FunctionPlan> {
+        let function = Function::from_name(name)?;
+        let data_result = match function {
+            Function::ParseJson | Function::ParseXml => parse_fn(input).map(|(source, target)| {
+                if function == Function::ParseJson {
+                    FunctionPlan::ParseJson { source, target }
+                } else {
+                    FunctionPlan::ParseXml { source, target }
+                }
+            }),
+            Function::Map => map_fn(input),
+            Function::Filter => filter_fn(input),
+            Function::Validation => validation_fn(input),
+            Function::Log => log_fn(input),
+            Function::PublishJson => {
+                publish_fn(input).map(|(source, target)| FunctionPlan::PublishJson {
+                    source,
+                    target,
+                    pretty: input.get("pretty").and_then(Json::as_bool).unwrap_or(false),
+                })
+            }
+            Function::PublishXml => publish_fn(input).and_then(|(source, target)| {
+                let root = match input.get("root_element") {
+                    None => "root",
+                    Some(Json::String(s)) if !s.is_empty() => s.as_str(),
+                    Some(_) => {
+                        return Err(InputProblem(
+                            "root_element".into(),
+                            "expected non-empty string".into(),
+                        ));
+                    }
+                };
+                Ok(FunctionPlan::PublishXml {
+                    source,
+                    target,
+                    root: root.into(),
+                })
+            }),
+            _ => return self.io_function(function, input, field),
+        };
+        Some(match data_result {
+            Ok(plan) => plan,
+            Err(InputProblem(sub, message)) => {
+                let at = if sub.is_empty() {
+                    field.to_owned()
+                } else {
+                    join(field, &sub)
+                };
+                self.warnings.push(Diagnostic {
+                    field: at.clone(),
+                    message: message.clone(),
+                });
+                FunctionPlan::Invalid {
+                    function: function.name(),
+                    message: format!("invalid input at {at}: {message}").into(),
+                }
+            }
+        })
+    }
+
+    /// Connector and composition functions: the validator has checked the
+    /// input's shape; here their JSONLogic is compiled (errors are errors).
+    fn io_function(
+        &mut self,
+        function: Function,
+        input: &Map<String, Json>,
+        field: &str,
+    ) -> Option<FunctionPlan> {
+        let connector: Box<str> = str_field(input, "connector").unwrap_or_default().into();
+        let output = |key: &str| WritePath::parse(str_field(input, key).unwrap_or("data"));
+        let plan = match function {
+            Function::HttpCall => {
+                let method = match str_field(input, "method").unwrap_or("GET") {
+                    "POST" => HttpMethod::Post,
+                    "PUT" => HttpMethod::Put,
+                    "PATCH" => HttpMethod::Patch,
+                    "DELETE" => HttpMethod::Delete,
+                    _ => HttpMethod::Get,
+                };
+                let path = self.source(input, "path", "path_logic", field)?;
+                let body = self.source(input, "body", "body_logic", field)?;
+                let headers = input
+                    .get("headers")
+                    .and_then(Json::as_object)
+                    .map(|h| {
+                        h.iter()
+                            .filter_map(|(k, v)| Some((k.as_str().into(), v.as_str()?.into())))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                FunctionPlan::HttpCall(HttpCallPlan {
+                    connector,
+                    method,
+                    path,
+                    headers,
+                    body,
+                    response_path: str_field(input, "response_path").map(WritePath::parse),
+                    timeout_ms: input
+                        .get("timeout_ms")
+                        .and_then(Json::as_f64)
+                        .map_or(30_000, |t| t as u64),
+                })
+            }
+            Function::DbRead | Function::DbWrite => {
+                let mut params = Vec::new();
+                if let Some(items) = input.get("params").and_then(Json::as_array) {
+                    for (i, p) in items.iter().enumerate() {
+                        params.push(self.logic(p, &join(field, &format!("params[{i}]")))?);
+                    }
+                }
+                let sql = SqlPlan {
+                    connector,
+                    query: str_field(input, "query").unwrap_or_default().into(),
+                    params,
+                    output: output("output"),
+                };
+                if function == Function::DbRead {
+                    FunctionPlan::DbRead(sql)
+                } else {
+                    FunctionPlan::DbWrite(sql)
+                }
+            }
+            Function::CacheRead => FunctionPlan::CacheRead(CacheReadPlan {
+                connector,
+                key: self
+                    .source(input, "key", "key_logic", field)?
+                    .unwrap_or(Source::Static(Json::Null)),
+                output: output("output"),
+            }),
+            Function::CacheWrite => {
+                let value = match input.get("value_logic") {
+                    Some(rule) => Source::Logic(self.logic(rule, &join(field, "value_logic"))?),
+                    None => Source::Static(input.get("value").cloned().unwrap_or(Json::Null)),
+                };
+                FunctionPlan::CacheWrite(CacheWritePlan {
+                    connector,
+                    key: self
+                        .source(input, "key", "key_logic", field)?
+                        .unwrap_or(Source::Static(Json::Null)),
+                    value,
+                    ttl_secs: input
+                        .get("ttl_secs")
+                        .and_then(Json::as_f64)
+                        .map(|t| t as u64),
+                })
+            }
+            Function::MongoRead => FunctionPlan::MongoRead(MongoReadPlan {
+                connector,
+                database: str_field(input, "database").unwrap_or_default().into(),
+                collection: str_field(input, "collection").unwrap_or_default().into(),
+                filter: self
+                    .source(input, "filter", "filter_logic", field)?
+                    .unwrap_or(Source::Static(Json::Object(Map::new()))),
+                output: output("output"),
+            }),
+            Function::PublishKafka => {
+                let key = match input.get("key_logic") {
+                    Some(rule) => Some(self.logic(rule, &join(field, "key_logic"))?),
+                    None => None,
+                };
+                let value = match input.get("value_logic") {
+                    Some(rule) => Some(self.logic(rule, &join(field, "value_logic"))?),
+                    None => None,
+                };
+                FunctionPlan::PublishKafka(PublishKafkaPlan {
+                    connector,
+                    topic: str_field(input, "topic").unwrap_or_default().into(),
+                    key,
+                    value,
+                })
+            }
+            Function::ChannelCall => FunctionPlan::ChannelCall(ChannelCallPlan {
+                channel: self
+                    .source(input, "channel", "channel_logic", field)?
+                    .unwrap_or(Source::Static(Json::Null)),
+                data: self.source(input, "data", "data_logic", field)?,
+                response_path: output("response_path"),
+                timeout_ms: input
+                    .get("timeout_ms")
+                    .and_then(Json::as_f64)
+                    .map(|t| t as u64),
+            }),
+            _ => return None,
+        };
+        Some(plan)
+    }
+
+    /// A `field` / `field_logic` pair: the JSONLogic one wins when present.
+    /// The outer `None` means a compile error was recorded.
+    fn source(
+        &mut self,
+        input: &Map<String, Json>,
+        key: &str,
+        logic_key: &str,
+        field: &str,
+    ) -> Option<Option<Source>> {
+        if let Some(rule) = input.get(logic_key) {
+            return self
+                .logic(rule, &join(field, logic_key))
+                .map(|l| Some(Source::Logic(l)));
+        }
+        Some(input.get(key).cloned().map(Source::Static))
+    }
+}
+
+fn required_str<'j>(input: &'j Map<String, Json>, key: &str) -> Result<&'j str, InputProblem> {
+    match input.get(key) {
+        None => Err(InputProblem(key.into(), "is required".into())),
+        Some(Json::String(s)) => Ok(s),
+        Some(other) => Err(InputProblem(
+            key.into(),
+            format!("expected string, got {}", json_type(other)),
+        )),
+    }
+}
+
+fn required_logic(input: &Map<String, Json>, key: &str) -> Result<Logic, InputProblem> {
+    let rule = input
+        .get(key)
+        .ok_or_else(|| InputProblem(key.into(), "is required".into()))?;
+    compile_rule(rule, key)
+}
+
+fn compile_rule(rule: &Json, key: &str) -> Result<Logic, InputProblem> {
+    logic::compile(rule)
+        .map_err(|e| InputProblem(key.into(), format!("invalid JSONLogic: {}", e.message)))
+}
+
+fn required_array<'j>(input: &'j Map<String, Json>, key: &str) -> Result<&'j [Json], InputProblem> {
+    match input.get(key) {
+        None => Err(InputProblem(key.into(), "is required".into())),
+        Some(Json::Array(items)) => Ok(items),
+        Some(other) => Err(InputProblem(
+            key.into(),
+            format!("expected array, got {}", json_type(other)),
+        )),
+    }
+}
+
+/// JSON type names as messages use them.
+pub fn json_type(v: &Json) -> &'static str {
+    match v {
+        Json::Null => "null",
+        Json::Bool(_) => "boolean",
+        Json::Number(_) => "number",
+        Json::String(_) => "string",
+        Json::Array(_) => "array",
+        Json::Object(_) => "object",
+    }
+}
+
+fn parse_fn(input: &Map<String, Json>) -> Result<(ReadPath, WritePath), InputProblem> {
+    let source = required_str(input, "source")?;
+    let target = required_str(input, "target")?;
+    Ok((ReadPath::parse(source), WritePath::in_data(target)))
+}
+
+fn publish_fn(input: &Map<String, Json>) -> Result<(ReadPath, WritePath), InputProblem> {
+    let source = required_str(input, "source")?;
+    let target = required_str(input, "target")?;
+    Ok((ReadPath::in_data(source), WritePath::in_data(target)))
+}
+
+fn map_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
+    let items = required_array(input, "mappings")?;
+    let mut mappings = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("mappings[{i}]");
+        let obj = item.as_object().ok_or_else(|| {
+            InputProblem(
+                at.clone(),
+                format!("expected object, got {}", json_type(item)),
+            )
+        })?;
+        let path = required_str(obj, "path")
+            .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
+        let logic = required_logic(obj, "logic")
+            .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
+        mappings.push((WritePath::parse(path), logic));
+    }
+    Ok(FunctionPlan::Map { mappings })
+}
+
+fn filter_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
+    let condition = required_logic(input, "condition")?;
+    let skip = match input.get("on_reject") {
+        None => false,
+        Some(Json::String(s)) if s == "halt" => false,
+        Some(Json::String(s)) if s == "skip" => true,
+        Some(_) => {
+            return Err(InputProblem(
+                "on_reject".into(),
+                "must be one of halt, skip".into(),
+            ));
+        }
+    };
+    Ok(FunctionPlan::Filter { condition, skip })
+}
+
+fn validation_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
+    let items = required_array(input, "rules")?;
+    let mut rules = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("rules[{i}]");
+        let obj = item.as_object().ok_or_else(|| {
+            InputProblem(
+                at.clone(),
+                format!("expected object, got {}", json_type(item)),
+            )
+        })?;
+        let logic = required_logic(obj, "logic")
+            .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
+        let message = required_str(obj, "message")
+            .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
+        rules.push((logic, message.into()));
+    }
+    Ok(FunctionPlan::Validation { rules })
+}
+
+fn log_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
+    let message = required_logic(input, "message")?;
+    let level = match input.get("level").map(|l| l.as_str()) {
+        None | Some(Some("info")) => LogLevel::Info,
+        Some(Some("trace")) => LogLevel::Trace,
+        Some(Some("debug")) => LogLevel::Debug,
+        Some(Some("warn")) => LogLevel::Warn,
+        Some(Some("error")) => LogLevel::Error,
+        Some(_) => {
+            return Err(InputProblem(
+                "level".into(),
+                "must be one of trace, debug, info, warn, error".into(),
+            ));
+        }
+    };
+    let mut fields = Vec::new();
+    match input.get("fields") {
+        None => {}
+        Some(Json::Object(map)) => {
+            for (name, rule) in map {
+                fields.push((
+                    name.as_str().into(),
+                    compile_rule(rule, &format!("fields.{name}"))?,
+                ));
+            }
+        }
+        Some(other) => {
+            return Err(InputProblem(
+                "fields".into(),
+                format!("expected object, got {}", json_type(other)),
+            ));
+        }
+    }
+    Ok(FunctionPlan::Log {
+        message,
+        level,
+        fields,
+    })
+}

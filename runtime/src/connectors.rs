@@ -1,0 +1,288 @@
+//! The traits through which connector and composition functions reach the
+//! outside world. The runtime knows nothing of sockets, drivers or HTTP: the
+//! service crate implements these with real clients (with retries, timeouts
+//! and circuit breakers), and tests or `sluice test` may plug in fakes.
+//!
+//! Requests and responses are owned `serde_json` values: a connector call
+//! crosses an await and usually a thread, and its cost is the I/O, not the copy.
+
+use async_trait::async_trait;
+use serde_json::Value as Json;
+use sluice_compiler::plan::HttpMethod;
+use std::fmt;
+use std::sync::Arc;
+
+/// How a connector call failed; decides the HTTP status of a halted request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectorErrorKind {
+    /// The call's own timeout ran out.
+    Timeout,
+    /// The circuit breaker for this channel and connector is open.
+    CircuitOpen,
+    /// The remote system answered with an error or could not be reached
+    /// (after retries).
+    Upstream,
+    /// Anything else: unknown connector, misconfiguration, bad input.
+    Other,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectorError {
+    pub kind: ConnectorErrorKind,
+    pub message: String,
+}
+
+impl ConnectorError {
+    pub fn new(kind: ConnectorErrorKind, message: impl Into<String>) -> Self {
+        ConnectorError {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    pub fn other(message: impl Into<String>) -> Self {
+        Self::new(ConnectorErrorKind::Other, message)
+    }
+}
+
+impl fmt::Display for ConnectorError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ConnectorError {}
+
+/// Who is calling: the channel (breakers are keyed `<channel>:<connector>`)
+/// and the W3C trace context to propagate.
+#[derive(Debug, Clone, Default)]
+pub struct CallScope {
+    pub channel: String,
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
+    /// Channels already on the `channel_call` stack, outermost first.
+    pub chain: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct HttpRequest {
+    pub connector: String,
+    pub method: HttpMethod,
+    /// Appended to the connector's base URL.
+    pub path: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub body: Option<Json>,
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct SqlRequest {
+    pub connector: String,
+    pub query: String,
+    pub params: Vec<Json>,
+}
+
+#[derive(Debug, Clone)]
+pub struct FindRequest {
+    pub connector: String,
+    pub database: String,
+    pub collection: String,
+    pub filter: Json,
+}
+
+#[derive(Debug, Clone)]
+pub struct PublishRequest {
+    pub connector: String,
+    pub topic: String,
+    pub key: Option<String>,
+    /// The message value as JSON text.
+    pub value: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+pub struct InvokeRequest {
+    pub channel: String,
+    /// The payload the called channel's workflow sees.
+    pub data: Json,
+    pub timeout_ms: Option<u64>,
+}
+
+#[async_trait]
+pub trait HttpClient: Send + Sync {
+    /// Returns the response body (JSON when it parses, else a string).
+    async fn call(&self, scope: &CallScope, req: HttpRequest) -> Result<Json, ConnectorError>;
+}
+
+#[async_trait]
+pub trait SqlClient: Send + Sync {
+    /// Runs a SELECT; rows as JSON objects.
+    async fn read(&self, scope: &CallScope, req: SqlRequest) -> Result<Vec<Json>, ConnectorError>;
+    /// Runs INSERT/UPDATE/DELETE; the number of rows affected.
+    async fn write(&self, scope: &CallScope, req: SqlRequest) -> Result<u64, ConnectorError>;
+}
+
+#[async_trait]
+pub trait Cache: Send + Sync {
+    async fn get(
+        &self,
+        scope: &CallScope,
+        connector: &str,
+        key: &str,
+    ) -> Result<Option<String>, ConnectorError>;
+    async fn set(
+        &self,
+        scope: &CallScope,
+        connector: &str,
+        key: &str,
+        value: String,
+        ttl_secs: Option<u64>,
+    ) -> Result<(), ConnectorError>;
+}
+
+#[async_trait]
+pub trait DocumentStore: Send + Sync {
+    async fn find(&self, scope: &CallScope, req: FindRequest) -> Result<Vec<Json>, ConnectorError>;
+}
+
+#[async_trait]
+pub trait Publisher: Send + Sync {
+    async fn publish(&self, scope: &CallScope, req: PublishRequest) -> Result<(), ConnectorError>;
+}
+
+#[async_trait]
+pub trait ChannelInvoker: Send + Sync {
+    /// Runs another channel's workflow in-process and returns its `data`.
+    async fn invoke(&self, scope: &CallScope, req: InvokeRequest) -> Result<Json, ConnectorError>;
+}
+
+/// The connector implementations a runtime may use. A function whose service
+/// is absent fails with a task error saying so.
+#[derive(Clone, Default)]
+pub struct Services {
+    pub http: Option<Arc<dyn HttpClient>>,
+    pub sql: Option<Arc<dyn SqlClient>>,
+    pub cache: Option<Arc<dyn Cache>>,
+    pub documents: Option<Arc<dyn DocumentStore>>,
+    pub publisher: Option<Arc<dyn Publisher>>,
+    pub channels: Option<Arc<dyn ChannelInvoker>>,
+}
+
+impl fmt::Debug for Services {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Services")
+            .field("http", &self.http.is_some())
+            .field("sql", &self.sql.is_some())
+            .field("cache", &self.cache.is_some())
+            .field("documents", &self.documents.is_some())
+            .field("publisher", &self.publisher.is_some())
+            .field("channels", &self.channels.is_some())
+            .finish()
+    }
+}
+
+/// One pending connector call, produced by the executor and answered by
+/// [`Services::perform`].
+#[derive(Debug)]
+pub enum IoRequest {
+    Http(HttpRequest),
+    SqlRead(SqlRequest),
+    SqlWrite(SqlRequest),
+    CacheGet {
+        connector: String,
+        key: String,
+    },
+    CacheSet {
+        connector: String,
+        key: String,
+        value: String,
+        ttl_secs: Option<u64>,
+    },
+    Find(FindRequest),
+    Publish(PublishRequest),
+    Invoke(InvokeRequest),
+}
+
+/// What a connector call produced, as the value to store (if any).
+pub type IoResult = Result<Option<Json>, ConnectorError>;
+
+fn missing(what: &str) -> ConnectorError {
+    ConnectorError::other(format!("no {what} is configured in this process"))
+}
+
+impl Services {
+    /// Performs one connector call.
+    pub async fn perform(&self, scope: &CallScope, io: IoRequest) -> IoResult {
+        match io {
+            IoRequest::Http(req) => {
+                let client = self.http.as_ref().ok_or_else(|| missing("HTTP client"))?;
+                client.call(scope, req).await.map(Some)
+            }
+            IoRequest::SqlRead(req) => {
+                let client = self.sql.as_ref().ok_or_else(|| missing("SQL client"))?;
+                client
+                    .read(scope, req)
+                    .await
+                    .map(|rows| Some(Json::Array(rows)))
+            }
+            IoRequest::SqlWrite(req) => {
+                let client = self.sql.as_ref().ok_or_else(|| missing("SQL client"))?;
+                let n = client.write(scope, req).await?;
+                Ok(Some(serde_json::json!({ "rows_affected": n })))
+            }
+            IoRequest::CacheGet { connector, key } => {
+                let cache = self.cache.as_ref().ok_or_else(|| missing("cache"))?;
+                let text = cache.get(scope, &connector, &key).await?;
+                Ok(Some(text.map_or(Json::Null, cached_value)))
+            }
+            IoRequest::CacheSet {
+                connector,
+                key,
+                value,
+                ttl_secs,
+            } => {
+                let cache = self.cache.as_ref().ok_or_else(|| missing("cache"))?;
+                cache.set(scope, &connector, &key, value, ttl_secs).await?;
+                Ok(None)
+            }
+            IoRequest::Find(req) => {
+                let store = self
+                    .documents
+                    .as_ref()
+                    .ok_or_else(|| missing("document store"))?;
+                store
+                    .find(scope, req)
+                    .await
+                    .map(|docs| Some(Json::Array(docs)))
+            }
+            IoRequest::Publish(req) => {
+                let publisher = self.publisher.as_ref().ok_or_else(|| {
+                    ConnectorError::other(
+                        "publish_kafka requires Kafka to be enabled (kafka.enabled = true)",
+                    )
+                })?;
+                publisher.publish(scope, req).await?;
+                Ok(None)
+            }
+            IoRequest::Invoke(req) => {
+                let channels = self
+                    .channels
+                    .as_ref()
+                    .ok_or_else(|| missing("channel invoker"))?;
+                channels.invoke(scope, req).await.map(Some)
+            }
+        }
+    }
+}
+
+/// `cache_write` stores strings as they are and other values as JSON text;
+/// `cache_read` gives back objects and arrays parsed, everything else as the
+/// stored string (so a stored string never changes type on the way back).
+fn cached_value(text: String) -> Json {
+    let trimmed = text.trim_start();
+    if (trimmed.starts_with('{') || trimmed.starts_with('['))
+        && let Ok(v) = serde_json::from_str::<Json>(&text)
+    {
+        return v;
+    }
+    Json::String(text)
+}

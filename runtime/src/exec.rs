@@ -1,0 +1,1040 @@
+//! The executor: selects a workflow for a request and runs its plan over the
+//! data context.
+//!
+//! One [`Machine`] holds the state of one execution (context, frame stack,
+//! collected errors). It runs steps synchronously until a connector step needs
+//! I/O, hands that back as an [`IoRequest`], and is resumed with the result.
+//! [`execute`] drives it: a plan of data functions finishes in its first poll,
+//! and connector calls are awaited without the machine ever holding the arena
+//! across an await (the arena is owned by the `execute` future itself, so the
+//! future stays `Send`).
+
+use crate::connectors::{
+    CallScope, ConnectorErrorKind, FindRequest, HttpRequest, InvokeRequest, IoRequest, IoResult,
+    PublishRequest, Services, SqlRequest,
+};
+use crate::{json, xml};
+use bumpalo::Bump;
+use serde_json::Value as Json;
+use sluice_compiler::Value;
+use sluice_compiler::logic::{Logic, truthy};
+use sluice_compiler::plan::{
+    Area, Block, FunctionPlan, Group, LogLevel, Plan, ReadPath, Source, Step, Task, WritePath,
+};
+use smallvec::SmallVec;
+use std::time::Instant;
+
+/// Where the payload is found in the submitted body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadFrom {
+    /// The body's `data` member (HTTP requests: `{"data": {...}}`).
+    DataMember,
+    /// The `data` member when the body is an object that has one, else the
+    /// whole body (Kafka messages accept both forms).
+    DataMemberOrWhole,
+    /// The whole body is the payload (`sluice dry-run`, channel_call).
+    Whole,
+}
+
+/// Request context, borrowed from the caller. Header names must already be
+/// lowercase.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Meta<'r> {
+    pub headers: &'r [(&'r str, &'r str)],
+    pub query: &'r [(&'r str, &'r str)],
+    pub path: &'r [(&'r str, &'r str)],
+    pub method: &'r str,
+    pub channel: &'r str,
+    pub request_id: &'r str,
+}
+
+/// One request to execute.
+#[derive(Debug, Clone, Copy)]
+pub struct Input<'r> {
+    /// The request body as JSON text (empty means no payload).
+    pub body: &'r [u8],
+    pub payload_from: PayloadFrom,
+    pub meta: Meta<'r>,
+    /// The rollout bucket (0..100) of this request, if it has one.
+    pub bucket: Option<u8>,
+}
+
+/// Knobs for one execution.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Record each task's status and duration (profile and dry-run).
+    pub record_tasks: bool,
+    /// Serialize `data` pretty-printed.
+    pub pretty: bool,
+}
+
+/// The request body could not be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InputError {
+    #[error("request body is not valid JSON: {0}")]
+    NotJson(String),
+    #[error("request body must be a JSON object")]
+    NotObject,
+}
+
+/// How a halted execution failed; the service maps this to an HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// A task error (500 TASK_ERROR).
+    Task,
+    /// A connector call's own timeout (504 TIMEOUT).
+    Timeout,
+    /// An open circuit breaker (503 SERVICE_UNAVAILABLE).
+    CircuitOpen,
+    /// A connector call failed otherwise (502 UPSTREAM_ERROR).
+    Upstream,
+    /// Validation rules failed under `halt_on: failure` (400 BAD_REQUEST).
+    Validation,
+}
+
+/// The task that halted the workflow.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub task_id: String,
+    /// Where the task is in the definition, e.g. `tasks[2]`.
+    pub field: String,
+    pub message: String,
+    /// For `Validation`: every failed rule's message.
+    pub messages: Vec<String>,
+}
+
+/// An entry of the response's `errors` array.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ErrorItem {
+    pub code: &'static str,
+    pub task_id: String,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskStatus {
+    Executed,
+    Skipped,
+    Failed,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TaskRecord {
+    pub id: String,
+    pub status: TaskStatus,
+    pub ms: f64,
+}
+
+/// How the workflow ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Status {
+    /// Every step ran (or a terminal step ended it successfully).
+    Completed,
+    /// A `filter` with `on_reject: halt` stopped it; still a success.
+    Filtered,
+    /// A task failure halted it.
+    Failed(Failure),
+}
+
+/// Which workflow version ran.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matched {
+    pub workflow_id: String,
+    pub version: i64,
+}
+
+/// The owned result of one execution.
+#[derive(Debug, Clone)]
+pub struct Execution {
+    /// `None` when no workflow matched the request (nothing ran).
+    pub matched: Option<Matched>,
+    pub status: Status,
+    /// The final `data` as JSON text.
+    pub data: Vec<u8>,
+    pub errors: Vec<ErrorItem>,
+    /// Filled when `Options::record_tasks` is set.
+    pub tasks: Vec<TaskRecord>,
+    pub workflow_ms: f64,
+}
+
+/// Selects and runs a workflow. `candidates` must be ordered by descending
+/// priority (the engine snapshot keeps them so); the first whose condition is
+/// truthy and whose rollout range accepts the request's bucket runs.
+pub async fn execute<'p, I>(
+    candidates: I,
+    input: Input<'_>,
+    services: &Services,
+    scope: &CallScope,
+    options: &Options,
+) -> Result<Execution, InputError>
+where
+    I: IntoIterator<Item = &'p Plan>,
+{
+    let arena = Bump::with_capacity(16 * 1024);
+    let start = Instant::now();
+    let context = Context::new(&input, &arena)?;
+    let Some(plan) = select(candidates, &context, input.bucket, &arena) else {
+        return Ok(Execution {
+            matched: None,
+            status: Status::Completed,
+            data: b"{}".to_vec(),
+            errors: Vec::new(),
+            tasks: Vec::new(),
+            workflow_ms: 0.0,
+        });
+    };
+    let mut machine = Machine::new(plan, context, options.record_tasks);
+    loop {
+        match machine.run(&arena) {
+            Next::Done => break,
+            Next::Io(io) => {
+                let result = services.perform(scope, io).await;
+                machine.resume(result, &arena);
+            }
+        }
+    }
+    Ok(machine.finish(start, options))
+}
+
+/// Picks the workflow for a request: first by priority whose condition holds
+/// and whose rollout accepts the bucket. Conditions see `data` empty, as no
+/// task has parsed the payload yet.
+fn select<'p, I>(
+    candidates: I,
+    context: &Context<'_>,
+    bucket: Option<u8>,
+    arena: &Bump,
+) -> Option<&'p Plan>
+where
+    I: IntoIterator<Item = &'p Plan>,
+{
+    let mut root = None;
+    candidates.into_iter().find(|plan| {
+        if !plan.rollout.accepts(bucket) {
+            return false;
+        }
+        match &plan.condition {
+            None => true,
+            Some(condition) => {
+                let root = *root.get_or_insert_with(|| context.root(arena));
+                condition.eval(root, arena).is_ok_and(|v| truthy(&v))
+            }
+        }
+    })
+}
+
+/// The four areas of the data context.
+#[derive(Debug, Clone, Copy)]
+struct Context<'a> {
+    data: Value<'a>,
+    metadata: Value<'a>,
+    temp_data: Value<'a>,
+    payload: Value<'a>,
+}
+
+impl<'a> Context<'a> {
+    fn new(input: &Input<'a>, arena: &'a Bump) -> Result<Context<'a>, InputError> {
+        let body = trim_ascii(input.body);
+        let payload = if body.is_empty() {
+            Value::Null
+        } else {
+            let parsed = json::parse(body, arena).map_err(|e| InputError::NotJson(e.0))?;
+            match input.payload_from {
+                PayloadFrom::Whole => parsed,
+                PayloadFrom::DataMember => match parsed {
+                    Value::Object(_) => parsed.get("data").unwrap_or(Value::Null),
+                    _ => return Err(InputError::NotObject),
+                },
+                PayloadFrom::DataMemberOrWhole => parsed.get("data").unwrap_or(parsed),
+            }
+        };
+        Ok(Context {
+            data: Value::EMPTY_OBJECT,
+            metadata: metadata(&input.meta, arena),
+            temp_data: Value::EMPTY_OBJECT,
+            payload,
+        })
+    }
+
+    /// The context as the object JSONLogic reads.
+    fn root(&self, arena: &'a Bump) -> Value<'a> {
+        Value::Object(arena.alloc_slice_copy(&[
+            ("data", self.data),
+            ("metadata", self.metadata),
+            ("temp_data", self.temp_data),
+            ("payload", self.payload),
+        ]))
+    }
+
+    fn area_mut(&mut self, area: Area) -> &mut Value<'a> {
+        match area {
+            Area::Data => &mut self.data,
+            Area::TempData => &mut self.temp_data,
+            Area::Metadata => &mut self.metadata,
+        }
+    }
+}
+
+fn trim_ascii(bytes: &[u8]) -> &[u8] {
+    let start = bytes
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(bytes.len());
+    let end = bytes
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
+    &bytes[start..end]
+}
+
+fn pairs<'a>(items: &[(&'a str, &'a str)], arena: &'a Bump) -> Value<'a> {
+    Value::Object(arena.alloc_slice_fill_iter(items.iter().map(|(k, v)| (*k, Value::Str(v)))))
+}
+
+fn metadata<'a>(meta: &Meta<'a>, arena: &'a Bump) -> Value<'a> {
+    Value::Object(arena.alloc_slice_copy(&[
+        ("headers", pairs(meta.headers, arena)),
+        ("query", pairs(meta.query, arena)),
+        ("path", pairs(meta.path, arena)),
+        ("method", Value::Str(meta.method)),
+        ("channel", Value::Str(meta.channel)),
+        ("request_id", Value::Str(meta.request_id)),
+    ]))
+}
+
+/// What the machine needs next.
+pub enum Next {
+    Done,
+    Io(IoRequest),
+}
+
+/// A block being executed: which step is next and which pass of its loop.
+struct Frame<'p> {
+    block: &'p Block,
+    next: usize,
+    pass: u32,
+    /// The group this block belongs to (`None` for the workflow's own steps).
+    group: Option<&'p Group>,
+    /// `errors.len()` on entry, to tell whether the group failed.
+    errors_on_entry: usize,
+}
+
+/// A task error before it is classified by the task's error policy.
+struct TaskError {
+    kind: FailureKind,
+    message: String,
+}
+
+impl TaskError {
+    fn task(message: impl Into<String>) -> TaskError {
+        TaskError {
+            kind: FailureKind::Task,
+            message: message.into(),
+        }
+    }
+}
+
+/// What a task's outcome means for the pipeline.
+enum Flow {
+    Continue,
+    Stop(Status),
+}
+
+/// The state of one execution.
+struct Machine<'a> {
+    plan: &'a Plan,
+    ctx: Context<'a>,
+    /// The context object for JSONLogic, rebuilt lazily after writes.
+    root: Option<Value<'a>>,
+    frames: SmallVec<[Frame<'a>; 4]>,
+    errors: Vec<ErrorItem>,
+    status: Option<Status>,
+    record_tasks: bool,
+    tasks: Vec<TaskRecord>,
+    /// The connector task waiting for its I/O, and when it started.
+    pending: Option<(&'a Task, Instant)>,
+    task_started: Option<Instant>,
+}
+
+impl<'a> Machine<'a> {
+    fn new(plan: &'a Plan, ctx: Context<'a>, record_tasks: bool) -> Self {
+        let mut frames = SmallVec::new();
+        frames.push(Frame {
+            block: &plan.body,
+            next: 0,
+            pass: 0,
+            group: None,
+            errors_on_entry: 0,
+        });
+        Machine {
+            plan,
+            ctx,
+            root: None,
+            frames,
+            errors: Vec::new(),
+            status: None,
+            record_tasks,
+            tasks: if record_tasks {
+                Vec::with_capacity(plan.task_count)
+            } else {
+                Vec::new()
+            },
+            pending: None,
+            task_started: None,
+        }
+    }
+
+    fn root(&mut self, arena: &'a Bump) -> Value<'a> {
+        match self.root {
+            Some(root) => root,
+            None => {
+                let root = self.ctx.root(arena);
+                self.root = Some(root);
+                root
+            }
+        }
+    }
+
+    fn write(
+        &mut self,
+        target: &WritePath,
+        value: Value<'a>,
+        arena: &'a Bump,
+    ) -> Result<(), TaskError> {
+        let area = self.ctx.area_mut(target.area);
+        *area = target
+            .path
+            .set(*area, value, arena)
+            .map_err(|e| TaskError::task(format!("cannot write '{}': {e}", target.text)))?;
+        self.root = None;
+        Ok(())
+    }
+
+    fn eval(&mut self, logic: &'a Logic, arena: &'a Bump) -> Result<Value<'a>, String> {
+        let root = self.root(arena);
+        logic.eval(root, arena).map_err(|e| e.to_string())
+    }
+
+    fn condition_holds(
+        &mut self,
+        condition: &'a Option<Logic>,
+        arena: &'a Bump,
+    ) -> Result<bool, String> {
+        match condition {
+            None => Ok(true),
+            Some(logic) => self.eval(logic, arena).map(|v| truthy(&v)),
+        }
+    }
+
+    /// Runs steps until the workflow ends or a connector call is needed.
+    fn run(&mut self, arena: &'a Bump) -> Next {
+        while self.status.is_none() {
+            let Some(frame) = self.frames.last_mut() else {
+                self.status = Some(Status::Completed);
+                break;
+            };
+            let block = frame.block;
+            if frame.next == 0
+                && frame.pass == 0
+                && let Some(repeat) = &block.repeat
+            {
+                // First entry into a looping block: set the counter for pass 0.
+                if repeat.max == 0 {
+                    frame.next = block.steps.len();
+                } else {
+                    let counter = Value::Float(repeat.init);
+                    if let Err(e) = self.write(&repeat.counter, counter, arena) {
+                        self.status = Some(Status::Failed(self.loop_failure(e)));
+                        break;
+                    }
+                }
+            }
+            let frame = self.frames.last_mut().expect("frame exists");
+            if frame.next >= block.steps.len() {
+                if let Some(repeat) = &block.repeat {
+                    frame.pass += 1;
+                    if frame.pass < repeat.max {
+                        frame.next = 0;
+                        let counter =
+                            Value::Float(repeat.init + f64::from(frame.pass) * repeat.increment);
+                        if let Err(e) = self.write(&repeat.counter, counter, arena) {
+                            self.status = Some(Status::Failed(self.loop_failure(e)));
+                        }
+                        continue;
+                    }
+                }
+                let frame = self.frames.pop().expect("frame exists");
+                if let Some(group) = frame.group
+                    && group.terminal
+                    && self.errors.len() == frame.errors_on_entry
+                {
+                    self.status = Some(Status::Completed);
+                }
+                continue;
+            }
+            let step = &block.steps[frame.next];
+            frame.next += 1;
+            match step {
+                Step::Group(group) => match self.condition_holds(&group.condition, arena) {
+                    Ok(true) => {
+                        let errors_on_entry = self.errors.len();
+                        self.frames.push(Frame {
+                            block: &group.body,
+                            next: 0,
+                            pass: 0,
+                            group: Some(group),
+                            errors_on_entry,
+                        });
+                    }
+                    Ok(false) => self.record_skipped_group(group),
+                    Err(message) => {
+                        self.status = Some(Status::Failed(Failure {
+                            kind: FailureKind::Task,
+                            task_id: group.id.to_string(),
+                            field: group.field.to_string(),
+                            message: format!("group condition failed: {message}"),
+                            messages: Vec::new(),
+                        }));
+                    }
+                },
+                Step::Task(task) => {
+                    if let Some(io) = self.start_task(task, arena) {
+                        return Next::Io(io);
+                    }
+                }
+            }
+        }
+        Next::Done
+    }
+
+    fn loop_failure(&self, e: TaskError) -> Failure {
+        Failure {
+            kind: FailureKind::Task,
+            task_id: self.plan.workflow_id.to_string(),
+            field: "loop.counter".into(),
+            message: e.message,
+            messages: Vec::new(),
+        }
+    }
+
+    fn record_skipped_group(&mut self, group: &Group) {
+        if self.record_tasks {
+            fn walk(block: &Block, out: &mut Vec<TaskRecord>) {
+                for step in &block.steps {
+                    match step {
+                        Step::Task(t) => out.push(TaskRecord {
+                            id: t.id.to_string(),
+                            status: TaskStatus::Skipped,
+                            ms: 0.0,
+                        }),
+                        Step::Group(g) => walk(&g.body, out),
+                    }
+                }
+            }
+            walk(&group.body, &mut self.tasks);
+        }
+    }
+
+    /// Runs a task; returns the I/O it needs, if it is a connector task.
+    fn start_task(&mut self, task: &'a Task, arena: &'a Bump) -> Option<IoRequest> {
+        let started = Instant::now();
+        self.task_started = Some(started);
+        match self.condition_holds(&task.condition, arena) {
+            Ok(true) => {}
+            Ok(false) => {
+                self.record(task, TaskStatus::Skipped);
+                return None;
+            }
+            Err(message) => {
+                let flow = self.task_failed(
+                    task,
+                    TaskError::task(format!("condition failed: {message}")),
+                );
+                self.apply(flow);
+                return None;
+            }
+        }
+        match self.run_function(task, arena) {
+            Ok(Step2::Done(flow)) => {
+                let flow = match flow {
+                    Flow::Continue if task.terminal => Flow::Stop(Status::Completed),
+                    other => other,
+                };
+                self.record(task, TaskStatus::Executed);
+                self.apply(flow);
+                None
+            }
+            Ok(Step2::Io(io)) => {
+                self.pending = Some((task, started));
+                Some(io)
+            }
+            Ok(Step2::Validated(failed)) => {
+                self.validated(task, failed);
+                None
+            }
+            Err(e) => {
+                let flow = self.task_failed(task, e);
+                self.apply(flow);
+                None
+            }
+        }
+    }
+
+    /// Feeds a connector call's result back to the task that asked for it.
+    fn resume(&mut self, result: IoResult, arena: &'a Bump) {
+        let Some((task, started)) = self.pending.take() else {
+            return;
+        };
+        self.task_started = Some(started);
+        let outcome = match result {
+            Ok(value) => self.store_io_result(task, value, arena),
+            Err(e) => Err(TaskError {
+                kind: match e.kind {
+                    ConnectorErrorKind::Timeout => FailureKind::Timeout,
+                    ConnectorErrorKind::CircuitOpen => FailureKind::CircuitOpen,
+                    ConnectorErrorKind::Upstream => FailureKind::Upstream,
+                    ConnectorErrorKind::Other => FailureKind::Task,
+                },
+                message: format!("{}: {}", function_name(&task.function), e.message),
+            }),
+        };
+        match outcome {
+            Ok(()) => {
+                self.record(task, TaskStatus::Executed);
+                if task.terminal {
+                    self.apply(Flow::Stop(Status::Completed));
+                }
+            }
+            Err(e) => {
+                let flow = self.task_failed(task, e);
+                self.apply(flow);
+            }
+        }
+    }
+
+    fn store_io_result(
+        &mut self,
+        task: &'a Task,
+        value: Option<Json>,
+        arena: &'a Bump,
+    ) -> Result<(), TaskError> {
+        let target = match &task.function {
+            FunctionPlan::HttpCall(p) => p.response_path.as_ref(),
+            FunctionPlan::DbRead(p) | FunctionPlan::DbWrite(p) => Some(&p.output),
+            FunctionPlan::CacheRead(p) => Some(&p.output),
+            FunctionPlan::MongoRead(p) => Some(&p.output),
+            FunctionPlan::ChannelCall(p) => Some(&p.response_path),
+            _ => None,
+        };
+        match (target, value) {
+            (Some(target), Some(value)) => {
+                let v = Value::copy_json(&value, arena);
+                self.write(target, v, arena)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn apply(&mut self, flow: Flow) {
+        if let Flow::Stop(status) = flow {
+            self.status = Some(status);
+        }
+    }
+
+    fn record(&mut self, task: &Task, status: TaskStatus) {
+        if self.record_tasks {
+            let ms = self
+                .task_started
+                .map_or(0.0, |s| s.elapsed().as_secs_f64() * 1000.0);
+            self.tasks.push(TaskRecord {
+                id: task.id.to_string(),
+                status,
+                ms,
+            });
+        }
+    }
+
+    /// Applies the error policy: halt (the default, and always with
+    /// `halt_on: failure`) or collect and continue.
+    fn task_failed(&mut self, task: &Task, e: TaskError) -> Flow {
+        self.record(task, TaskStatus::Failed);
+        let tolerate = task.continue_on_error || self.plan.continue_on_error;
+        if task.halt_on_failure || !tolerate {
+            return Flow::Stop(Status::Failed(Failure {
+                kind: e.kind,
+                task_id: task.id.to_string(),
+                field: task.field.to_string(),
+                message: e.message,
+                messages: Vec::new(),
+            }));
+        }
+        self.errors.push(ErrorItem {
+            code: "TASK_ERROR",
+            task_id: task.id.to_string(),
+            message: e.message,
+        });
+        Flow::Continue
+    }
+
+    /// Failed validation rules are reported, and halt only under
+    /// `halt_on: failure`.
+    fn validated(&mut self, task: &Task, failed: Vec<String>) {
+        if failed.is_empty() {
+            self.record(task, TaskStatus::Executed);
+            if task.terminal {
+                self.apply(Flow::Stop(Status::Completed));
+            }
+            return;
+        }
+        self.record(task, TaskStatus::Failed);
+        if task.halt_on_failure {
+            self.status = Some(Status::Failed(Failure {
+                kind: FailureKind::Validation,
+                task_id: task.id.to_string(),
+                field: task.field.to_string(),
+                message: failed.join("; "),
+                messages: failed,
+            }));
+            return;
+        }
+        for message in failed {
+            self.errors.push(ErrorItem {
+                code: "VALIDATION_ERROR",
+                task_id: task.id.to_string(),
+                message,
+            });
+        }
+    }
+
+    fn run_function(&mut self, task: &'a Task, arena: &'a Bump) -> Result<Step2, TaskError> {
+        let name = function_name(&task.function);
+        let fail = |m: String| TaskError::task(format!("{name}: {m}"));
+        match &task.function {
+            FunctionPlan::ParseJson { source, target }
+            | FunctionPlan::ParseXml { source, target } => {
+                let is_xml = matches!(task.function, FunctionPlan::ParseXml { .. });
+                let root = self.root(arena);
+                let value = match source.path.get(root) {
+                    None | Some(Value::Null) => Value::Null,
+                    Some(Value::Str(text)) if is_xml => xml::parse(text, arena).map_err(fail)?,
+                    Some(Value::Str(text)) => json::parse_str(text, arena).map_err(|e| {
+                        fail(format!(
+                            "source '{}' is not valid JSON: {}",
+                            source.text, e.0
+                        ))
+                    })?,
+                    Some(other) if is_xml => {
+                        return Err(fail(format!(
+                            "source '{}' must be XML text, got {}",
+                            source.text,
+                            sluice_compiler::value::type_name(&other)
+                        )));
+                    }
+                    Some(other) => other,
+                };
+                self.write(target, value, arena)?;
+                Ok(Step2::Done(Flow::Continue))
+            }
+            FunctionPlan::Map { mappings } => {
+                for (i, (path, logic)) in mappings.iter().enumerate() {
+                    let value = self
+                        .eval(logic, arena)
+                        .map_err(|m| fail(format!("mappings[{i}]: {m}")))?;
+                    self.write(path, value, arena)?;
+                }
+                Ok(Step2::Done(Flow::Continue))
+            }
+            FunctionPlan::Filter { condition, skip } => {
+                let pass = self.eval(condition, arena).map_err(fail)?;
+                if truthy(&pass) || *skip {
+                    Ok(Step2::Done(Flow::Continue))
+                } else {
+                    Ok(Step2::Done(Flow::Stop(Status::Filtered)))
+                }
+            }
+            FunctionPlan::Validation { rules } => {
+                let mut failed = Vec::new();
+                for (logic, message) in rules {
+                    let ok = matches!(self.eval(logic, arena), Ok(Value::Bool(true)));
+                    if !ok {
+                        failed.push(message.to_string());
+                    }
+                }
+                Ok(Step2::Validated(failed))
+            }
+            FunctionPlan::Log {
+                message,
+                level,
+                fields,
+            } => {
+                let text = self.eval(message, arena).map_err(fail)?;
+                let text = display(&text);
+                let mut extra = Vec::with_capacity(fields.len());
+                for (k, logic) in fields {
+                    let v = self
+                        .eval(logic, arena)
+                        .map_err(|m| fail(format!("fields.{k}: {m}")))?;
+                    extra.push((k.as_ref(), v));
+                }
+                let fields_json = Value::Object(arena.alloc_slice_copy(&extra)).to_json_string();
+                let workflow = &*self.plan.workflow_id;
+                let task_id = &*task.id;
+                match level {
+                    LogLevel::Trace => {
+                        tracing::trace!(target: "sluice::workflow", workflow, task_id, fields = %fields_json, "{text}")
+                    }
+                    LogLevel::Debug => {
+                        tracing::debug!(target: "sluice::workflow", workflow, task_id, fields = %fields_json, "{text}")
+                    }
+                    LogLevel::Info => {
+                        tracing::info!(target: "sluice::workflow", workflow, task_id, fields = %fields_json, "{text}")
+                    }
+                    LogLevel::Warn => {
+                        tracing::warn!(target: "sluice::workflow", workflow, task_id, fields = %fields_json, "{text}")
+                    }
+                    LogLevel::Error => {
+                        tracing::error!(target: "sluice::workflow", workflow, task_id, fields = %fields_json, "{text}")
+                    }
+                }
+                Ok(Step2::Done(Flow::Continue))
+            }
+            FunctionPlan::PublishJson {
+                source,
+                target,
+                pretty,
+            } => {
+                let value = self
+                    .read_data(source, arena)
+                    .ok_or_else(|| fail(format!("source '{}' not found in data", source.text)))?;
+                let mut out = Vec::new();
+                if *pretty {
+                    value.write_json_pretty(&mut out)
+                } else {
+                    value.write_json(&mut out)
+                }
+                let text = arena.alloc_str(std::str::from_utf8(&out).unwrap_or_default());
+                self.write(target, Value::Str(text), arena)?;
+                Ok(Step2::Done(Flow::Continue))
+            }
+            FunctionPlan::PublishXml {
+                source,
+                target,
+                root,
+            } => {
+                let value = self
+                    .read_data(source, arena)
+                    .ok_or_else(|| fail(format!("source '{}' not found in data", source.text)))?;
+                let text = xml::to_xml(&value, root).map_err(fail)?;
+                self.write(target, Value::Str(arena.alloc_str(&text)), arena)?;
+                Ok(Step2::Done(Flow::Continue))
+            }
+            FunctionPlan::Invalid { message, .. } => Err(TaskError::task(message.to_string())),
+            io => self.io_request(io, arena).map(Step2::Io).map_err(fail),
+        }
+    }
+
+    fn read_data(&mut self, source: &ReadPath, arena: &'a Bump) -> Option<Value<'a>> {
+        let root = self.root(arena);
+        source.path.get(root)
+    }
+
+    fn source(&mut self, source: &'a Source, arena: &'a Bump) -> Result<Json, String> {
+        match source {
+            Source::Static(v) => Ok(v.clone()),
+            Source::Logic(l) => self.eval(l, arena).map(|v| v.to_json()),
+        }
+    }
+
+    fn source_string(
+        &mut self,
+        source: &'a Source,
+        arena: &'a Bump,
+        what: &str,
+    ) -> Result<String, String> {
+        match source {
+            Source::Static(Json::String(s)) => Ok(s.clone()),
+            Source::Static(other) => Ok(display_json(other)),
+            Source::Logic(l) => match self.eval(l, arena)? {
+                Value::Str(s) => Ok(s.to_owned()),
+                Value::Null => Err(format!("{what} evaluated to null")),
+                other => Ok(display(&other)),
+            },
+        }
+    }
+
+    /// Builds a connector call from a task's compiled input.
+    fn io_request(
+        &mut self,
+        function: &'a FunctionPlan,
+        arena: &'a Bump,
+    ) -> Result<IoRequest, String> {
+        Ok(match function {
+            FunctionPlan::HttpCall(p) => {
+                let path = match &p.path {
+                    None => None,
+                    Some(s) => Some(self.source_string(s, arena, "path_logic")?),
+                };
+                let body = match &p.body {
+                    None => None,
+                    Some(s) => Some(self.source(s, arena)?),
+                };
+                IoRequest::Http(HttpRequest {
+                    connector: p.connector.to_string(),
+                    method: p.method,
+                    path,
+                    headers: p
+                        .headers
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                    body,
+                    timeout_ms: p.timeout_ms,
+                })
+            }
+            FunctionPlan::DbRead(p) | FunctionPlan::DbWrite(p) => {
+                let mut params = Vec::with_capacity(p.params.len());
+                for (i, logic) in p.params.iter().enumerate() {
+                    params.push(
+                        self.eval(logic, arena)
+                            .map_err(|m| format!("params[{i}]: {m}"))?
+                            .to_json(),
+                    );
+                }
+                let req = SqlRequest {
+                    connector: p.connector.to_string(),
+                    query: p.query.to_string(),
+                    params,
+                };
+                if matches!(function, FunctionPlan::DbRead(_)) {
+                    IoRequest::SqlRead(req)
+                } else {
+                    IoRequest::SqlWrite(req)
+                }
+            }
+            FunctionPlan::CacheRead(p) => IoRequest::CacheGet {
+                connector: p.connector.to_string(),
+                key: self.source_string(&p.key, arena, "key")?,
+            },
+            FunctionPlan::CacheWrite(p) => {
+                let value = match self.source(&p.value, arena)? {
+                    Json::String(s) => s,
+                    other => other.to_string(),
+                };
+                IoRequest::CacheSet {
+                    connector: p.connector.to_string(),
+                    key: self.source_string(&p.key, arena, "key")?,
+                    value,
+                    ttl_secs: p.ttl_secs,
+                }
+            }
+            FunctionPlan::MongoRead(p) => IoRequest::Find(FindRequest {
+                connector: p.connector.to_string(),
+                database: p.database.to_string(),
+                collection: p.collection.to_string(),
+                filter: self.source(&p.filter, arena)?,
+            }),
+            FunctionPlan::PublishKafka(p) => {
+                let key = match &p.key {
+                    None => None,
+                    Some(l) => match self.eval(l, arena)? {
+                        Value::Null => None,
+                        Value::Str(s) => Some(s.to_owned()),
+                        other => Some(display(&other)),
+                    },
+                };
+                let value = match &p.value {
+                    Some(l) => self.eval(l, arena)?,
+                    None => self.ctx.data,
+                };
+                let mut bytes = Vec::with_capacity(256);
+                value.write_json(&mut bytes);
+                IoRequest::Publish(PublishRequest {
+                    connector: p.connector.to_string(),
+                    topic: p.topic.to_string(),
+                    key,
+                    value: bytes,
+                })
+            }
+            FunctionPlan::ChannelCall(p) => {
+                let channel = self.source_string(&p.channel, arena, "channel_logic")?;
+                let data = match &p.data {
+                    Some(s) => self.source(s, arena)?,
+                    None => self.ctx.payload.to_json(),
+                };
+                IoRequest::Invoke(InvokeRequest {
+                    channel,
+                    data,
+                    timeout_ms: p.timeout_ms,
+                })
+            }
+            _ => return Err("not a connector function".into()),
+        })
+    }
+
+    fn finish(self, start: Instant, options: &Options) -> Execution {
+        let mut data = Vec::with_capacity(512);
+        if options.pretty {
+            self.ctx.data.write_json_pretty(&mut data)
+        } else {
+            self.ctx.data.write_json(&mut data)
+        }
+        Execution {
+            matched: Some(Matched {
+                workflow_id: self.plan.workflow_id.to_string(),
+                version: self.plan.version,
+            }),
+            status: self.status.unwrap_or(Status::Completed),
+            data,
+            errors: self.errors,
+            tasks: self.tasks,
+            workflow_ms: start.elapsed().as_secs_f64() * 1000.0,
+        }
+    }
+}
+
+/// The result of running a task's function synchronously.
+enum Step2 {
+    Done(Flow),
+    Io(IoRequest),
+    Validated(Vec<String>),
+}
+
+fn function_name(f: &FunctionPlan) -> &'static str {
+    match f {
+        FunctionPlan::ParseJson { .. } => "parse_json",
+        FunctionPlan::ParseXml { .. } => "parse_xml",
+        FunctionPlan::Map { .. } => "map",
+        FunctionPlan::Filter { .. } => "filter",
+        FunctionPlan::Validation { .. } => "validation",
+        FunctionPlan::Log { .. } => "log",
+        FunctionPlan::PublishJson { .. } => "publish_json",
+        FunctionPlan::PublishXml { .. } => "publish_xml",
+        FunctionPlan::HttpCall(_) => "http_call",
+        FunctionPlan::DbRead(_) => "db_read",
+        FunctionPlan::DbWrite(_) => "db_write",
+        FunctionPlan::CacheRead(_) => "cache_read",
+        FunctionPlan::CacheWrite(_) => "cache_write",
+        FunctionPlan::MongoRead(_) => "mongo_read",
+        FunctionPlan::PublishKafka(_) => "publish_kafka",
+        FunctionPlan::ChannelCall(_) => "channel_call",
+        FunctionPlan::Invalid { function, .. } => function,
+    }
+}
+
+/// Text form of a value for messages and keys: strings as they are,
+/// everything else as JSON.
+fn display(v: &Value<'_>) -> String {
+    match v {
+        Value::Str(s) => (*s).to_owned(),
+        other => other.to_json_string(),
+    }
+}
+
+fn display_json(v: &Json) -> String {
+    match v {
+        Json::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}

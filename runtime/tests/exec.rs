@@ -1,0 +1,803 @@
+//! Executor behaviour, data-driven where it can be: a workflow definition, a
+//! request and the expected outcome, run through `compile_workflow` and
+//! `execute` exactly as the service will. Connector functions use in-memory
+//! fakes of the runtime's traits.
+
+use async_trait::async_trait;
+use serde_json::{Value as Json, json};
+use sluice_compiler::plan::{Plan, compile_workflow};
+use sluice_runtime::connectors::*;
+use sluice_runtime::exec::*;
+use std::sync::{Arc, Mutex};
+
+fn plan(def: Json) -> Plan {
+    match compile_workflow(&def) {
+        Ok(c) => c.plan,
+        Err(errors) => panic!("definition rejected: {errors:?}"),
+    }
+}
+
+fn wf(tasks: Json) -> Json {
+    json!({"workflow_id": "w", "name": "w", "tasks": tasks})
+}
+
+fn task(id: &str, function: &str, input: Json) -> Json {
+    json!({"id": id, "name": id, "function": {"name": function, "input": input}})
+}
+
+fn parse() -> Json {
+    task(
+        "parse",
+        "parse_json",
+        json!({"source": "payload", "target": "in"}),
+    )
+}
+
+struct Run {
+    exec: Execution,
+}
+
+impl Run {
+    fn data(&self) -> Json {
+        serde_json::from_slice(&self.exec.data).unwrap()
+    }
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    futures_executor::block_on(f)
+}
+
+fn run_with(
+    plans: &[&Plan],
+    body: Json,
+    headers: &[(&str, &str)],
+    services: &Services,
+    options: &Options,
+) -> Run {
+    let body = body.to_string();
+    let input = Input {
+        body: body.as_bytes(),
+        payload_from: PayloadFrom::DataMember,
+        meta: Meta {
+            headers,
+            query: &[("page", "2")],
+            path: &[("id", "42")],
+            method: "POST",
+            channel: "orders",
+            request_id: "req-1",
+        },
+        bucket: None,
+    };
+    let scope = CallScope {
+        channel: "orders".into(),
+        ..Default::default()
+    };
+    let exec = block_on(execute(
+        plans.iter().copied(),
+        input,
+        services,
+        &scope,
+        options,
+    ))
+    .unwrap();
+    Run { exec }
+}
+
+fn run(p: &Plan, payload: Json) -> Run {
+    run_with(
+        &[p],
+        json!({ "data": payload }),
+        &[],
+        &Services::default(),
+        &Options {
+            record_tasks: true,
+            ..Default::default()
+        },
+    )
+}
+
+#[test]
+fn reference_workload_matches_expected() {
+    let shared =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/bench/reference");
+    let read = |f: &str| -> Json {
+        serde_json::from_str(&std::fs::read_to_string(shared.join(f)).unwrap()).unwrap()
+    };
+    let p = plan(read("workflow.json"));
+    let body = read("request.json").to_string();
+    let input = Input {
+        body: body.as_bytes(),
+        payload_from: PayloadFrom::DataMember,
+        meta: Meta {
+            headers: &[("x-request-id", "abc")],
+            path: &[("order_id", "ord-7f3a9c")],
+            ..Meta::default()
+        },
+        bucket: None,
+    };
+    let exec = block_on(execute(
+        [&p],
+        input,
+        &Services::default(),
+        &CallScope::default(),
+        &Options::default(),
+    ))
+    .unwrap();
+    let r = Run { exec };
+    assert_eq!(r.exec.status, Status::Completed);
+    assert!(r.exec.errors.is_empty(), "{:?}", r.exec.errors);
+    let order = r.data()["order"].clone();
+    for (key, want) in read("expected.json").as_object().unwrap() {
+        let got = &order[key];
+        assert!(
+            holds(want, got),
+            "data.order.{key}: expected {want}, got {got}"
+        );
+    }
+    assert_eq!(order["request_id"], "abc");
+    // The workflow's condition excludes requests marked x-bench-skip: 1.
+    let input = Input {
+        body: body.as_bytes(),
+        payload_from: PayloadFrom::DataMember,
+        meta: Meta {
+            headers: &[("x-bench-skip", "1")],
+            ..Meta::default()
+        },
+        bucket: None,
+    };
+    let skipped = block_on(execute(
+        [&p],
+        input,
+        &Services::default(),
+        &CallScope::default(),
+        &Options::default(),
+    ))
+    .unwrap();
+    assert!(skipped.matched.is_none());
+}
+
+#[test]
+fn map_writes_dotted_paths_and_sees_earlier_writes() {
+    let p = plan(wf(json!([
+        parse(),
+        task(
+            "m",
+            "map",
+            json!({"mappings": [
+                {"path": "a.b.0", "logic": {"var": "data.in.x"}},
+                {"path": "data.c", "logic": {"*": [{"var": "data.a.b.0"}, 2]}},
+                {"path": "temp_data.t", "logic": 5},
+                {"path": "d.#1", "logic": {"var": "temp_data.t"}},
+                {"path": "meta", "logic": {"cat": [{"var": "metadata.method"}, " ", {"var": "metadata.query.page"}, " ", {"var": "metadata.request_id"}]}}
+            ]})
+        )
+    ])));
+    let r = run(&p, json!({"x": 21}));
+    assert_eq!(
+        r.data(),
+        json!({"in": {"x": 21}, "a": {"b": [21]}, "c": 42, "d": {"1": 5}, "meta": "POST 2 req-1"})
+    );
+}
+
+#[test]
+fn filter_halt_returns_data_so_far_and_skip_continues() {
+    let halt = plan(wf(json!([
+        parse(),
+        task(
+            "f",
+            "filter",
+            json!({"condition": {"==": [{"var": "data.in.ok"}, true]}})
+        ),
+        task(
+            "after",
+            "map",
+            json!({"mappings": [{"path": "ran", "logic": true}]})
+        )
+    ])));
+    let r = run(&halt, json!({"ok": false}));
+    assert_eq!(r.exec.status, Status::Filtered);
+    assert_eq!(r.data(), json!({"in": {"ok": false}}));
+    let r = run(&halt, json!({"ok": true}));
+    assert_eq!(r.exec.status, Status::Completed);
+    assert_eq!(r.data()["ran"], true);
+
+    let skip = plan(wf(json!([
+        task(
+            "f",
+            "filter",
+            json!({"condition": false, "on_reject": "skip"})
+        ),
+        task(
+            "after",
+            "map",
+            json!({"mappings": [{"path": "ran", "logic": true}]})
+        )
+    ])));
+    assert_eq!(run(&skip, json!({})).data(), json!({"ran": true}));
+}
+
+#[test]
+fn validation_collects_messages_and_never_mutates() {
+    let p = plan(wf(json!([
+        parse(),
+        task(
+            "v",
+            "validation",
+            json!({"rules": [
+                {"logic": {"!!": [{"var": "data.in.email"}]}, "message": "email is required"},
+                {"logic": {">": [{"var": "data.in.n"}, 0]}, "message": "n must be positive"},
+                {"logic": 1, "message": "only exactly true passes"}
+            ]})
+        ),
+        task(
+            "after",
+            "map",
+            json!({"mappings": [{"path": "ran", "logic": true}]})
+        )
+    ])));
+    let r = run(&p, json!({"n": 3}));
+    assert_eq!(r.exec.status, Status::Completed);
+    let messages: Vec<_> = r
+        .exec
+        .errors
+        .iter()
+        .map(|e| (e.code, e.task_id.as_str(), e.message.as_str()))
+        .collect();
+    assert_eq!(
+        messages,
+        vec![
+            ("VALIDATION_ERROR", "v", "email is required"),
+            ("VALIDATION_ERROR", "v", "only exactly true passes")
+        ]
+    );
+    assert_eq!(r.data(), json!({"in": {"n": 3}, "ran": true}));
+}
+
+#[test]
+fn validation_halt_on_failure_stops_with_every_message() {
+    let mut v = task(
+        "v",
+        "validate",
+        json!({"rules": [
+            {"logic": false, "message": "a"}, {"logic": false, "message": "b"}
+        ]}),
+    );
+    v["halt_on"] = json!("failure");
+    let p = plan(wf(json!([
+        v,
+        task(
+            "after",
+            "map",
+            json!({"mappings": [{"path": "ran", "logic": true}]})
+        )
+    ])));
+    let r = run(&p, json!({}));
+    let Status::Failed(f) = &r.exec.status else {
+        panic!("{:?}", r.exec.status)
+    };
+    assert_eq!(f.kind, FailureKind::Validation);
+    assert_eq!(f.messages, vec!["a", "b"]);
+    assert_eq!((f.task_id.as_str(), f.field.as_str()), ("v", "tasks[0]"));
+    assert_eq!(r.data(), json!({}));
+}
+
+#[test]
+fn a_failing_task_halts_by_default_and_is_collected_under_continue_on_error() {
+    let tasks = json!([
+        task(
+            "bad",
+            "parse_json",
+            json!({"source": "payload.text", "target": "x"})
+        ),
+        task(
+            "after",
+            "map",
+            json!({"mappings": [{"path": "ran", "logic": true}]})
+        )
+    ]);
+    let p = plan(wf(tasks.clone()));
+    let r = run(&p, json!({"text": "{not json"}));
+    let Status::Failed(f) = &r.exec.status else {
+        panic!()
+    };
+    assert_eq!(
+        (f.kind, f.task_id.as_str(), f.field.as_str()),
+        (FailureKind::Task, "bad", "tasks[0]")
+    );
+    assert!(
+        f.message
+            .starts_with("parse_json: source 'payload.text' is not valid JSON"),
+        "{}",
+        f.message
+    );
+
+    let mut def = wf(tasks);
+    def["continue_on_error"] = json!(true);
+    let r = run(&plan(def), json!({"text": "{not json"}));
+    assert_eq!(r.exec.status, Status::Completed);
+    assert_eq!(r.exec.errors.len(), 1);
+    assert_eq!(
+        (r.exec.errors[0].code, r.exec.errors[0].task_id.as_str()),
+        ("TASK_ERROR", "bad")
+    );
+    assert_eq!(r.data(), json!({"ran": true}));
+}
+
+#[test]
+fn halt_on_failure_wins_over_continue_on_error() {
+    let mut bad = task(
+        "bad",
+        "map",
+        json!({"mappings": [{"path": "x", "logic": {"throw": "boom"}}]}),
+    );
+    bad["continue_on_error"] = json!(true);
+    let p = plan(wf(json!([
+        bad.clone(),
+        task(
+            "after",
+            "map",
+            json!({"mappings": [{"path": "ran", "logic": true}]})
+        )
+    ])));
+    let r = run(&p, json!({}));
+    assert_eq!(
+        r.exec.status,
+        Status::Completed,
+        "task-level continue_on_error tolerates"
+    );
+    assert_eq!(r.exec.errors.len(), 1);
+    bad["halt_on"] = json!("failure");
+    let p = plan(wf(json!([
+        bad,
+        task(
+            "after",
+            "map",
+            json!({"mappings": [{"path": "ran", "logic": true}]})
+        )
+    ])));
+    assert!(matches!(run(&p, json!({})).exec.status, Status::Failed(_)));
+}
+
+#[test]
+fn data_function_input_problems_show_at_execution() {
+    let compiled =
+        compile_workflow(&wf(json!([task("m", "map", json!({"mappings": "nope"}))]))).unwrap();
+    assert_eq!(compiled.warnings.len(), 1);
+    assert_eq!(
+        compiled.warnings[0].field,
+        "tasks[0].function.input.mappings"
+    );
+    let r = run(&compiled.plan, json!({}));
+    let Status::Failed(f) = &r.exec.status else {
+        panic!()
+    };
+    assert!(
+        f.message.contains("expected array, got string"),
+        "{}",
+        f.message
+    );
+}
+
+#[test]
+fn conditions_skip_tasks_and_groups_evaluate_once() {
+    let p = plan(wf(json!([
+        parse(),
+        {"id": "skipped", "name": "s", "condition": {"==": [{"var": "data.in.kind"}, "b"]},
+         "function": {"name": "map", "input": {"mappings": [{"path": "s", "logic": true}]}}},
+        {"id": "g", "condition": {"==": [{"var": "data.in.kind"}, "a"]}, "tasks": [
+            task("g1", "map", json!({"mappings": [{"path": "in.kind", "logic": "changed"}]})),
+            task("g2", "map", json!({"mappings": [{"path": "g2", "logic": {"var": "data.in.kind"}}]}))
+        ]},
+        {"id": "h", "condition": {"==": [{"var": "data.in.kind"}, "a"]}, "tasks": [
+            task("h1", "map", json!({"mappings": [{"path": "h1", "logic": true}]}))
+        ]}
+    ])));
+    let r = run(&p, json!({"kind": "a"}));
+    // g's condition was evaluated once on entry: g2 still ran after g1
+    // changed the field; h's condition saw the change and skipped h.
+    assert_eq!(
+        r.data(),
+        json!({"in": {"kind": "changed"}, "g2": "changed"})
+    );
+    let statuses: Vec<_> = r
+        .exec
+        .tasks
+        .iter()
+        .map(|t| (t.id.as_str(), t.status))
+        .collect();
+    assert_eq!(
+        statuses,
+        vec![
+            ("parse", TaskStatus::Executed),
+            ("skipped", TaskStatus::Skipped),
+            ("g1", TaskStatus::Executed),
+            ("g2", TaskStatus::Executed),
+            ("h1", TaskStatus::Skipped)
+        ]
+    );
+}
+
+#[test]
+fn terminal_steps_end_the_workflow() {
+    let mut t = task("t", "map", json!({"mappings": [{"path": "a", "logic": 1}]}));
+    t["terminal"] = json!(true);
+    let p = plan(wf(json!([
+        t,
+        task(
+            "after",
+            "map",
+            json!({"mappings": [{"path": "b", "logic": 1}]})
+        )
+    ])));
+    assert_eq!(run(&p, json!({})).data(), json!({"a": 1}));
+
+    let p = plan(wf(json!([
+        {"id": "g", "terminal": true, "tasks": [task("g1", "map", json!({"mappings": [{"path": "a", "logic": 1}]}))]},
+        task("after", "map", json!({"mappings": [{"path": "b", "logic": 1}]}))
+    ])));
+    assert_eq!(run(&p, json!({})).data(), json!({"a": 1}));
+}
+
+#[test]
+fn loops_repeat_with_a_counter() {
+    let mut def = wf(json!([task(
+        "acc",
+        "map",
+        json!({"mappings": [
+            {"path": "sum", "logic": {"+": [{"var": "data.sum"}, {"var": "temp_data.i"}]}}
+        ]})
+    )]));
+    def["loop"] = json!({"max": 4, "init": 10, "increment": 5, "counter": "temp_data.i"});
+    // 10 + 15 + 20 + 25
+    assert_eq!(run(&plan(def), json!({})).data(), json!({"sum": 70}));
+
+    let p = plan(wf(json!([
+        {"id": "g", "loop": {"max": 3}, "tasks": [
+            task("push", "map", json!({"mappings": [{"path": "items.#x", "logic": {"var": "temp_data.loop_index"}}]})),
+            task("count", "map", json!({"mappings": [{"path": "n", "logic": {"+": [{"var": "data.n"}, 1]}}]}))
+        ]}
+    ])));
+    assert_eq!(
+        run(&p, json!({})).data(),
+        json!({"items": {"x": 2}, "n": 3})
+    );
+}
+
+#[test]
+fn publish_and_parse_round_trip_json_and_xml() {
+    let p = plan(wf(json!([
+        parse(),
+        task(
+            "pj",
+            "publish_json",
+            json!({"source": "in", "target": "json_text"})
+        ),
+        task(
+            "pp",
+            "publish_json",
+            json!({"source": "in", "target": "pretty", "pretty": true})
+        ),
+        task(
+            "px",
+            "publish_xml",
+            json!({"source": "in", "target": "xml_text", "root_element": "order"})
+        ),
+        task(
+            "back",
+            "parse_xml",
+            json!({"source": "data.xml_text", "target": "from_xml"})
+        ),
+        task(
+            "again",
+            "parse_json",
+            json!({"source": "data.json_text", "target": "from_json"})
+        )
+    ])));
+    let r = run(&p, json!({"id": "o-1", "qty": 2}));
+    let d = r.data();
+    assert_eq!(d["json_text"], r#"{"id":"o-1","qty":2}"#);
+    assert_eq!(d["pretty"], "{\n  \"id\": \"o-1\",\n  \"qty\": 2\n}");
+    assert_eq!(d["xml_text"], "<order><id>o-1</id><qty>2</qty></order>");
+    assert_eq!(d["from_xml"], json!({"order": {"id": "o-1", "qty": "2"}}));
+    assert_eq!(d["from_json"], json!({"id": "o-1", "qty": 2}));
+}
+
+#[test]
+fn selection_by_priority_condition_and_rollout() {
+    let mut high = wf(json!([task(
+        "m",
+        "map",
+        json!({"mappings": [{"path": "by", "logic": "high"}]})
+    )]));
+    high["workflow_id"] = json!("high");
+    high["priority"] = json!(10);
+    high["condition"] = json!({"==": [{"var": "metadata.headers.x-tier"}, "gold"]});
+    let mut low = wf(json!([task(
+        "m",
+        "map",
+        json!({"mappings": [{"path": "by", "logic": "low"}]})
+    )]));
+    low["workflow_id"] = json!("low");
+    let (high, low) = (plan(high), plan(low));
+    let options = Options::default();
+    let gold = run_with(
+        &[&high, &low],
+        json!({"data": {}}),
+        &[("x-tier", "gold")],
+        &Services::default(),
+        &options,
+    );
+    assert_eq!(gold.data()["by"], "high");
+    assert_eq!(gold.exec.matched.as_ref().unwrap().workflow_id, "high");
+    let plain = run_with(
+        &[&high, &low],
+        json!({"data": {}}),
+        &[],
+        &Services::default(),
+        &options,
+    );
+    assert_eq!(plain.data()["by"], "low");
+
+    // A workflow whose rollout range excludes the bucket is passed over.
+    let mut canary = wf(json!([task(
+        "m",
+        "map",
+        json!({"mappings": [{"path": "by", "logic": "canary"}]})
+    )]));
+    canary["rollout"] = json!({"bucket_start": 0, "bucket_end": 10});
+    let canary = plan(canary);
+    let body = json!({"data": {}}).to_string();
+    let scope = CallScope::default();
+    let pick = |bucket| {
+        let input = Input {
+            body: body.as_bytes(),
+            payload_from: PayloadFrom::DataMember,
+            meta: Meta::default(),
+            bucket,
+        };
+        let e = block_on(execute(
+            [&canary, &low],
+            input,
+            &Services::default(),
+            &scope,
+            &options,
+        ))
+        .unwrap();
+        serde_json::from_slice::<Json>(&e.data).unwrap()["by"].clone()
+    };
+    assert_eq!(pick(Some(5)), "canary");
+    assert_eq!(pick(Some(50)), "low");
+    assert_eq!(pick(None), "canary");
+
+    // No match: nothing runs.
+    let only_gold = run_with(
+        &[&high],
+        json!({"data": {}}),
+        &[],
+        &Services::default(),
+        &options,
+    );
+    assert!(only_gold.exec.matched.is_none());
+}
+
+#[test]
+fn bad_bodies_are_input_errors() {
+    let p = plan(wf(json!([parse()])));
+    let scope = CallScope::default();
+    let go = |body: &[u8]| {
+        let input = Input {
+            body,
+            payload_from: PayloadFrom::DataMember,
+            meta: Meta::default(),
+            bucket: None,
+        };
+        block_on(execute(
+            [&p],
+            input,
+            &Services::default(),
+            &scope,
+            &Options::default(),
+        ))
+    };
+    assert!(matches!(go(b"{nope"), Err(InputError::NotJson(_))));
+    assert!(matches!(go(b"[1]"), Err(InputError::NotObject)));
+    // An empty body (a GET) is a null payload.
+    let e = go(b"").unwrap();
+    assert_eq!(
+        serde_json::from_slice::<Json>(&e.data).unwrap(),
+        json!({"in": null})
+    );
+}
+
+/// An HTTP fake that records requests and answers from a script.
+struct FakeHttp {
+    seen: Mutex<Vec<HttpRequest>>,
+    answer: Result<Json, ConnectorError>,
+}
+
+#[async_trait]
+impl HttpClient for FakeHttp {
+    async fn call(&self, scope: &CallScope, req: HttpRequest) -> Result<Json, ConnectorError> {
+        assert_eq!(scope.channel, "orders");
+        self.seen.lock().unwrap().push(req);
+        self.answer.clone()
+    }
+}
+
+#[test]
+fn connector_calls_go_through_the_traits() {
+    let p = plan(wf(json!([
+        parse(),
+        task(
+            "call",
+            "http_call",
+            json!({
+                "connector": "api", "method": "POST",
+                "path_logic": {"cat": ["/customers/", {"var": "data.in.id"}]},
+                "body_logic": {"var": "data.in"},
+                "headers": {"x-a": "1"},
+                "response_path": "customer"
+            })
+        ),
+        task(
+            "after",
+            "map",
+            json!({"mappings": [{"path": "name", "logic": {"var": "data.customer.name"}}]})
+        )
+    ])));
+    let http = Arc::new(FakeHttp {
+        seen: Mutex::new(Vec::new()),
+        answer: Ok(json!({"name": "Ada"})),
+    });
+    let services = Services {
+        http: Some(http.clone()),
+        ..Default::default()
+    };
+    let r = run_with(
+        &[&p],
+        json!({"data": {"id": 7}}),
+        &[],
+        &services,
+        &Options::default(),
+    );
+    assert_eq!(r.exec.status, Status::Completed);
+    assert_eq!(r.data()["name"], "Ada");
+    let seen = http.seen.lock().unwrap();
+    assert_eq!(seen[0].path.as_deref(), Some("/customers/7"));
+    assert_eq!(seen[0].body, Some(json!({"id": 7})));
+    assert_eq!(seen[0].headers, vec![("x-a".to_string(), "1".to_string())]);
+    assert_eq!(seen[0].timeout_ms, 30_000);
+}
+
+#[test]
+fn connector_failures_are_classified() {
+    let p = plan(wf(json!([task(
+        "call",
+        "http_call",
+        json!({"connector": "api"})
+    )])));
+    for (kind, want) in [
+        (ConnectorErrorKind::Timeout, FailureKind::Timeout),
+        (ConnectorErrorKind::CircuitOpen, FailureKind::CircuitOpen),
+        (ConnectorErrorKind::Upstream, FailureKind::Upstream),
+        (ConnectorErrorKind::Other, FailureKind::Task),
+    ] {
+        let http = Arc::new(FakeHttp {
+            seen: Mutex::new(Vec::new()),
+            answer: Err(ConnectorError::new(kind, "nope")),
+        });
+        let services = Services {
+            http: Some(http),
+            ..Default::default()
+        };
+        let r = run_with(
+            &[&p],
+            json!({"data": {}}),
+            &[],
+            &services,
+            &Options::default(),
+        );
+        let Status::Failed(f) = &r.exec.status else {
+            panic!()
+        };
+        assert_eq!(f.kind, want);
+        assert_eq!(f.message, "http_call: nope");
+    }
+    // Without a configured client the task fails with a clear message.
+    let r = run_with(
+        &[&p],
+        json!({"data": {}}),
+        &[],
+        &Services::default(),
+        &Options::default(),
+    );
+    let Status::Failed(f) = &r.exec.status else {
+        panic!()
+    };
+    assert!(
+        f.message.contains("no HTTP client is configured"),
+        "{}",
+        f.message
+    );
+}
+
+struct FakeSql;
+
+#[async_trait]
+impl SqlClient for FakeSql {
+    async fn read(&self, _: &CallScope, req: SqlRequest) -> Result<Vec<Json>, ConnectorError> {
+        Ok(vec![json!({"query": req.query, "params": req.params})])
+    }
+    async fn write(&self, _: &CallScope, req: SqlRequest) -> Result<u64, ConnectorError> {
+        Ok(req.params.len() as u64)
+    }
+}
+
+#[test]
+fn sql_params_are_jsonlogic_and_outputs_follow_the_path_rules() {
+    let p = plan(wf(json!([
+        parse(),
+        task(
+            "r",
+            "db_read",
+            json!({"connector": "db", "query": "select ?", "params": [{"var": "data.in.id"}, "lit"], "output": "rows"})
+        ),
+        task(
+            "w",
+            "db_write",
+            json!({"connector": "db", "query": "update", "params": [1, 2, 3], "output": "temp_data.w"})
+        ),
+        task(
+            "copy",
+            "map",
+            json!({"mappings": [{"path": "written", "logic": {"var": "temp_data.w.rows_affected"}}]})
+        )
+    ])));
+    let services = Services {
+        sql: Some(Arc::new(FakeSql)),
+        ..Default::default()
+    };
+    let r = run_with(
+        &[&p],
+        json!({"data": {"id": 5}}),
+        &[],
+        &services,
+        &Options::default(),
+    );
+    assert_eq!(
+        r.data()["rows"],
+        json!([{"query": "select ?", "params": [5, "lit"]}])
+    );
+    assert_eq!(r.data()["written"], 3);
+}
+
+#[test]
+fn the_execute_future_is_send() {
+    fn assert_send<T: Send>(_: &T) {}
+    let p = plan(wf(json!([parse()])));
+    let services = Services::default();
+    let scope = CallScope::default();
+    let options = Options::default();
+    let input = Input {
+        body: b"{}",
+        payload_from: PayloadFrom::DataMember,
+        meta: Meta::default(),
+        bucket: None,
+    };
+    let fut = execute([&p], input, &services, &scope, &options);
+    assert_send(&fut);
+    block_on(fut).unwrap();
+}
+
+/// `got` holds what `want` lists: objects by subset, numbers to 1e-6.
+fn holds(want: &serde_json::Value, got: &serde_json::Value) -> bool {
+    match (want, got) {
+        (serde_json::Value::Object(w), serde_json::Value::Object(g)) => w
+            .iter()
+            .all(|(k, v)| g.get(k).is_some_and(|gv| holds(v, gv))),
+        (serde_json::Value::Number(w), serde_json::Value::Number(g)) => {
+            (w.as_f64().unwrap() - g.as_f64().unwrap()).abs() < 1e-6
+        }
+        _ => want == got,
+    }
+}
