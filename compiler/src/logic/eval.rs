@@ -12,20 +12,32 @@ use bumpalo::Bump;
 use bumpalo::collections::{String as BString, Vec as BVec};
 use std::cell::Cell;
 
-type R<'a> = Result<Value<'a>, EvalError<'a>>;
+/// Evaluation result. The error's details wait in `Ev::error`: a zero-sized
+/// error keeps `R` as small as `Value` (niche-packed), which measurably cuts
+/// the copying of results up the recursion.
+type R<'a> = Result<Value<'a>, Fail>;
 
-pub(super) fn run<'a>(prog: &'a Program, root: NodeId, data: Value<'a>, arena: &'a Bump) -> R<'a> {
+/// An evaluation failed; `Ev::error` holds why.
+pub(super) struct Fail;
+
+pub(super) fn run<'a>(
+    prog: &'a Program,
+    root: NodeId,
+    data: Value<'a>,
+    arena: &'a Bump,
+) -> Result<Value<'a>, EvalError<'a>> {
     let ev = Ev {
         prog,
         arena,
         budget: Cell::new(MAX_EVAL_ALLOC),
+        error: Cell::new(None),
     };
     let scope = Scope {
         frame: Frame::Data(data),
         index: None,
         parent: None,
     };
-    ev.eval(root, &scope)
+    ev.eval(root, &scope).map_err(|Fail| ev.take_error())
 }
 
 /// Evaluates a node whose arguments are all constants (the folder). `None`
@@ -219,29 +231,44 @@ impl Args<'_> {
     }
 }
 
-#[inline]
-fn number<'a>(f: f64) -> R<'a> {
-    if f.is_finite() {
-        Ok(Value::Float(f))
-    } else {
-        Err(EvalError::NaN)
-    }
-}
-
 struct Ev<'a> {
     prog: &'a Program,
     arena: &'a Bump,
     /// Bytes operators may still allocate (see `MAX_EVAL_ALLOC`).
     budget: Cell<usize>,
+    /// The pending error while a `Fail` unwinds.
+    error: Cell<Option<EvalError<'a>>>,
 }
 
 impl<'a> Ev<'a> {
-    fn charge(&self, bytes: usize) -> Result<(), EvalError<'a>> {
+    #[cold]
+    #[inline(never)]
+    fn fail(&self, e: EvalError<'a>) -> Fail {
+        self.error.set(Some(e));
+        Fail
+    }
+
+    fn take_error(&self) -> EvalError<'a> {
+        self.error
+            .take()
+            .unwrap_or(EvalError::InvalidArguments("unknown failure"))
+    }
+
+    #[inline]
+    fn number(&self, f: f64) -> R<'a> {
+        if f.is_finite() {
+            Ok(Value::Float(f))
+        } else {
+            Err(self.fail(EvalError::NaN))
+        }
+    }
+
+    fn charge(&self, bytes: usize) -> Result<(), Fail> {
         let left = self.budget.get();
         if bytes > left {
-            return Err(EvalError::InvalidArguments(
+            return Err(self.fail(EvalError::InvalidArguments(
                 "evaluation exceeds its allocation budget",
-            ));
+            )));
         }
         self.budget.set(left - bytes);
         Ok(())
@@ -255,12 +282,12 @@ impl<'a> Ev<'a> {
                 path,
                 default,
             } => {
-                let cursor = if *level == 0 {
-                    Cursor::Frame(scope.frame)
+                let found = if *level == 0 {
+                    self.lookup_frame(&scope.frame, path)
                 } else {
-                    scope.at_level(*level)
+                    self.lookup(scope.at_level(*level), path)
                 };
-                match self.lookup(cursor, path) {
+                match found {
                     Some(v) => Ok(v),
                     None => match default {
                         Some(d) => self.eval(*d, scope),
@@ -285,9 +312,9 @@ impl<'a> Ev<'a> {
                 };
                 self.op(*op, Args::Values(values), scope)
             }
-            Node::Exists { path } => Ok(Value::Bool(
-                self.lookup(Cursor::Frame(scope.frame), path).is_some(),
-            )),
+            Node::Exists { path } => {
+                Ok(Value::Bool(self.lookup_frame(&scope.frame, path).is_some()))
+            }
             Node::Missing { keys, need } => self.missing_const(keys, *need, scope),
             Node::InStrs { needle, set } => {
                 let found = match self.eval(*needle, scope)? {
@@ -297,6 +324,25 @@ impl<'a> Ev<'a> {
                 };
                 Ok(Value::Bool(found))
             }
+        }
+    }
+
+    /// The hot `var` path: the current frame, read in place.
+    #[inline(always)]
+    fn lookup_frame(&self, frame: &Frame<'a>, path: &[Segment]) -> Option<Value<'a>> {
+        match frame {
+            Frame::Data(v) => get_segments(*v, path),
+            Frame::Reduce {
+                current,
+                accumulator,
+            } => match path.split_first() {
+                Some((first, rest)) => match &*first.key {
+                    "current" => get_segments(*current, rest),
+                    "accumulator" => get_segments(*accumulator, rest),
+                    _ => None,
+                },
+                None => Some(whole(Cursor::Frame(*frame), self.arena)),
+            },
         }
     }
 
@@ -322,13 +368,8 @@ impl<'a> Ev<'a> {
     }
 
     #[inline]
-    fn num_arg(
-        &self,
-        args: Args<'a>,
-        i: usize,
-        scope: &Scope<'_, 'a>,
-    ) -> Result<f64, EvalError<'a>> {
-        to_number(&self.arg(args, i, scope)?).ok_or(EvalError::NaN)
+    fn num_arg(&self, args: Args<'a>, i: usize, scope: &Scope<'_, 'a>) -> Result<f64, Fail> {
+        to_number(&self.arg(args, i, scope)?).ok_or_else(|| self.fail(EvalError::NaN))
     }
 
     fn op(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
@@ -367,83 +408,90 @@ impl<'a> Ev<'a> {
                 Ok(Value::Null)
             }
             Op::Try => self.try_(args, scope),
-            Op::Throw => Err(EvalError::Thrown(self.arg(args, 0, scope)?)),
+            Op::Throw => {
+                let thrown = self.arg(args, 0, scope)?;
+                Err(self.fail(EvalError::Thrown(thrown)))
+            }
             Op::Eq | Op::Ne | Op::StrictEq | Op::StrictNe | Op::Lt | Op::Le | Op::Gt | Op::Ge => {
                 self.compare(op, args, scope)
             }
             Op::Add => {
                 if let Args::Nodes(&[a, b]) = args {
-                    let x = to_number(&self.eval(a, scope)?).ok_or(EvalError::NaN)?;
-                    let y = to_number(&self.eval(b, scope)?).ok_or(EvalError::NaN)?;
-                    return number(x + y);
+                    let x = to_number(&self.eval(a, scope)?)
+                        .ok_or_else(|| self.fail(EvalError::NaN))?;
+                    let y = to_number(&self.eval(b, scope)?)
+                        .ok_or_else(|| self.fail(EvalError::NaN))?;
+                    return self.number(x + y);
                 }
                 let mut sum = 0.0;
                 for i in 0..n {
                     sum += self.num_arg(args, i, scope)?;
                 }
-                number(sum)
+                self.number(sum)
             }
             Op::Mul => {
                 if let Args::Nodes(&[a, b]) = args {
-                    let x = to_number(&self.eval(a, scope)?).ok_or(EvalError::NaN)?;
-                    let y = to_number(&self.eval(b, scope)?).ok_or(EvalError::NaN)?;
-                    return number(x * y);
+                    let x = to_number(&self.eval(a, scope)?)
+                        .ok_or_else(|| self.fail(EvalError::NaN))?;
+                    let y = to_number(&self.eval(b, scope)?)
+                        .ok_or_else(|| self.fail(EvalError::NaN))?;
+                    return self.number(x * y);
                 }
                 let mut product = 1.0;
                 for i in 0..n {
                     product *= self.num_arg(args, i, scope)?;
                 }
-                number(product)
+                self.number(product)
             }
             Op::Sub => {
                 if n == 0 {
-                    return Err(EvalError::InvalidArguments(
+                    return Err(self.fail(EvalError::InvalidArguments(
                         "'-' needs at least one argument",
-                    ));
+                    )));
                 }
                 let first = self.num_arg(args, 0, scope)?;
                 if n == 1 {
-                    return number(-first);
+                    return self.number(-first);
                 }
                 let mut acc = first;
                 for i in 1..n {
                     acc -= self.num_arg(args, i, scope)?;
                 }
-                number(acc)
+                self.number(acc)
             }
             Op::Div => {
                 if n == 0 {
-                    return Err(EvalError::InvalidArguments(
+                    return Err(self.fail(EvalError::InvalidArguments(
                         "'/' needs at least one argument",
-                    ));
+                    )));
                 }
                 let first = self.num_arg(args, 0, scope)?;
                 if n == 1 {
-                    return number(1.0 / first);
+                    return self.number(1.0 / first);
                 }
                 let mut acc = first;
                 for i in 1..n {
                     acc /= self.num_arg(args, i, scope)?;
                 }
-                number(acc)
+                self.number(acc)
             }
             Op::Mod => {
                 if n < 2 {
-                    return Err(EvalError::InvalidArguments(
+                    return Err(self.fail(EvalError::InvalidArguments(
                         "'%' needs at least two arguments",
-                    ));
+                    )));
                 }
                 let mut acc = self.num_arg(args, 0, scope)?;
                 for i in 1..n {
                     acc %= self.num_arg(args, i, scope)?;
                 }
-                number(acc)
+                self.number(acc)
             }
             Op::Max | Op::Min => {
                 let mut best: Option<(f64, Value<'a>)> = None;
                 for i in 0..n {
                     let v = self.arg(args, i, scope)?;
-                    let f = to_number(&v).ok_or(EvalError::NaN)?;
+                    let f = to_number(&v).ok_or_else(|| self.fail(EvalError::NaN))?;
                     let better = match best {
                         None => true,
                         Some((b, _)) => (op == Op::Max && f > b) || (op == Op::Min && f < b),
@@ -461,9 +509,9 @@ impl<'a> Ev<'a> {
             }
             Op::Map | Op::Filter | Op::Reduce | Op::All | Op::Some | Op::None => {
                 let Args::Nodes(nodes) = args else {
-                    return Err(EvalError::InvalidArguments(
+                    return Err(self.fail(EvalError::InvalidArguments(
                         "iterators need [collection, rule]",
-                    ));
+                    )));
                 };
                 self.iterate(op, nodes, scope)
             }
@@ -506,9 +554,9 @@ impl<'a> Ev<'a> {
                     }
                     let _ = write_js_string(&v, "", &mut out);
                     if out.len() > self.budget.get() {
-                        return Err(EvalError::InvalidArguments(
+                        return Err(self.fail(EvalError::InvalidArguments(
                             "evaluation exceeds its allocation budget",
-                        ));
+                        )));
                     }
                 }
                 self.charge(out.len())?;
@@ -531,9 +579,9 @@ impl<'a> Ev<'a> {
             Op::Length => match self.arg(args, 0, scope)? {
                 Value::Str(s) => Ok(Value::Int(s.chars().count() as i64)),
                 Value::Array(items) => Ok(Value::Int(items.len() as i64)),
-                _ => Err(EvalError::InvalidArguments(
+                _ => Err(self.fail(EvalError::InvalidArguments(
                     "'length' needs a string or an array",
-                )),
+                ))),
             },
             Op::Log => self.arg(args, 0, scope),
             Op::Array => {
@@ -552,9 +600,9 @@ impl<'a> Ev<'a> {
     fn compare(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
         let n = args.len();
         if n < 2 {
-            return Err(EvalError::InvalidArguments(
+            return Err(self.fail(EvalError::InvalidArguments(
                 "comparisons need at least two arguments",
-            ));
+            )));
         }
         // Chains compare neighbours and stop at the first false, without
         // evaluating the rest (`{"<": [3, 2, {"throw": …}]}` is false).
@@ -562,14 +610,14 @@ impl<'a> Ev<'a> {
         for i in 1..n {
             let cur = self.arg(args, i, scope)?;
             let holds = match op {
-                Op::Eq => loose_eq_checked(&prev, &cur).map_err(|()| EvalError::NaN)?,
-                Op::Ne => !loose_eq_checked(&prev, &cur).map_err(|()| EvalError::NaN)?,
+                Op::Eq => loose_eq_checked(&prev, &cur).map_err(|()| self.fail(EvalError::NaN))?,
+                Op::Ne => !loose_eq_checked(&prev, &cur).map_err(|()| self.fail(EvalError::NaN))?,
                 Op::StrictEq => strict_eq(&prev, &cur),
                 Op::StrictNe => !strict_eq(&prev, &cur),
-                Op::Lt => relate(&prev, &cur, Rel::Lt).map_err(|()| EvalError::NaN)?,
-                Op::Le => relate(&prev, &cur, Rel::Le).map_err(|()| EvalError::NaN)?,
-                Op::Gt => relate(&prev, &cur, Rel::Gt).map_err(|()| EvalError::NaN)?,
-                _ => relate(&prev, &cur, Rel::Ge).map_err(|()| EvalError::NaN)?,
+                Op::Lt => relate(&prev, &cur, Rel::Lt).map_err(|()| self.fail(EvalError::NaN))?,
+                Op::Le => relate(&prev, &cur, Rel::Le).map_err(|()| self.fail(EvalError::NaN))?,
+                Op::Gt => relate(&prev, &cur, Rel::Gt).map_err(|()| self.fail(EvalError::NaN))?,
+                _ => relate(&prev, &cur, Rel::Ge).map_err(|()| self.fail(EvalError::NaN))?,
             };
             if !holds {
                 return Ok(Value::Bool(false));
@@ -600,11 +648,11 @@ impl<'a> Ev<'a> {
             };
             match self.arg(args, i, s) {
                 Ok(v) => return Ok(v),
-                Err(e) => error = Some(e),
+                Err(Fail) => error = Some(self.take_error()),
             }
         }
         match error {
-            Some(e) => Err(e),
+            Some(e) => Err(self.fail(e)),
             None => Ok(Value::Null),
         }
     }
@@ -622,16 +670,16 @@ impl<'a> Ev<'a> {
 
     fn iterate(&self, op: Op, nodes: &'a [NodeId], scope: &Scope<'_, 'a>) -> R<'a> {
         let (Some(&coll), Some(&body)) = (nodes.first(), nodes.get(1)) else {
-            return Err(EvalError::InvalidArguments(
+            return Err(self.fail(EvalError::InvalidArguments(
                 "iterators need [collection, rule]",
-            ));
+            )));
         };
         let items = match self.eval(coll, scope)? {
             Value::Array(items) => items,
             // map/filter/reduce treat anything else (a missing value) as
             // empty; the quantifiers refuse it (compat-tables).
             _ if matches!(op, Op::All | Op::Some | Op::None) => {
-                return Err(EvalError::InvalidArguments("all/some/none need an array"));
+                return Err(self.fail(EvalError::InvalidArguments("all/some/none need an array")));
             }
             _ => &[],
         };
@@ -781,10 +829,9 @@ impl<'a> Ev<'a> {
             Some(id) => Some(to_number(&self.eval(id, scope)?).unwrap_or(0.0)),
             None => None,
         };
-        let cursor = Cursor::Frame(scope.frame);
         let mut out = BVec::new_in(self.arena);
         for key in keys {
-            if Self::is_missing(self.lookup(cursor, &key.path)) {
+            if Self::is_missing(self.lookup_frame(&scope.frame, &key.path)) {
                 out.push(Value::Str(&key.text));
             }
         }

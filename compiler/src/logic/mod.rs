@@ -61,7 +61,14 @@ impl Logic {
         data: Value<'a>,
         arena: &'a Bump,
     ) -> Result<Value<'a>, EvalError<'a>> {
-        eval::run(&self.prog, self.root, data, arena)
+        // A rule that folded to a scalar needs no evaluator state at all.
+        match &self.prog.nodes[self.root as usize] {
+            Node::Bool(b) => Ok(Value::Bool(*b)),
+            Node::Str(s) => Ok(Value::Str(s)),
+            Node::Null => Ok(Value::Null),
+            Node::Int(i) => Ok(Value::Int(*i)),
+            _ => eval::run(&self.prog, self.root, data, arena),
+        }
     }
 
     /// The rule's value when it does not depend on the data (it folded to a
