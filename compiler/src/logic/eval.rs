@@ -297,6 +297,9 @@ impl<'a> Ev<'a> {
             }
             Node::Op { op, start, len } => {
                 let args = &prog.args[*start as usize..(*start + *len) as usize];
+                if let [a, b] = *args {
+                    return self.binary(*op, a, b, args, scope);
+                }
                 self.op(*op, Args::Nodes(args), scope)
             }
             Node::Null => Ok(Value::Null),
@@ -597,6 +600,45 @@ impl<'a> Ev<'a> {
         }
     }
 
+    /// Two-argument operators, the common case, without the generic
+    /// argument plumbing.
+    #[inline]
+    fn binary(
+        &self,
+        op: Op,
+        a: NodeId,
+        b: NodeId,
+        args: &'a [NodeId],
+        scope: &Scope<'_, 'a>,
+    ) -> R<'a> {
+        let rel = match op {
+            Op::Add | Op::Sub | Op::Mul | Op::Div => {
+                let x =
+                    to_number(&self.eval(a, scope)?).ok_or_else(|| self.fail(EvalError::NaN))?;
+                let y =
+                    to_number(&self.eval(b, scope)?).ok_or_else(|| self.fail(EvalError::NaN))?;
+                return self.number(match op {
+                    Op::Add => x + y,
+                    Op::Sub => x - y,
+                    Op::Mul => x * y,
+                    _ => x / y,
+                });
+            }
+            Op::Lt => Rel::Lt,
+            Op::Le => Rel::Le,
+            Op::Gt => Rel::Gt,
+            Op::Ge => Rel::Ge,
+            Op::StrictEq | Op::StrictNe => {
+                let (x, y) = (self.eval(a, scope)?, self.eval(b, scope)?);
+                return Ok(Value::Bool(strict_eq(&x, &y) == (op == Op::StrictEq)));
+            }
+            _ => return self.op(op, Args::Nodes(args), scope),
+        };
+        let (x, y) = (self.eval(a, scope)?, self.eval(b, scope)?);
+        let holds = relate(&x, &y, rel).map_err(|()| self.fail(EvalError::NaN))?;
+        Ok(Value::Bool(holds))
+    }
+
     fn compare(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
         let n = args.len();
         if n < 2 {
@@ -630,6 +672,7 @@ impl<'a> Ev<'a> {
     /// `try`: the first argument that evaluates without error wins; each
     /// later argument sees the previous error as its data (`{"type": …}`);
     /// the last error propagates.
+    #[inline(never)]
     fn try_(&self, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
         let n = args.len();
         let mut error: Option<EvalError<'a>> = None;
@@ -657,6 +700,7 @@ impl<'a> Ev<'a> {
         }
     }
 
+    #[inline(never)]
     fn error_value(&self, e: &EvalError<'a>) -> Value<'a> {
         match *e {
             EvalError::NaN => Value::Object(&NAN_ERROR),
@@ -668,6 +712,7 @@ impl<'a> Ev<'a> {
         }
     }
 
+    #[inline(never)]
     fn iterate(&self, op: Op, nodes: &'a [NodeId], scope: &Scope<'_, 'a>) -> R<'a> {
         let (Some(&coll), Some(&body)) = (nodes.first(), nodes.get(1)) else {
             return Err(self.fail(EvalError::InvalidArguments(
@@ -751,6 +796,7 @@ impl<'a> Ev<'a> {
     }
 
     /// `var` with a path computed at evaluation time: `[path, default]`.
+    #[inline(never)]
     fn var_dynamic(&self, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
         let cursor = Cursor::Frame(scope.frame);
         let found = match self.arg(args, 0, scope)? {
@@ -764,6 +810,7 @@ impl<'a> Ev<'a> {
     }
 
     /// `val` / `exists` with pieces computed at evaluation time.
+    #[inline(never)]
     fn val_dynamic(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
         let n = args.len();
         let mut cursor = Cursor::Frame(scope.frame);
@@ -819,6 +866,7 @@ impl<'a> Ev<'a> {
         matches!(v, None | Some(Value::Null) | Some(Value::Str("")))
     }
 
+    #[inline(never)]
     fn missing_const(
         &self,
         keys: &'a [MissingKey],
@@ -852,6 +900,7 @@ impl<'a> Ev<'a> {
         Value::Array(missing.into_bump_slice())
     }
 
+    #[inline(never)]
     fn missing_dynamic(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
         let (need, keys): (Option<f64>, &'a [Value<'a>]) = if op == Op::MissingSome {
             let need = to_number(&self.arg(args, 0, scope)?).unwrap_or(0.0);
