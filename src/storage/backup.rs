@@ -1,0 +1,136 @@
+//! Backups of SQLite storage: `VACUUM INTO` a timestamped file in the backup
+//! directory, and the listing of that directory. The server backends answer
+//! BadRequest: their own dump tools do this better than the service could.
+
+use serde_json::{Value as Json, json};
+use std::path::Path;
+use std::time::Duration;
+
+use super::{Backend, StorageError, Store, dispatch, execute};
+
+const PREFIX: &str = "sluice_backup_";
+const SUFFIX: &str = ".db";
+
+/// `20261122T101500Z` → `2026-11-22T10:15:00Z`, or `None` if the stamp is malformed.
+fn stamp_to_rfc3339(stamp: &str) -> Option<String> {
+    let b = stamp.as_bytes();
+    let digits =
+        |r: std::ops::Range<usize>| b.get(r).is_some_and(|s| s.iter().all(u8::is_ascii_digit));
+    if b.len() != 16 || !digits(0..8) || b[8] != b'T' || !digits(9..15) || b[15] != b'Z' {
+        return None;
+    }
+    Some(format!(
+        "{}-{}-{}T{}:{}:{}Z",
+        &stamp[0..4],
+        &stamp[4..6],
+        &stamp[6..8],
+        &stamp[9..11],
+        &stamp[11..13],
+        &stamp[13..15]
+    ))
+}
+
+fn io_err(what: &str, e: std::io::Error) -> StorageError {
+    StorageError::Database(format!("{what}: {e}"))
+}
+
+impl Store {
+    /// Writes `sluice_backup_YYYYMMDDTHHMMSSZ.db` into `dir` (created if missing)
+    /// and returns `{filename, size_bytes, created_at}`. If a backup with this
+    /// second's name exists, waits for the next second instead of overwriting.
+    pub async fn backup(&self, dir: &Path) -> Result<Json, StorageError> {
+        if self.backend() != Backend::Sqlite {
+            return Err(StorageError::BadRequest(
+                "backups are only available with SQLite storage; use the database's own tools (pg_dump, mariadb-dump)"
+                    .into(),
+            ));
+        }
+        std::fs::create_dir_all(dir)
+            .map_err(|e| io_err("cannot create the backup directory", e))?;
+        // One backup at a time per store, so two callers cannot pick the same name.
+        let _guard = self.inner.backup_lock.lock().await;
+        let (filename, path, created_at) = loop {
+            let now = time::OffsetDateTime::now_utc();
+            let stamp = now
+                .format(time::macros::format_description!(
+                    "[year][month][day]T[hour][minute][second]Z"
+                ))
+                .map_err(|e| {
+                    StorageError::Database(format!("cannot format the backup time: {e}"))
+                })?;
+            let filename = format!("{PREFIX}{stamp}{SUFFIX}");
+            let path = dir.join(&filename);
+            if !path.exists() {
+                break (filename, path, stamp_to_rfc3339(&stamp).unwrap_or_default());
+            }
+            // Sleep to just past the next whole second.
+            let nanos = u64::from(now.nanosecond());
+            tokio::time::sleep(Duration::from_nanos(1_000_000_000 - nanos + 1_000_000)).await;
+        };
+        let target = path
+            .to_str()
+            .ok_or_else(|| {
+                StorageError::BadRequest("the backup directory path is not valid UTF-8".into())
+            })?
+            .to_owned();
+        let s = self.sql();
+        dispatch!(self, pool => {
+            execute!(pool, &s.backup, &target)?;
+        });
+        let size = std::fs::metadata(&path)
+            .map_err(|e| io_err("cannot read the backup file", e))?
+            .len();
+        Ok(json!({"filename": filename, "size_bytes": size, "created_at": created_at}))
+    }
+
+    /// The backups in `dir`, newest first; an absent directory has none.
+    pub fn list_backups(dir: &Path) -> Result<Vec<Json>, StorageError> {
+        let entries = match std::fs::read_dir(dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io_err("cannot read the backup directory", e)),
+        };
+        let mut out = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|e| io_err("cannot read the backup directory", e))?;
+            let Ok(filename) = entry.file_name().into_string() else {
+                continue;
+            };
+            let Some(stamp) = filename
+                .strip_prefix(PREFIX)
+                .and_then(|r| r.strip_suffix(SUFFIX))
+            else {
+                continue;
+            };
+            let Some(created_at) = stamp_to_rfc3339(stamp) else {
+                continue;
+            };
+            let meta = entry
+                .metadata()
+                .map_err(|e| io_err("cannot read a backup file", e))?;
+            if !meta.is_file() {
+                continue;
+            }
+            out.push((filename, meta.len(), created_at));
+        }
+        // The stamp sorts chronologically, so name order is time order.
+        out.sort_by(|a, b| b.0.cmp(&a.0));
+        Ok(out
+            .into_iter()
+            .map(|(filename, size, created_at)| json!({"filename": filename, "size_bytes": size, "created_at": created_at}))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod unit {
+    #[test]
+    fn stamps() {
+        assert_eq!(
+            super::stamp_to_rfc3339("20261122T101500Z").as_deref(),
+            Some("2026-11-22T10:15:00Z")
+        );
+        assert_eq!(super::stamp_to_rfc3339("2026112T101500Z"), None);
+        assert_eq!(super::stamp_to_rfc3339("20261122X101500Z"), None);
+    }
+}

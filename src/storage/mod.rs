@@ -1,0 +1,602 @@
+//! Storage layer: one `Store` over SQLite, PostgreSQL or MariaDB/MySQL holding
+//! versioned workflows and channels, connectors, the audit log and (SQLite) backups.
+//!
+//! Every query body is written once and expanded per backend by the `dispatch!`
+//! macro, so each backend gets monomorphic sqlx code without generic trait bounds.
+//! SQL is written with `?` placeholders and rewritten to `$n` for PostgreSQL once,
+//! when the `Store` is built (see `sql.rs`). Every write and the audit entry that
+//! records it share one transaction.
+
+#![allow(dead_code)] // the HTTP layer is written in parallel; not every call is wired yet
+
+mod audit;
+mod backup;
+mod connectors;
+mod lifecycle;
+mod sql;
+#[cfg(test)]
+mod tests;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value as Json};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sql::Sql;
+
+/// Which database a `Store` talks to; chosen by the scheme of `storage.url`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+    MySql,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+            Backend::MySql => "mysql",
+        }
+    }
+}
+
+/// Errors of the storage layer, one variant per HTTP error class the handlers map
+/// them to (404, 409, 400, 500). Messages never contain connection strings.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Database(String),
+}
+
+/// The two versioned resources; they share one lifecycle implementation and differ
+/// only in table, labels and the channel-name uniqueness rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Workflow,
+    Channel,
+}
+
+impl Kind {
+    /// Lower-case label used in conflict messages and as audit `resource_type`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Kind::Workflow => "workflow",
+            Kind::Channel => "channel",
+        }
+    }
+    /// Capitalised label used in not-found messages ("Workflow with id 'x' not found").
+    pub fn title(self) -> &'static str {
+        match self {
+            Kind::Workflow => "Workflow",
+            Kind::Channel => "Channel",
+        }
+    }
+    /// The identifier field of the resource in API JSON.
+    pub fn id_field(self) -> &'static str {
+        match self {
+            Kind::Workflow => "workflow_id",
+            Kind::Channel => "channel_id",
+        }
+    }
+    pub(crate) fn not_found(self, id: &str) -> StorageError {
+        StorageError::NotFound(format!("{} with id '{id}' not found", self.title()))
+    }
+}
+
+/// Lifecycle state of one version. `paused` is the engine-schema extra: kept but not routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Draft,
+    Active,
+    Archived,
+    Paused,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Draft => "draft",
+            Status::Active => "active",
+            Status::Archived => "archived",
+            Status::Paused => "paused",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Status> {
+        match s {
+            "draft" => Some(Status::Draft),
+            "active" => Some(Status::Active),
+            "archived" => Some(Status::Archived),
+            "paused" => Some(Status::Paused),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Fields the server manages; they are never stored inside a definition.
+pub(crate) const SERVER_MANAGED: [&str; 5] = [
+    "version",
+    "status",
+    "rollout_percentage",
+    "created_at",
+    "updated_at",
+];
+
+/// One stored version of a workflow or channel, or one connector (version 1, active).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    pub id: String,
+    pub version: i64,
+    pub status: Status,
+    pub rollout_percentage: i64,
+    /// The user's definition without server-managed fields or the id field.
+    pub definition: Json,
+    /// RFC 3339 UTC, whole seconds, `Z` suffix.
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+impl Record {
+    /// The API shape: id field first, then the definition, then the server-managed
+    /// fields (`rollout_percentage` for workflows only).
+    pub fn to_json(&self, kind: Kind) -> Json {
+        let mut m = Map::new();
+        m.insert(kind.id_field().into(), Json::String(self.id.clone()));
+        if let Json::Object(def) = &self.definition {
+            for (k, v) in def {
+                if k != kind.id_field() && !SERVER_MANAGED.contains(&k.as_str()) {
+                    m.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        m.insert("version".into(), self.version.into());
+        m.insert("status".into(), self.status.as_str().into());
+        if kind == Kind::Workflow {
+            m.insert("rollout_percentage".into(), self.rollout_percentage.into());
+        }
+        m.insert("created_at".into(), self.created_at.clone().into());
+        m.insert("updated_at".into(), self.updated_at.clone().into());
+        Json::Object(m)
+    }
+
+    /// A connector as stored (secrets NOT masked; the caller masks) plus its timestamps.
+    pub fn to_connector_json(&self) -> Json {
+        let mut m = match &self.definition {
+            Json::Object(def) => def.clone(),
+            _ => Map::new(),
+        };
+        m.insert("created_at".into(), self.created_at.clone().into());
+        m.insert("updated_at".into(), self.updated_at.clone().into());
+        Json::Object(m)
+    }
+}
+
+/// Filters and page of a list call. `limit`/`offset` are taken as given (the HTTP
+/// layer validates the 1..=1000 range).
+#[derive(Debug, Clone)]
+pub struct ListQuery {
+    pub status: Option<Status>,
+    /// Workflows: keep versions whose `tags` array contains this string.
+    pub tag: Option<String>,
+    /// Channels: filter on `channel_type`.
+    pub channel_type: Option<String>,
+    /// Channels: filter on `protocol`.
+    pub protocol: Option<String>,
+    pub limit: i64,
+    pub offset: i64,
+}
+
+impl Default for ListQuery {
+    fn default() -> Self {
+        ListQuery {
+            status: None,
+            tag: None,
+            channel_type: None,
+            protocol: None,
+            limit: 50,
+            offset: 0,
+        }
+    }
+}
+
+/// What the audit entry of a change says. Storage fills `resource_type`,
+/// `resource_id` and `version` when they are empty, and merges facts it knows
+/// (e.g. which versions were archived) into `details` without overwriting keys.
+#[derive(Debug, Clone)]
+pub struct Audit {
+    /// `anonymous`, `admin` or `read_only`; never the key.
+    pub principal: String,
+    pub action: String,
+    pub resource_type: String,
+    pub resource_id: String,
+    pub version: Option<i64>,
+    pub details: Json,
+}
+
+impl Audit {
+    /// Convenience constructor with empty resource fields (filled by the store) and no details.
+    pub fn new(principal: &str, action: &str) -> Audit {
+        Audit {
+            principal: principal.into(),
+            action: action.into(),
+            resource_type: String::new(),
+            resource_id: String::new(),
+            version: None,
+            details: Json::Null,
+        }
+    }
+
+    /// Fills what the store knows and the caller left out; merges `extra` into `details`.
+    pub(crate) fn complete(
+        mut self,
+        resource_type: &str,
+        id: &str,
+        version: Option<i64>,
+        extra: Json,
+    ) -> Audit {
+        if self.resource_type.is_empty() {
+            self.resource_type = resource_type.into();
+        }
+        if self.resource_id.is_empty() {
+            self.resource_id = id.into();
+        }
+        if self.version.is_none() {
+            self.version = version;
+        }
+        if let Json::Object(extra) = extra {
+            match &mut self.details {
+                Json::Object(d) => {
+                    for (k, v) in extra {
+                        d.entry(k).or_insert(v);
+                    }
+                }
+                Json::Null => self.details = Json::Object(extra),
+                // A non-object detail from the caller is kept under "note".
+                other => {
+                    let mut d = extra;
+                    d.insert("note".into(), other.take());
+                    self.details = Json::Object(d);
+                }
+            }
+        }
+        if self.details.is_null() {
+            self.details = Json::Object(Map::new());
+        }
+        self
+    }
+}
+
+/// The concrete pools. Matching on this enum (via `dispatch!`) is the only place
+/// backend choice happens at run time.
+pub(crate) enum Pools {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+    MySql(MySqlPool),
+}
+
+struct Inner {
+    pools: Pools,
+    backend: Backend,
+    /// All statements for this backend, placeholders already converted.
+    sql: Sql,
+    /// Serialises backups of this store so two never pick the same file name.
+    backup_lock: tokio::sync::Mutex<()>,
+}
+
+/// Handle to the database; cheap to clone (an `Arc`).
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("backend", &self.inner.backend)
+            .finish()
+    }
+}
+
+/// Expands `$body` once per backend with `$pool` bound to the concrete pool, so
+/// the body is written once and type-checked against each driver.
+macro_rules! dispatch {
+    ($store:expr, $pool:ident => $body:expr) => {
+        match &$store.inner.pools {
+            $crate::storage::Pools::Sqlite($pool) => $body,
+            $crate::storage::Pools::Postgres($pool) => $body,
+            $crate::storage::Pools::MySql($pool) => $body,
+        }
+    };
+}
+pub(crate) use dispatch;
+
+/// `sqlx::query(sql).bind(a)...` on an executor; returns all rows.
+macro_rules! fetch_all {
+    ($ex:expr, $sql:expr $(, $arg:expr)* $(,)?) => {
+        sqlx::query($sql)$(.bind($arg))*.fetch_all($ex).await.map_err($crate::storage::db_err)
+    };
+}
+/// Same, at most one row.
+macro_rules! fetch_optional {
+    ($ex:expr, $sql:expr $(, $arg:expr)* $(,)?) => {
+        sqlx::query($sql)$(.bind($arg))*.fetch_optional($ex).await.map_err($crate::storage::db_err)
+    };
+}
+/// Same, exactly one row.
+macro_rules! fetch_one {
+    ($ex:expr, $sql:expr $(, $arg:expr)* $(,)?) => {
+        sqlx::query($sql)$(.bind($arg))*.fetch_one($ex).await.map_err($crate::storage::db_err)
+    };
+}
+/// Same, a statement; returns rows affected.
+macro_rules! execute {
+    ($ex:expr, $sql:expr $(, $arg:expr)* $(,)?) => {
+        sqlx::query($sql)$(.bind($arg))*.execute($ex).await.map(|r| r.rows_affected()).map_err($crate::storage::db_err)
+    };
+}
+pub(crate) use {execute, fetch_all, fetch_one, fetch_optional};
+
+/// Begins a write transaction. SQLite takes the write lock up front
+/// (`BEGIN IMMEDIATE`) so read-then-write transactions never fail to upgrade;
+/// the server backends rely on row locks taken inside the transaction.
+pub(crate) trait BeginWrite {
+    type Db: sqlx::Database;
+    fn begin_write(
+        &self,
+    ) -> impl std::future::Future<
+        Output = Result<sqlx::Transaction<'static, Self::Db>, StorageError>,
+    > + Send;
+}
+
+impl BeginWrite for SqlitePool {
+    type Db = sqlx::Sqlite;
+    async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, StorageError> {
+        self.begin_with("BEGIN IMMEDIATE").await.map_err(db_err)
+    }
+}
+impl BeginWrite for PgPool {
+    type Db = sqlx::Postgres;
+    async fn begin_write(
+        &self,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StorageError> {
+        self.begin().await.map_err(db_err)
+    }
+}
+impl BeginWrite for MySqlPool {
+    type Db = sqlx::MySql;
+    async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::MySql>, StorageError> {
+        self.begin().await.map_err(db_err)
+    }
+}
+
+/// Is this a lost race the caller may simply retry (deadlock, serialization
+/// failure, lock timeout, SQLite busy)?
+pub(crate) fn is_transient(e: &StorageError) -> bool {
+    matches!(e, StorageError::Conflict(m) if m.starts_with(TRANSIENT_PREFIX))
+}
+const TRANSIENT_PREFIX: &str = "concurrent change";
+
+/// Maps a driver error: unique violations and lost races become `Conflict`
+/// (409, never 500); the rest `Database`. Operations that know a better message
+/// for a unique violation map it themselves with `unique_as`.
+pub(crate) fn db_err(e: sqlx::Error) -> StorageError {
+    if let sqlx::Error::Database(d) = &e {
+        if d.is_unique_violation() {
+            return StorageError::Conflict(format!(
+                "{TRANSIENT_PREFIX} conflicted with this request; retry"
+            ));
+        }
+        let code = d.code().map(|c| c.into_owned()).unwrap_or_default();
+        let mysql_number = d
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .map(|m| m.number());
+        let transient = matches!(code.as_str(), "40001" | "40P01" | "55P03")
+            || matches!(mysql_number, Some(1205 | 1213))
+            // SQLite: SQLITE_BUSY and SQLITE_LOCKED with their extended codes.
+            || matches!(code.as_str(), "5" | "6" | "261" | "262" | "517" | "773");
+        if transient {
+            return StorageError::Conflict(format!(
+                "{TRANSIENT_PREFIX} conflicted with this request; retry"
+            ));
+        }
+        return StorageError::Database(format!("database error: {}", d.message()));
+    }
+    StorageError::Database(format!("database error: {e}"))
+}
+
+/// Maps a unique violation to `msg` (e.g. "workflow 'x' already exists").
+pub(crate) fn unique_as(msg: impl FnOnce() -> String) -> impl FnOnce(StorageError) -> StorageError {
+    move |e| match e {
+        StorageError::Conflict(m) if m.starts_with(TRANSIENT_PREFIX) => {
+            StorageError::Conflict(msg())
+        }
+        other => other,
+    }
+}
+
+/// Runs `op` again when it lost a race (deadlock, busy, serialization failure);
+/// unique violations are answered by the lifecycle checks on the next attempt,
+/// which then produce the precise Conflict message.
+pub(crate) async fn retry<T, F, Fut>(mut op: F) -> Result<T, StorageError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StorageError>>,
+{
+    let mut attempt = 0;
+    loop {
+        match op().await {
+            Err(e) if is_transient(&e) && attempt < 4 => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(5 * attempt)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Microseconds since the Unix epoch, the stored timestamp unit.
+pub(crate) fn now_micros() -> i64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// Renders stored microseconds as RFC 3339 UTC with whole seconds (`2026-11-22T10:15:00Z`).
+pub(crate) fn rfc3339(micros: i64) -> String {
+    let secs = micros.div_euclid(1_000_000);
+    match time::OffsetDateTime::from_unix_timestamp(secs) {
+        Ok(t) => t
+            .format(time::macros::format_description!(
+                "[year]-[month]-[day]T[hour]:[minute]:[second]Z"
+            ))
+            .unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Parses definition text read from the database (one serde_json parse per row).
+pub(crate) fn parse_json(text: &str) -> Result<Json, StorageError> {
+    serde_json::from_str(text)
+        .map_err(|e| StorageError::Database(format!("stored JSON is invalid: {e}")))
+}
+
+static MIGRATOR_SQLITE: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+static MIGRATOR_POSTGRES: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+static MIGRATOR_MYSQL: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/mysql");
+
+impl Store {
+    /// Opens a pool for `url`: `sqlite://path` (created if missing, WAL, foreign
+    /// keys on) or `sqlite::memory:`, `postgres://`/`postgresql://`,
+    /// `mysql://`/`mariadb://`. Connects eagerly so a bad URL fails at start-up.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Store, StorageError> {
+        let scheme = url
+            .split_once(':')
+            .map(|(s, _)| s.to_ascii_lowercase())
+            .unwrap_or_default();
+        let max = max_connections.max(1);
+        // How long a request waits for a pooled connection (and connect() for the server).
+        let acquire = Duration::from_secs(10);
+        let connect_err = |b: &str, e: sqlx::Error| {
+            // sqlx errors do not echo the URL; keep it that way (it may hold a password).
+            StorageError::Database(format!("cannot connect to {b} storage: {e}"))
+        };
+        let (pools, backend) = match scheme.as_str() {
+            "sqlite" => {
+                let memory = url.contains(":memory:") || url.contains("mode=memory");
+                let opts = SqliteConnectOptions::from_str(url)
+                    .map_err(|e| StorageError::BadRequest(format!("invalid storage.url: {e}")))?
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal)
+                    .synchronous(SqliteSynchronous::Normal)
+                    .foreign_keys(true)
+                    // Writers queue on BEGIN IMMEDIATE; wait rather than fail.
+                    .busy_timeout(Duration::from_secs(10));
+                let mut pool = SqlitePoolOptions::new().acquire_timeout(acquire);
+                // Each connection to `:memory:` is its own database: keep exactly one, forever.
+                pool = if memory {
+                    pool.max_connections(1)
+                        .min_connections(1)
+                        .idle_timeout(None)
+                        .max_lifetime(None)
+                } else {
+                    pool.max_connections(max)
+                };
+                let p = pool
+                    .connect_with(opts)
+                    .await
+                    .map_err(|e| connect_err("SQLite", e))?;
+                (Pools::Sqlite(p), Backend::Sqlite)
+            }
+            "postgres" | "postgresql" => {
+                let opts = PgConnectOptions::from_str(url)
+                    .map_err(|e| StorageError::BadRequest(format!("invalid storage.url: {e}")))?;
+                let p = PgPoolOptions::new()
+                    .max_connections(max)
+                    .acquire_timeout(acquire)
+                    .connect_with(opts)
+                    .await
+                    .map_err(|e| connect_err("PostgreSQL", e))?;
+                (Pools::Postgres(p), Backend::Postgres)
+            }
+            "mysql" | "mariadb" => {
+                // sqlx only knows the mysql:// scheme; MariaDB speaks the same protocol.
+                let url = format!("mysql:{}", &url[scheme.len() + 1..]);
+                let opts = MySqlConnectOptions::from_str(&url)
+                    .map_err(|e| StorageError::BadRequest(format!("invalid storage.url: {e}")))?
+                    .charset("utf8mb4");
+                let p = MySqlPoolOptions::new()
+                    .max_connections(max)
+                    .acquire_timeout(acquire)
+                    .connect_with(opts)
+                    .await
+                    .map_err(|e| connect_err("MariaDB/MySQL", e))?;
+                (Pools::MySql(p), Backend::MySql)
+            }
+            other => {
+                return Err(StorageError::BadRequest(format!(
+                    "unsupported storage.url scheme '{other}' (expected sqlite:, postgres:, postgresql:, mysql: or mariadb:)"
+                )));
+            }
+        };
+        Ok(Store {
+            inner: Arc::new(Inner {
+                pools,
+                backend,
+                sql: Sql::new(backend),
+                backup_lock: tokio::sync::Mutex::new(()),
+            }),
+        })
+    }
+
+    /// Applies the embedded migrations of this backend (idempotent).
+    pub async fn migrate(&self) -> Result<(), StorageError> {
+        let r = match &self.inner.pools {
+            Pools::Sqlite(p) => MIGRATOR_SQLITE.run(p).await,
+            Pools::Postgres(p) => MIGRATOR_POSTGRES.run(p).await,
+            Pools::MySql(p) => MIGRATOR_MYSQL.run(p).await,
+        };
+        r.map_err(|e| StorageError::Database(format!("migration failed: {e}")))
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.inner.backend
+    }
+
+    /// `SELECT 1`, for /health and /readyz.
+    pub async fn ping(&self) -> Result<(), StorageError> {
+        dispatch!(self, pool => {
+            fetch_one!(pool, "SELECT 1")?;
+        });
+        Ok(())
+    }
+
+    /// Closes the pool (waits for connections to be returned). For shutdown and tests.
+    pub async fn close(&self) {
+        dispatch!(self, pool => pool.close().await)
+    }
+
+    pub(crate) fn sql(&self) -> &Sql {
+        &self.inner.sql
+    }
+}
