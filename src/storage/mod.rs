@@ -14,8 +14,9 @@ mod backup;
 mod connectors;
 mod lifecycle;
 mod sql;
+// Test helpers (`tests::TestDb`) are visible to other modules' tests.
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
