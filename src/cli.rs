@@ -1,7 +1,152 @@
-//! Implementations of the command-line tools that need no server.
+//! Implementations of the command-line tools that need no server:
+//! `logic`, `lint` and `dry-run`.
 
+use crate::api::ApiError;
 use bumpalo::Bump;
-use sluice_compiler::{Value, logic};
+use serde_json::Value as Json;
+use sluice_compiler::plan::compile_workflow;
+use sluice_compiler::{Value, logic, validate};
+use sluice_runtime::connectors::{CallScope, Services};
+use sluice_runtime::exec::{self, Input, Meta, Options, PayloadFrom};
+use std::path::Path;
+use std::process::ExitCode;
+
+fn read_json(path: &Path) -> Result<Json, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))
+}
+
+/// Which kind of definition a file holds, by its distinctive fields.
+fn problems_of(def: &Json) -> (&'static str, Vec<sluice_compiler::diag::Diagnostic>) {
+    if def.get("connector_type").is_some()
+        || def.get("config").is_some() && def.get("tasks").is_none()
+    {
+        ("connector", validate::validate_connector(def))
+    } else if def.get("tasks").is_none()
+        && (def.get("channel_type").is_some()
+            || def.get("route_pattern").is_some()
+            || def.get("channel_id").is_some())
+    {
+        ("channel", validate::validate_channel(def))
+    } else {
+        ("workflow", compile_workflow(def).err().unwrap_or_default())
+    }
+}
+
+/// `sluice lint <file>...`: prints the error envelope for each bad file;
+/// exit 1 if any is bad.
+pub fn lint(files: &[std::path::PathBuf]) -> ExitCode {
+    let mut bad = 0;
+    for file in files {
+        let envelope = match read_json(file) {
+            Err(message) => Some(ApiError::bad_request(message).body()),
+            Ok(def) => {
+                let (kind, problems) = problems_of(&def);
+                (!problems.is_empty()).then(|| ApiError::invalid(kind, problems).body())
+            }
+        };
+        match envelope {
+            Some(mut body) => {
+                bad += 1;
+                body["file"] = Json::String(file.display().to_string());
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&body).unwrap_or_default()
+                );
+            }
+            None => eprintln!("{}: ok", file.display()),
+        }
+    }
+    if bad > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// `sluice dry-run`: runs a workflow definition offline on a payload (no
+/// connectors are configured: connector tasks fail with a clear message).
+pub fn dry_run(workflow: &Path, payload: &Path, metadata: Option<&Path>) -> ExitCode {
+    match dry_run_answer(workflow, payload, metadata) {
+        Ok((answer, failed)) => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&answer).unwrap_or_default()
+            );
+            if failed {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(envelope) => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&envelope).unwrap_or_default()
+            );
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dry_run_answer(
+    workflow: &Path,
+    payload: &Path,
+    metadata: Option<&Path>,
+) -> Result<(Json, bool), Json> {
+    let def = read_json(workflow).map_err(|m| ApiError::bad_request(m).body())?;
+    let compiled = compile_workflow(&def).map_err(|p| ApiError::invalid("workflow", p).body())?;
+    let payload_text = std::fs::read(payload).map_err(|e| {
+        ApiError::bad_request(format!("cannot read {}: {e}", payload.display())).body()
+    })?;
+    let meta = match metadata {
+        Some(p) => read_json(p).map_err(|m| ApiError::bad_request(m).body())?,
+        None => Json::Null,
+    };
+    let pairs = |area| crate::data::metadata_pairs(&meta, area);
+    let (headers, query, path) = (pairs("headers"), pairs("query"), pairs("path"));
+    use crate::data::borrow_pairs;
+    let (h, q, p) = (
+        borrow_pairs(&headers),
+        borrow_pairs(&query),
+        borrow_pairs(&path),
+    );
+    let input = Input {
+        body: &payload_text,
+        payload_from: PayloadFrom::Whole,
+        meta: Meta {
+            headers: &h,
+            query: &q,
+            path: &p,
+            method: "POST",
+            channel: "",
+            request_id: "dry-run",
+        },
+        bucket: None,
+    };
+    let services = Services::default();
+    let scope = CallScope::default();
+    let options = Options {
+        record_tasks: true,
+        pretty: false,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| ApiError::internal(e.to_string()).body())?;
+    let execution = runtime
+        .block_on(exec::execute(
+            [&compiled.plan],
+            input,
+            &services,
+            &scope,
+            &options,
+        ))
+        .map_err(|e| ApiError::bad_request(e.to_string()).body())?;
+    let failed = matches!(execution.status, exec::Status::Failed(_));
+    Ok((crate::data::dry_run_answer(&execution), failed))
+}
 
 /// `sluice logic`: compile `rule`, evaluate it against `data`, return the
 /// result as JSON text.

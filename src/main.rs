@@ -1,14 +1,16 @@
 //! The `sluice` command line: the service and its tools.
 //!
-//! `sluice logic --rule '<json>' --data '<json>'` compiles a JSONLogic rule,
-//! evaluates it against the data and prints the result as JSON. The service
-//! subcommands (`serve`, `migrate`, `lint`, `dry-run`) arrive with the service.
+//! - `sluice serve` (the default): run the service.
+//! - `sluice migrate`: apply the storage migrations and exit.
+//! - `sluice lint <file>...`: check definitions; prints the error envelope for each bad file.
+//! - `sluice dry-run --workflow <file> --payload <file> [--metadata <file>]`: run a workflow offline.
+//! - `sluice logic --rule '<json>' --data '<json>'`: evaluate a JSONLogic rule.
 
 use clap::{Parser, Subcommand};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-mod cli;
-mod storage;
+use sluice::{app, cli, config, server, telemetry};
 
 #[derive(Parser)]
 #[command(
@@ -17,12 +19,33 @@ mod storage;
     about = "Runs business logic declared as JSON"
 )]
 struct Cli {
+    /// Configuration file (default: ./sluice.toml if present).
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the service (the default).
+    Serve,
+    /// Apply the storage migrations and exit.
+    Migrate,
+    /// Check workflow, channel or connector definition files.
+    Lint {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+    /// Run a workflow definition on a payload, offline, and print the dry-run answer.
+    DryRun {
+        #[arg(long)]
+        workflow: PathBuf,
+        #[arg(long)]
+        payload: PathBuf,
+        #[arg(long)]
+        metadata: Option<PathBuf>,
+    },
     /// Compile a JSONLogic rule, evaluate it against data, print the result as JSON.
     Logic {
         /// The rule, as JSON text.
@@ -36,17 +59,92 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Logic { rule, data } => cli::logic(&rule, &data),
-    };
-    match result {
-        Ok(out) => {
-            println!("{out}");
-            ExitCode::SUCCESS
+    match cli.command.unwrap_or(Command::Serve) {
+        Command::Serve => with_config(cli.config, |config| runtime()?.block_on(serve(config))),
+        Command::Migrate => with_config(cli.config, |config| runtime()?.block_on(migrate(config))),
+        Command::Lint { files } => cli::lint(&files),
+        Command::DryRun {
+            workflow,
+            payload,
+            metadata,
+        } => cli::dry_run(&workflow, &payload, metadata.as_deref()),
+        Command::Logic { rule, data } => match cli::logic(&rule, &data) {
+            Ok(out) => {
+                println!("{out}");
+                ExitCode::SUCCESS
+            }
+            Err(message) => {
+                eprintln!("error: {message}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
+}
+
+fn with_config(
+    path: Option<PathBuf>,
+    run: impl FnOnce(config::Config) -> Result<(), String>,
+) -> ExitCode {
+    let config = match config::Config::load(path.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
         }
-        Err(message) => {
-            eprintln!("error: {message}");
+    };
+    telemetry::init(&config.logging);
+    match run(config) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+async fn migrate(config: config::Config) -> Result<(), String> {
+    sluice::open_store(&config).await?;
+    println!(
+        "migrations applied ({})",
+        config.storage.url.split("://").next().unwrap_or("storage")
+    );
+    Ok(())
+}
+
+async fn serve(config: config::Config) -> Result<(), String> {
+    let addr = format!("{}:{}", config.server.host, config.server.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let app = sluice::start(config).await?;
+    tracing::info!(%addr, version = app::VERSION, "sluice is serving");
+    server::run(listener, app, shutdown_signal()).await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
     }
 }

@@ -339,6 +339,11 @@ pub enum HttpMethod {
 impl HttpMethod {
     pub const NAMES: &'static [&'static str] =
         &["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"];
+
+    /// The method's name as HTTP writes it.
+    pub fn as_str(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
 }
 
 /// A channel definition (`POST /api/v1/admin/channels`).

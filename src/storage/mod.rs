@@ -7,7 +7,6 @@
 //! when the `Store` is built (see `sql.rs`). Every write and the audit entry that
 //! records it share one transaction.
 
-#![allow(dead_code)] // the HTTP layer is written in parallel; not every call is wired yet
 
 mod audit;
 mod backup;

@@ -1,0 +1,727 @@
+//! The admin plane, `/api/v1/admin/...`: workflows and channels (one
+//! versioned-resource implementation for both), connectors, engine, functions,
+//! audit logs and backups.
+//!
+//! Endpoints (paths relative to `/api/v1/admin`):
+//! - `workflows`: GET list, POST create; `workflows/import` POST; `workflows/export` GET;
+//!   `workflows/validate` POST; `workflows/{id}`: GET, PUT, DELETE; `workflows/{id}/status` PATCH;
+//!   `workflows/{id}/versions` GET, POST; `workflows/{id}/rollout` PATCH; `workflows/{id}/test` POST
+//! - `channels`: the same lifecycle, plus `channels/import`
+//! - `connectors`: GET, POST; `connectors/import`, `connectors/reload` POST;
+//!   `connectors/circuit-breakers` GET; `connectors/circuit-breakers/{key}` POST; `connectors/{id}` GET, PUT, DELETE
+//! - `engine/status` GET, `engine/reload` POST, `functions` GET, `audit-logs` GET, `backups` GET, POST
+
+use crate::api::{self, ApiError, ApiResult, Code};
+use crate::app::App;
+use crate::auth::Principal;
+use crate::engine::ReloadError;
+use crate::server::Req;
+use crate::storage::{Audit, Kind, ListQuery, Status, Store};
+use http::Method;
+use serde_json::{Value as Json, json};
+use sluice_compiler::diag::Diagnostic;
+use sluice_compiler::plan::compile_workflow;
+use sluice_compiler::validate;
+use sluice_runtime::connectors::CallScope;
+use sluice_runtime::exec::{self, Input, Meta, Options, PayloadFrom};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Dispatches an admin request (`segments` are the path after `/api/v1/admin`).
+pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[String], who: Principal) -> ApiResult {
+    let seg: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let m = &req.method;
+    match seg.as_slice() {
+        [kind @ ("workflows" | "channels")] => {
+            let kind = kind_of(kind);
+            match *m {
+                Method::GET => list(app, req, kind).await,
+                Method::POST => create(app, req, kind, who).await,
+                _ => not_allowed(m),
+            }
+        }
+        [kind @ ("workflows" | "channels"), "import"] => {
+            only(m, Method::POST)?
+                .then(import(app, req, kind_of(kind), who))
+                .await
+        }
+        ["workflows", "export"] => only(m, Method::GET)?.then(export(app, req)).await,
+        ["workflows", "validate"] => only(m, Method::POST)?.then(validate_workflow(req)).await,
+        [kind @ ("workflows" | "channels"), id] => {
+            let kind = kind_of(kind);
+            match *m {
+                Method::GET => get(app, req, kind, id).await,
+                Method::PUT => update(app, req, kind, id, who).await,
+                Method::DELETE => delete(app, kind, id, who).await,
+                _ => not_allowed(m),
+            }
+        }
+        [kind @ ("workflows" | "channels"), id, "status"] => {
+            only(m, Method::PATCH)?
+                .then(set_status(app, req, kind_of(kind), id, who))
+                .await
+        }
+        [kind @ ("workflows" | "channels"), id, "versions"] => {
+            let kind = kind_of(kind);
+            match *m {
+                Method::GET => versions(app, req, kind, id).await,
+                Method::POST => new_version(app, kind, id, who).await,
+                _ => not_allowed(m),
+            }
+        }
+        ["workflows", id, "rollout"] => {
+            only(m, Method::PATCH)?
+                .then(rollout(app, req, id, who))
+                .await
+        }
+        ["workflows", id, "test"] => only(m, Method::POST)?.then(dry_run(app, req, id)).await,
+        ["connectors"] => match *m {
+            Method::GET => list_connectors(app, req).await,
+            Method::POST => create_connector(app, req, who).await,
+            _ => not_allowed(m),
+        },
+        ["connectors", "import"] => {
+            only(m, Method::POST)?
+                .then(import_connectors(app, req, who))
+                .await
+        }
+        ["connectors", "reload"] => only(m, Method::POST)?.then(reload_connectors(app)).await,
+        ["connectors", "circuit-breakers"] => {
+            only(m, Method::GET)?
+                .then(async { api::ok(&Vec::<Json>::new()) })
+                .await
+        }
+        ["connectors", "circuit-breakers", key] => {
+            let key = (*key).to_owned();
+            only(m, Method::POST)?
+                .then(async move {
+                    Err(ApiError::not_found(format!(
+                        "Circuit breaker with key '{key}' not found"
+                    )))
+                })
+                .await
+        }
+        ["connectors", id] => match *m {
+            Method::GET => get_connector(app, id).await,
+            Method::PUT => update_connector(app, req, id, who).await,
+            Method::DELETE => delete_connector(app, id, who).await,
+            _ => not_allowed(m),
+        },
+        ["engine", "status"] => only(m, Method::GET)?.then(engine_status(app)).await,
+        ["engine", "reload"] => only(m, Method::POST)?.then(engine_reload(app, who)).await,
+        ["functions"] => {
+            only(m, Method::GET)?
+                .then(async { api::ok(&sluice_compiler::functions::catalogue_json()) })
+                .await
+        }
+        ["audit-logs"] => only(m, Method::GET)?.then(audit_logs(app, req)).await,
+        ["backups"] => match *m {
+            Method::GET => list_backups(app),
+            Method::POST => create_backup(app, who).await,
+            _ => not_allowed(m),
+        },
+        _ => Err(ApiError::not_found(format!(
+            "No admin endpoint at {}",
+            req.path
+        ))),
+    }
+}
+
+/// Lets a route say which method it takes in one line.
+struct Allowed;
+
+impl Allowed {
+    async fn then<F: Future<Output = ApiResult>>(self, f: F) -> ApiResult {
+        f.await
+    }
+}
+
+fn only(method: &Method, allowed: Method) -> Result<Allowed, ApiError> {
+    if *method == allowed {
+        Ok(Allowed)
+    } else {
+        not_allowed(method).map(|_| Allowed)
+    }
+}
+
+fn not_allowed(method: &Method) -> ApiResult {
+    Err(ApiError::new(
+        Code::MethodNotAllowed,
+        format!("method {method} is not allowed on this path"),
+    ))
+}
+
+fn kind_of(segment: &str) -> Kind {
+    if segment == "workflows" {
+        Kind::Workflow
+    } else {
+        Kind::Channel
+    }
+}
+
+fn audit(who: Principal, action: &str) -> Audit {
+    Audit::new(who.as_str(), action)
+}
+
+/// `?limit=` (default 50, 1..=1000) and `?offset=` (default 0).
+fn paging(req: &Req) -> Result<(i64, i64), ApiError> {
+    let limit = match req.query("limit") {
+        None => 50,
+        Some(v) => match v.parse::<i64>() {
+            Ok(n) if (1..=1000).contains(&n) => n,
+            _ => {
+                return Err(ApiError::bad_request(format!(
+                    "limit must be an integer from 1 to 1000, got '{v}'"
+                )));
+            }
+        },
+    };
+    let offset = match req.query("offset") {
+        None => 0,
+        Some(v) => match v.parse::<i64>() {
+            Ok(n) if n >= 0 => n,
+            _ => {
+                return Err(ApiError::bad_request(format!(
+                    "offset must be a non-negative integer, got '{v}'"
+                )));
+            }
+        },
+    };
+    Ok((limit, offset))
+}
+
+fn status_filter(req: &Req) -> Result<Option<Status>, ApiError> {
+    match req.query("status") {
+        None => Ok(None),
+        Some(s) => Status::parse(s).map(Some).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "status must be one of draft, active, archived, paused, got '{s}'"
+            ))
+        }),
+    }
+}
+
+/// Checks a definition strictly; returns it with its identifier filled in.
+fn checked(
+    kind: Kind,
+    mut def: Json,
+    id_from_path: Option<&str>,
+) -> Result<(String, Json), ApiError> {
+    let Some(obj) = def.as_object_mut() else {
+        return Err(ApiError::bad_request(format!(
+            "a {} definition must be a JSON object",
+            kind.label()
+        )));
+    };
+    let id_field = kind.id_field();
+    let given = obj
+        .get(id_field)
+        .or_else(|| {
+            if kind == Kind::Workflow {
+                obj.get("id")
+            } else {
+                None
+            }
+        })
+        .cloned();
+    let id = match (id_from_path, given) {
+        (Some(path_id), Some(Json::String(body_id))) if body_id != path_id => {
+            return Err(ApiError::invalid(
+                kind.label(),
+                vec![Diagnostic {
+                    field: id_field.into(),
+                    message: format!("must equal the id in the path ('{path_id}')"),
+                }],
+            ));
+        }
+        (Some(path_id), _) => path_id.to_owned(),
+        (None, Some(Json::String(s))) => s,
+        (None, _) => uuid::Uuid::new_v4().to_string(),
+    };
+    obj.insert(id_field.into(), Json::String(id.clone()));
+    let problems = match kind {
+        Kind::Workflow => compile_workflow(&def).err().unwrap_or_default(),
+        Kind::Channel => {
+            let mut p = validate::validate_channel(&def);
+            if let Some(rule) = def.get("validation_logic")
+                && let Err(e) = sluice_compiler::logic::compile(rule)
+            {
+                p.push(Diagnostic {
+                    field: "validation_logic".into(),
+                    message: format!("invalid JSONLogic: {}", e.message),
+                });
+            }
+            p
+        }
+    };
+    if problems.is_empty() {
+        Ok((id, def))
+    } else {
+        Err(ApiError::invalid(kind.label(), problems))
+    }
+}
+
+async fn list(app: &App, req: &Req, kind: Kind) -> ApiResult {
+    let (limit, offset) = paging(req)?;
+    let q = ListQuery {
+        status: status_filter(req)?,
+        tag: req.query("tag").map(str::to_owned),
+        channel_type: req.query("channel_type").map(str::to_owned),
+        protocol: req.query("protocol").map(str::to_owned),
+        limit,
+        offset,
+    };
+    let (records, total) = app.store.list(kind, &q).await?;
+    api::page(
+        records.iter().map(|r| r.to_json(kind)).collect(),
+        total,
+        limit,
+        offset,
+    )
+}
+
+async fn create(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
+    let (id, def) = checked(kind, req.json()?, None)?;
+    let record = app
+        .store
+        .create(kind, &id, &def, audit(who, "create"))
+        .await?;
+    api::created(&record.to_json(kind))
+}
+
+async fn get(app: &App, req: &Req, kind: Kind, id: &str) -> ApiResult {
+    let version = match req.query("version") {
+        None => None,
+        Some(v) => Some(v.parse::<i64>().map_err(|_| {
+            ApiError::bad_request(format!("version must be an integer, got '{v}'"))
+        })?),
+    };
+    let record = app.store.get(kind, id, version).await?;
+    api::ok(&record.to_json(kind))
+}
+
+async fn update(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) -> ApiResult {
+    let (_, def) = checked(kind, req.json()?, Some(id))?;
+    let record = app
+        .store
+        .update_draft(kind, id, &def, audit(who, "update"))
+        .await?;
+    api::ok(&record.to_json(kind))
+}
+
+async fn delete(app: &App, kind: Kind, id: &str, who: Principal) -> ApiResult {
+    app.store.delete(kind, id, audit(who, "delete")).await?;
+    reload_after_change(app, who).await;
+    api::no_content()
+}
+
+async fn versions(app: &App, req: &Req, kind: Kind, id: &str) -> ApiResult {
+    let (limit, offset) = paging(req)?;
+    let all = app.store.versions(kind, id).await?;
+    let total = all.len() as i64;
+    let page = all
+        .iter()
+        .skip(offset as usize)
+        .take(limit as usize)
+        .map(|r| r.to_json(kind))
+        .collect();
+    api::page(page, total, limit, offset)
+}
+
+async fn new_version(app: &App, kind: Kind, id: &str, who: Principal) -> ApiResult {
+    let record = app
+        .store
+        .new_version(kind, id, audit(who, "new_version"))
+        .await?;
+    api::created(&record.to_json(kind))
+}
+
+fn percentage(body: &Json, field: &str, required: bool) -> Result<Option<i64>, ApiError> {
+    match body.get(field) {
+        None | Some(Json::Null) if !required => Ok(None),
+        None | Some(Json::Null) => Err(ApiError::invalid(
+            "request",
+            vec![Diagnostic {
+                field: field.into(),
+                message: "is required".into(),
+            }],
+        )),
+        Some(v) => match v.as_i64() {
+            Some(n) if (1..=100).contains(&n) && v.is_i64() => Ok(Some(n)),
+            _ => Err(ApiError::invalid(
+                "request",
+                vec![Diagnostic {
+                    field: field.into(),
+                    message: format!("must be an integer from 1 to 100, got {v}"),
+                }],
+            )),
+        },
+    }
+}
+
+async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) -> ApiResult {
+    let body = req.json()?;
+    let target = match body.get("status").and_then(Json::as_str) {
+        Some("active") => Status::Active,
+        Some("archived") => Status::Archived,
+        Some("paused") => Status::Paused,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "request",
+                vec![Diagnostic {
+                    field: "status".into(),
+                    message: format!("must be one of active, archived, paused, got '{other}'"),
+                }],
+            ));
+        }
+        None => {
+            return Err(ApiError::invalid(
+                "request",
+                vec![Diagnostic {
+                    field: "status".into(),
+                    message: "is required".into(),
+                }],
+            ));
+        }
+    };
+    let rollout = if kind == Kind::Workflow {
+        percentage(&body, "rollout_percentage", false)?
+    } else {
+        None
+    };
+    let version = match body.get("version") {
+        None | Some(Json::Null) => None,
+        Some(v) => Some(v.as_i64().filter(|n| *n >= 1).ok_or_else(|| {
+            ApiError::invalid(
+                "request",
+                vec![Diagnostic {
+                    field: "version".into(),
+                    message: "must be a positive integer".into(),
+                }],
+            )
+        })?),
+    };
+    let action = match target {
+        Status::Active => "activate",
+        Status::Archived => "archive",
+        _ => "pause",
+    };
+    let record = app
+        .store
+        .set_status(kind, id, target, version, rollout, audit(who, action))
+        .await?;
+    reload_after_change(app, who).await;
+    api::ok(&record.to_json(kind))
+}
+
+async fn rollout(app: &App, req: &Req, id: &str, who: Principal) -> ApiResult {
+    let body = req.json()?;
+    let p = percentage(&body, "rollout_percentage", true)?.unwrap_or(100);
+    let record = app
+        .store
+        .set_rollout(Kind::Workflow, id, p, audit(who, "rollout"))
+        .await?;
+    reload_after_change(app, who).await;
+    api::ok(&record.to_json(Kind::Workflow))
+}
+
+/// Lifecycle changes reload the engine (audit-logged). A failed reload leaves
+/// the previous engine serving; the change itself is already committed.
+async fn reload_after_change(app: &App, who: Principal) {
+    if let Err(e) = app.reload(Some(audit(who, "reload"))).await {
+        tracing::error!(
+            ?e,
+            "reload after a lifecycle change failed; the previous engine keeps serving"
+        );
+    }
+}
+
+async fn validate_workflow(req: &Req) -> ApiResult {
+    let def = req.json()?;
+    if !def.is_object() {
+        return Err(ApiError::bad_request(
+            "a workflow definition must be a JSON object",
+        ));
+    }
+    match compile_workflow(&def) {
+        Ok(compiled) => api::ok(&json!({"valid": true, "warnings": compiled.warnings})),
+        Err(problems) => Err(ApiError::invalid("workflow", problems)),
+    }
+}
+
+async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
+    let body = req.json()?;
+    let Json::Array(items) = body else {
+        return Err(ApiError::bad_request(
+            "import expects a JSON array of definitions",
+        ));
+    };
+    let dry_run = req.query("dry_run") == Some("true");
+    let mut created = Vec::new();
+    let mut failed = Vec::new();
+    for (index, item) in items.into_iter().enumerate() {
+        let (id, def) = match checked(kind, item, None) {
+            Ok(ok) => ok,
+            Err(e) => {
+                let details = e.details.unwrap_or_else(|| {
+                    vec![Diagnostic {
+                        field: String::new(),
+                        message: e.message,
+                    }]
+                });
+                failed.push(json!({"index": index, "details": details}));
+                continue;
+            }
+        };
+        if dry_run {
+            created.push(Json::String(id));
+            continue;
+        }
+        match app
+            .store
+            .create(kind, &id, &def, audit(who, "import"))
+            .await
+        {
+            Ok(_) => created.push(Json::String(id)),
+            Err(e) => {
+                let e = ApiError::from(e);
+                failed.push(json!({"index": index, "details": [{"field": kind.id_field(), "message": e.message}]}));
+            }
+        }
+    }
+    api::ok(&json!({"created": created, "failed": failed, "dry_run": dry_run}))
+}
+
+async fn export(app: &App, req: &Req) -> ApiResult {
+    let mut out = Vec::new();
+    let mut offset = 0;
+    loop {
+        let q = ListQuery {
+            status: status_filter(req)?,
+            tag: req.query("tag").map(str::to_owned),
+            limit: 1000,
+            offset,
+            ..ListQuery::default()
+        };
+        let (records, total) = app.store.list(Kind::Workflow, &q).await?;
+        let n = records.len() as i64;
+        out.extend(records.iter().map(|r| r.to_json(Kind::Workflow)));
+        offset += n;
+        if n == 0 || offset >= total {
+            break;
+        }
+    }
+    api::ok(&out)
+}
+
+async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
+    let body = req.json()?;
+    let version = req.query("version").and_then(|v| v.parse().ok());
+    let record = app.store.get(Kind::Workflow, id, version).await?;
+    let compiled = compile_workflow(&record.to_json(Kind::Workflow))
+        .map_err(|p| ApiError::invalid("workflow", p))?;
+    let payload = body.get("data").cloned().unwrap_or(Json::Null);
+    let meta_json = body.get("metadata").cloned().unwrap_or(Json::Null);
+    let pairs = |area| crate::data::metadata_pairs(&meta_json, area);
+    let (headers, query, path) = (pairs("headers"), pairs("query"), pairs("path"));
+    use crate::data::borrow_pairs;
+    let (h, q, p) = (
+        borrow_pairs(&headers),
+        borrow_pairs(&query),
+        borrow_pairs(&path),
+    );
+    let payload_text = serde_json::to_vec(&payload).unwrap_or_default();
+    let input = Input {
+        body: &payload_text,
+        payload_from: PayloadFrom::Whole,
+        meta: Meta {
+            headers: &h,
+            query: &q,
+            path: &p,
+            method: "POST",
+            channel: "",
+            request_id: &req.request_id,
+        },
+        bucket: None,
+    };
+    let options = Options {
+        record_tasks: true,
+        pretty: false,
+    };
+    let scope = CallScope::default();
+    let result = exec::execute([&compiled.plan], input, &app.services, &scope, &options)
+        .await
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    api::ok(&crate::data::dry_run_answer(&result))
+}
+
+// ---------------------------------------------------------------- connectors
+
+fn masked(mut v: Json) -> Json {
+    validate::mask_secrets(&mut v);
+    v
+}
+
+fn checked_connector(def: Json, name_from_path: Option<&str>) -> Result<Json, ApiError> {
+    if !def.is_object() {
+        return Err(ApiError::bad_request(
+            "a connector definition must be a JSON object",
+        ));
+    }
+    if let (Some(path), Some(name)) = (name_from_path, def.get("name").and_then(Json::as_str))
+        && path != name
+    {
+        return Err(ApiError::invalid(
+            "connector",
+            vec![Diagnostic {
+                field: "name".into(),
+                message: format!("must equal the name in the path ('{path}')"),
+            }],
+        ));
+    }
+    let mut def = def;
+    if let (Some(path), Some(obj)) = (name_from_path, def.as_object_mut()) {
+        obj.insert("name".into(), Json::String(path.to_owned()));
+    }
+    let problems = validate::validate_connector(&def);
+    if problems.is_empty() {
+        Ok(def)
+    } else {
+        Err(ApiError::invalid("connector", problems))
+    }
+}
+
+async fn list_connectors(app: &App, req: &Req) -> ApiResult {
+    let (limit, offset) = paging(req)?;
+    let (records, total) = app.store.list_connectors(limit, offset).await?;
+    api::page(
+        records
+            .iter()
+            .map(|r| masked(r.to_connector_json()))
+            .collect(),
+        total,
+        limit,
+        offset,
+    )
+}
+
+async fn create_connector(app: &App, req: &Req, who: Principal) -> ApiResult {
+    let def = checked_connector(req.json()?, None)?;
+    let record = app
+        .store
+        .create_connector(&def, audit(who, "create"))
+        .await?;
+    api::created(&masked(record.to_connector_json()))
+}
+
+async fn get_connector(app: &App, name: &str) -> ApiResult {
+    api::ok(&masked(
+        app.store.get_connector(name).await?.to_connector_json(),
+    ))
+}
+
+async fn update_connector(app: &App, req: &Req, name: &str, who: Principal) -> ApiResult {
+    let def = checked_connector(req.json()?, Some(name))?;
+    let record = app
+        .store
+        .update_connector(name, &def, audit(who, "update"))
+        .await?;
+    api::ok(&masked(record.to_connector_json()))
+}
+
+async fn delete_connector(app: &App, name: &str, who: Principal) -> ApiResult {
+    app.store
+        .delete_connector(name, audit(who, "delete"))
+        .await?;
+    api::no_content()
+}
+
+async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
+    let Json::Array(items) = req.json()? else {
+        return Err(ApiError::bad_request(
+            "import expects a JSON array of definitions",
+        ));
+    };
+    let dry_run = req.query("dry_run") == Some("true");
+    let (mut created, mut failed) = (Vec::new(), Vec::new());
+    for (index, item) in items.into_iter().enumerate() {
+        match checked_connector(item, None) {
+            Err(e) => {
+                failed.push(json!({"index": index, "details": e.details.unwrap_or_default()}))
+            }
+            Ok(def) => {
+                let name = def
+                    .get("name")
+                    .and_then(Json::as_str)
+                    .unwrap_or_default()
+                    .to_owned();
+                if dry_run {
+                    created.push(Json::String(name));
+                } else {
+                    match app.store.create_connector(&def, audit(who, "import")).await {
+                        Ok(_) => created.push(Json::String(name)),
+                        Err(e) => failed.push(json!({"index": index, "details": [{"field": "name", "message": ApiError::from(e).message}]})),
+                    }
+                }
+            }
+        }
+    }
+    api::ok(&json!({"created": created, "failed": failed, "dry_run": dry_run}))
+}
+
+async fn reload_connectors(app: &App) -> ApiResult {
+    let all = app.store.all_connectors().await?;
+    api::ok(&json!({"connectors": all.len()}))
+}
+
+// ---------------------------------------------------------------- engine, audit, backups
+
+async fn engine_status(app: &App) -> ApiResult {
+    api::ok(&crate::ops::engine_status(app))
+}
+
+async fn engine_reload(app: &App, who: Principal) -> ApiResult {
+    match app.reload(Some(audit(who, "reload"))).await {
+        Ok(report) => api::ok(&report),
+        Err(ReloadError::Storage(e)) => Err(e.into()),
+        Err(ReloadError::Invalid(problems)) => Err(ApiError::invalid("engine reload", problems)),
+    }
+}
+
+async fn audit_logs(app: &App, req: &Req) -> ApiResult {
+    let (limit, offset) = paging(req)?;
+    let (entries, total) = app
+        .store
+        .list_audit(
+            req.query("action"),
+            req.query("resource_type"),
+            limit,
+            offset,
+        )
+        .await?;
+    api::page(entries, total, limit, offset)
+}
+
+fn list_backups(app: &App) -> ApiResult {
+    let entries = Store::list_backups(Path::new(&app.config.storage.backup_dir))?;
+    api::ok(&entries)
+}
+
+async fn create_backup(app: &App, who: Principal) -> ApiResult {
+    let entry = app
+        .store
+        .backup(Path::new(&app.config.storage.backup_dir))
+        .await?;
+    let mut a = audit(who, "backup");
+    a.resource_type = "backup".into();
+    a.resource_id = entry
+        .get("filename")
+        .and_then(Json::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    a.details = entry.clone();
+    if let Err(e) = app.store.audit(a).await {
+        tracing::error!(error = %e, "could not write the backup audit entry");
+    }
+    api::created(&entry)
+}

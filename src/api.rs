@@ -1,0 +1,242 @@
+//! The HTTP edge: the error envelope and JSON responses. This is the one place
+//! where errors of every layer (storage, validation, execution, the request
+//! itself) become HTTP statuses and `{error: {code, message, details?}}`.
+
+use crate::storage::StorageError;
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use http_body_util::Full;
+use serde::Serialize;
+use sluice_compiler::diag::Diagnostic;
+
+pub type Body = Full<Bytes>;
+pub type HttpResponse = Response<Body>;
+
+/// Stable error codes (the spec's table plus the decisions' additions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Code {
+    NotFound,
+    BadRequest,
+    Unauthorized,
+    Forbidden,
+    Conflict,
+    RateLimited,
+    Timeout,
+    ServiceUnavailable,
+    UnsupportedMediaType,
+    PayloadTooLarge,
+    MethodNotAllowed,
+    UpstreamError,
+    TaskError,
+    InternalError,
+}
+
+impl Code {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Code::NotFound => "NOT_FOUND",
+            Code::BadRequest => "BAD_REQUEST",
+            Code::Unauthorized => "UNAUTHORIZED",
+            Code::Forbidden => "FORBIDDEN",
+            Code::Conflict => "CONFLICT",
+            Code::RateLimited => "RATE_LIMITED",
+            Code::Timeout => "TIMEOUT",
+            Code::ServiceUnavailable => "SERVICE_UNAVAILABLE",
+            Code::UnsupportedMediaType => "UNSUPPORTED_MEDIA_TYPE",
+            Code::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
+            Code::MethodNotAllowed => "METHOD_NOT_ALLOWED",
+            Code::UpstreamError => "UPSTREAM_ERROR",
+            Code::TaskError => "TASK_ERROR",
+            Code::InternalError => "INTERNAL_ERROR",
+        }
+    }
+
+    pub fn status(self) -> StatusCode {
+        match self {
+            Code::NotFound => StatusCode::NOT_FOUND,
+            Code::BadRequest => StatusCode::BAD_REQUEST,
+            Code::Unauthorized => StatusCode::UNAUTHORIZED,
+            Code::Forbidden => StatusCode::FORBIDDEN,
+            Code::Conflict => StatusCode::CONFLICT,
+            Code::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            Code::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            Code::ServiceUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Code::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Code::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Code::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Code::UpstreamError => StatusCode::BAD_GATEWAY,
+            Code::TaskError | Code::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+/// An error answer. `details` is only present for multi-problem errors.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub code: Code,
+    pub message: String,
+    pub details: Option<Vec<Diagnostic>>,
+    /// Extra members of `error` (e.g. `task_id` for a failed task).
+    pub task_id: Option<String>,
+    /// `Retry-After` seconds, for 429 and 503.
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            message: message.into(),
+            details: None,
+            task_id: None,
+            retry_after: None,
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(Code::BadRequest, message)
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(Code::NotFound, message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(Code::InternalError, message)
+    }
+
+    /// Strict validation failed: 400 with every problem in `details`.
+    pub fn invalid(what: &str, details: Vec<Diagnostic>) -> Self {
+        let n = details.len();
+        let message = format!(
+            "{what} is invalid: {n} problem{}",
+            if n == 1 { "" } else { "s" }
+        );
+        ApiError {
+            details: Some(details),
+            ..Self::bad_request(message)
+        }
+    }
+
+    pub fn with_details(mut self, details: Vec<Diagnostic>) -> Self {
+        self.details = Some(details);
+        self
+    }
+
+    pub fn with_task(mut self, task_id: impl Into<String>) -> Self {
+        self.task_id = Some(task_id.into());
+        self
+    }
+
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+
+    /// The envelope as JSON.
+    pub fn body(&self) -> serde_json::Value {
+        let mut error = serde_json::json!({"code": self.code.as_str(), "message": self.message});
+        if let Some(task_id) = &self.task_id {
+            error["task_id"] = serde_json::Value::String(task_id.clone());
+        }
+        if let Some(details) = &self.details {
+            error["details"] = serde_json::to_value(details).unwrap_or_default();
+        }
+        serde_json::json!({ "error": error })
+    }
+
+    pub fn into_response(self) -> HttpResponse {
+        metrics::counter!(crate::telemetry::names::ERRORS_TOTAL, "type" => self.code.as_str())
+            .increment(1);
+        let mut response = json_response(self.code.status(), &self.body());
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+impl From<StorageError> for ApiError {
+    fn from(e: StorageError) -> Self {
+        match e {
+            StorageError::NotFound(m) => ApiError::new(Code::NotFound, m),
+            StorageError::Conflict(m) => ApiError::new(Code::Conflict, m),
+            StorageError::BadRequest(m) => ApiError::new(Code::BadRequest, m),
+            StorageError::Database(m) => {
+                tracing::error!(error = %m, "storage error");
+                ApiError::internal("storage error; see the service log")
+            }
+        }
+    }
+}
+
+pub type ApiResult = Result<HttpResponse, ApiError>;
+
+/// A JSON response with the given status.
+pub fn json_response<T: Serialize + ?Sized>(status: StatusCode, body: &T) -> HttpResponse {
+    let bytes = serde_json::to_vec(body).unwrap_or_else(|_| b"{}".to_vec());
+    bytes_response(status, Bytes::from(bytes))
+}
+
+/// A response whose body is already JSON text.
+pub fn bytes_response(status: StatusCode, body: Bytes) -> HttpResponse {
+    let mut response = Response::new(Full::new(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// `{data: ...}` with 200.
+pub fn ok<T: Serialize + ?Sized>(data: &T) -> ApiResult {
+    Ok(json_response(
+        StatusCode::OK,
+        &serde_json::json!({ "data": data }),
+    ))
+}
+
+/// `{data: ...}` with 201.
+pub fn created<T: Serialize + ?Sized>(data: &T) -> ApiResult {
+    Ok(json_response(
+        StatusCode::CREATED,
+        &serde_json::json!({ "data": data }),
+    ))
+}
+
+/// 204 with no body.
+pub fn no_content() -> ApiResult {
+    let mut response = Response::new(Full::new(Bytes::new()));
+    *response.status_mut() = StatusCode::NO_CONTENT;
+    Ok(response)
+}
+
+/// A list page: `{data, total, limit, offset}`.
+pub fn page(data: Vec<serde_json::Value>, total: i64, limit: i64, offset: i64) -> ApiResult {
+    Ok(json_response(
+        StatusCode::OK,
+        &serde_json::json!({"data": data, "total": total, "limit": limit, "offset": offset}),
+    ))
+}
+
+/// A JSON document as is (no `{data}` wrapper), with 200.
+pub fn ok_raw(body: &serde_json::Value) -> ApiResult {
+    Ok(json_response(StatusCode::OK, body))
+}
+
+/// An embedded documentation asset, with the relaxed CSP the docs page needs
+/// for its own script (nothing else is relaxed).
+pub fn static_asset(text: &'static str, content_type: &'static str) -> HttpResponse {
+    let mut response = Response::new(Full::new(Bytes::from_static(text.as_bytes())));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response.headers_mut().insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(crate::openapi::DOCS_CSP),
+    );
+    response
+}

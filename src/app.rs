@@ -1,0 +1,120 @@
+//! The service's shared state: configuration, storage, the engine snapshot
+//! behind one `ArcSwap`, and what outlives snapshots.
+
+use crate::config::Config;
+use crate::engine::{self, ReloadError, Snapshot};
+use crate::storage::{Audit, Store};
+use crate::telemetry::names;
+use arc_swap::ArcSwap;
+use sluice_runtime::connectors::Services;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+pub struct App {
+    pub config: Config,
+    pub store: Store,
+    /// The live engine. Requests `load()` it once; reloads `store()` a new one.
+    pub engine: ArcSwap<Snapshot>,
+    /// Connector implementations; kept across reloads.
+    pub services: Services,
+    pub started: Instant,
+    /// Set once start-up (migrations, first reload) has completed.
+    pub ready: AtomicBool,
+    generation: AtomicU64,
+    /// Reloads are serialized (admin side only; the request path never waits on it).
+    reload_lock: tokio::sync::Mutex<()>,
+}
+
+/// What a successful reload reports.
+#[derive(Debug, serde::Serialize)]
+pub struct ReloadReport {
+    pub generation: u64,
+    pub workflows: usize,
+    pub active_workflows: usize,
+    pub channels: usize,
+    pub routes: usize,
+    pub duration_ms: f64,
+}
+
+impl App {
+    pub fn new(config: Config, store: Store, services: Services) -> App {
+        if config.metrics.enabled {
+            crate::telemetry::metrics_handle();
+        }
+        App {
+            config,
+            store,
+            engine: ArcSwap::from_pointee(Snapshot::default()),
+            services,
+            started: Instant::now(),
+            ready: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
+            reload_lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    pub fn uptime_seconds(&self) -> u64 {
+        self.started.elapsed().as_secs()
+    }
+
+    /// Rebuilds the engine from storage and swaps it in; on failure the
+    /// current snapshot keeps serving. `audit` records who asked (start-up
+    /// passes `None`).
+    pub async fn reload(&self, audit: Option<Audit>) -> Result<ReloadReport, ReloadError> {
+        let _guard = tokio::time::timeout(
+            std::time::Duration::from_secs(self.config.engine.reload_timeout_secs),
+            self.reload_lock.lock(),
+        )
+        .await
+        .map_err(|_| {
+            ReloadError::Storage(crate::storage::StorageError::Conflict(
+                "another reload is still running".into(),
+            ))
+        })?;
+        let generation = self.generation.load(Ordering::Relaxed) + 1;
+        let built = engine::build(&self.store, generation).await;
+        let built = match built {
+            Ok(b) => b,
+            Err(e) => {
+                metrics::counter!(names::ENGINE_RELOADS_TOTAL, "status" => "failure").increment(1);
+                tracing::warn!(
+                    ?e,
+                    "engine reload failed; the previous engine keeps serving"
+                );
+                return Err(e);
+            }
+        };
+        let report = ReloadReport {
+            generation,
+            workflows: built.snapshot.workflows_loaded,
+            active_workflows: built.snapshot.active_workflows,
+            channels: built.snapshot.channels.len(),
+            routes: built.snapshot.routes.len(),
+            duration_ms: built.elapsed.as_secs_f64() * 1000.0,
+        };
+        metrics::counter!(names::ENGINE_RELOADS_TOTAL, "status" => "success").increment(1);
+        metrics::histogram!(names::ENGINE_RELOAD_DURATION_SECONDS)
+            .record(built.elapsed.as_secs_f64());
+        metrics::gauge!(names::ACTIVE_WORKFLOWS).set(built.snapshot.active_workflows as f64);
+        self.engine.store(Arc::new(built.snapshot));
+        self.generation.store(generation, Ordering::Relaxed);
+        tracing::info!(
+            generation,
+            workflows = report.workflows,
+            channels = report.channels,
+            "engine reloaded"
+        );
+        if let Some(mut audit) = audit {
+            audit.resource_type = "engine".into();
+            audit.resource_id = "engine".into();
+            audit.details = serde_json::to_value(&report).unwrap_or_default();
+            if let Err(e) = self.store.audit(audit).await {
+                tracing::error!(error = %e, "could not write the reload audit entry");
+            }
+        }
+        Ok(report)
+    }
+}

@@ -1,0 +1,591 @@
+//! Service configuration: built-in defaults, then an optional TOML file
+//! (`--config <path>`, else `./sluice.toml` if present), then environment
+//! overrides `SERVICE_<SECTION>__<KEY>` (nested: `SERVICE_ENGINE__CIRCUIT_BREAKER__ENABLED`).
+//!
+//! The overrides are derived from the configuration structure itself: the
+//! defaults are serialized to a TOML tree, and an environment variable is
+//! accepted only where that tree has a leaf, parsed as that leaf's type. An
+//! unknown key or a bad value, in the file or the environment, stops start-up
+//! with a message naming the key.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub server: Server,
+    pub storage: Storage,
+    pub ingest: Ingest,
+    pub metrics: Metrics,
+    pub logging: Logging,
+    pub tracing: Tracing,
+    pub engine: Engine,
+    pub queue: Queue,
+    pub kafka: Kafka,
+    pub rate_limit: RateLimit,
+    pub security: Security,
+    pub admin_auth: AdminAuth,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Server {
+    pub host: String,
+    pub port: u16,
+    /// How long in-flight requests may finish after a shutdown signal.
+    pub shutdown_drain_secs: u64,
+    /// Requests served at once; more are shed with 503.
+    pub max_in_flight: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Storage {
+    /// `sqlite://file`, `postgres://...` or `mysql://...`; the scheme picks the backend.
+    pub url: String,
+    pub max_connections: u32,
+    pub backup_dir: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Ingest {
+    /// The largest request body accepted, in bytes (larger: 413).
+    pub max_payload_size: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Metrics {
+    pub enabled: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Trace,
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Logging {
+    pub level: LogLevel,
+    pub format: LogFormat,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Tracing {
+    pub enabled: bool,
+    pub otlp_endpoint: String,
+    pub service_name: String,
+    pub sample_rate: f64,
+    /// Gates `X-Service-Profile: 1` / `?profile=1` entirely.
+    pub profile_enabled: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CircuitBreaker {
+    pub enabled: bool,
+    /// Consecutive failures that open the breaker (the fifth failure in a row for 5).
+    pub failure_threshold: u32,
+    pub recovery_timeout_secs: u64,
+    /// Breakers kept; the least recently used is evicted beyond this.
+    pub max_breakers: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Engine {
+    pub circuit_breaker: CircuitBreaker,
+    pub global_http_timeout_secs: u64,
+    pub health_check_timeout_secs: u64,
+    pub reload_timeout_secs: u64,
+    pub max_channel_call_depth: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Queue {
+    pub workers: u32,
+    pub dlq_retry_enabled: bool,
+    pub dlq_max_retries: u32,
+    pub dlq_poll_interval_secs: u64,
+    pub trace_retention_hours: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KafkaDlq {
+    pub enabled: bool,
+    pub topic: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaTopic {
+    pub topic: String,
+    pub channel: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Kafka {
+    pub enabled: bool,
+    pub brokers: String,
+    pub group_id: String,
+    pub dlq: KafkaDlq,
+    /// Topics consumed in addition to those of Kafka channels in the database.
+    pub topics: Vec<KafkaTopic>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RateLimit {
+    pub enabled: bool,
+    pub requests_per_second: u64,
+    pub burst: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Security {
+    /// Lets `http_call` reach loopback, private and link-local addresses.
+    pub allow_private_networks: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminAuth {
+    pub enabled: bool,
+    /// Full access. Empty means unset.
+    pub api_key: String,
+    /// GET-only access. Empty means unset.
+    pub read_only_api_key: String,
+    /// The header carrying a key, besides `Authorization: Bearer`.
+    pub api_key_header: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            server: Server {
+                host: "127.0.0.1".into(),
+                port: 8080,
+                shutdown_drain_secs: 30,
+                max_in_flight: 10_000,
+            },
+            storage: Storage {
+                url: "sqlite://sluice.db".into(),
+                max_connections: 16,
+                backup_dir: "./backups".into(),
+            },
+            ingest: Ingest {
+                max_payload_size: 1_048_576,
+            },
+            metrics: Metrics { enabled: true },
+            logging: Logging {
+                level: LogLevel::Info,
+                format: LogFormat::Pretty,
+            },
+            tracing: Tracing {
+                enabled: false,
+                otlp_endpoint: "http://127.0.0.1:4317".into(),
+                service_name: "sluice".into(),
+                sample_rate: 1.0,
+                profile_enabled: true,
+            },
+            engine: Engine {
+                circuit_breaker: CircuitBreaker {
+                    enabled: true,
+                    failure_threshold: 5,
+                    recovery_timeout_secs: 30,
+                    max_breakers: 10_000,
+                },
+                global_http_timeout_secs: 30,
+                health_check_timeout_secs: 2,
+                reload_timeout_secs: 10,
+                max_channel_call_depth: 8,
+            },
+            queue: Queue {
+                workers: 4,
+                dlq_retry_enabled: true,
+                dlq_max_retries: 5,
+                dlq_poll_interval_secs: 30,
+                trace_retention_hours: 72,
+            },
+            kafka: Kafka {
+                enabled: false,
+                brokers: "127.0.0.1:9092".into(),
+                group_id: "sluice".into(),
+                dlq: KafkaDlq {
+                    enabled: false,
+                    topic: "sluice-dlq".into(),
+                },
+                topics: Vec::new(),
+            },
+            rate_limit: RateLimit {
+                enabled: false,
+                requests_per_second: 1000,
+                burst: 2000,
+            },
+            security: Security {
+                allow_private_networks: false,
+            },
+            admin_auth: AdminAuth {
+                enabled: false,
+                api_key: String::new(),
+                read_only_api_key: String::new(),
+                api_key_header: "X-API-Key".into(),
+            },
+        }
+    }
+}
+
+macro_rules! default_impl {
+    ($($t:ty => $field:ident),* $(,)?) => {
+        $(impl Default for $t {
+            fn default() -> Self {
+                Config::default().$field
+            }
+        })*
+    };
+}
+
+default_impl!(Server => server, Storage => storage, Ingest => ingest, Metrics => metrics,
+    Logging => logging, Tracing => tracing, Engine => engine, Queue => queue, Kafka => kafka,
+    RateLimit => rate_limit, Security => security, AdminAuth => admin_auth);
+
+impl Default for CircuitBreaker {
+    fn default() -> Self {
+        Engine::default().circuit_breaker
+    }
+}
+
+impl Default for KafkaDlq {
+    fn default() -> Self {
+        Kafka::default().dlq
+    }
+}
+
+/// Why the configuration could not be loaded. Every message names the key.
+#[derive(Debug, thiserror::Error)]
+#[error("configuration error: {0}")]
+pub struct ConfigError(pub String);
+
+const ENV_PREFIX: &str = "SERVICE_";
+
+impl Config {
+    /// Loads defaults, then the file, then the process environment.
+    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        Self::load_from(file, std::env::vars())
+    }
+
+    /// As [`Config::load`], with the environment given (for tests).
+    pub fn load_from(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let defaults = toml::Table::try_from(Config::default())
+            .map_err(|e| ConfigError(format!("defaults do not serialize: {e}")))?;
+        let mut merged = defaults.clone();
+        let path = match file {
+            Some(p) => Some(p.to_path_buf()),
+            None => Some(PathBuf::from("sluice.toml")).filter(|p| p.exists()),
+        };
+        if let Some(path) = path {
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
+            let table: toml::Table = text
+                .parse()
+                .map_err(|e| ConfigError(format!("{} is not valid TOML: {e}", path.display())))?;
+            merge(&mut merged, table);
+        }
+        let mut overrides: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with(ENV_PREFIX) && k.contains("__"))
+            .collect();
+        overrides.sort();
+        for (name, raw) in overrides {
+            apply_env(&defaults, &mut merged, &name, &raw)?;
+        }
+        let config: Config =
+            serde_path_to_error::deserialize(toml::Value::Table(merged)).map_err(|e| {
+                let key = e.path().to_string();
+                ConfigError(format!("invalid value for '{key}': {}", e.inner()))
+            })?;
+        config.check()?;
+        Ok(config)
+    }
+
+    /// Rules the types cannot express.
+    fn check(&self) -> Result<(), ConfigError> {
+        let fail =
+            |key: &str, why: &str| Err(ConfigError(format!("invalid value for '{key}': {why}")));
+        if !(0.0..=1.0).contains(&self.tracing.sample_rate) {
+            return fail("tracing.sample_rate", "must be between 0.0 and 1.0");
+        }
+        if self.ingest.max_payload_size == 0 {
+            return fail("ingest.max_payload_size", "must be at least 1");
+        }
+        if self.storage.max_connections == 0 {
+            return fail("storage.max_connections", "must be at least 1");
+        }
+        if self.server.max_in_flight == 0 {
+            return fail("server.max_in_flight", "must be at least 1");
+        }
+        if self.admin_auth.enabled
+            && self.admin_auth.api_key.is_empty()
+            && self.admin_auth.read_only_api_key.is_empty()
+        {
+            return fail(
+                "admin_auth.api_key",
+                "admin_auth.enabled is true but no key is set",
+            );
+        }
+        if http::HeaderName::from_bytes(self.admin_auth.api_key_header.as_bytes()).is_err() {
+            return fail("admin_auth.api_key_header", "is not a valid header name");
+        }
+        Ok(())
+    }
+}
+
+/// Deep-merges `over` into `base` (tables merge, anything else replaces).
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+/// Applies one `SERVICE_<SECTION>__<KEY>` variable where the defaults have a
+/// leaf at that path, parsed as that leaf's type.
+fn apply_env(
+    defaults: &toml::Table,
+    merged: &mut toml::Table,
+    name: &str,
+    raw: &str,
+) -> Result<(), ConfigError> {
+    let path: Vec<String> = name[ENV_PREFIX.len()..]
+        .split("__")
+        .map(str::to_ascii_lowercase)
+        .collect();
+    let dotted = path.join(".");
+    let unknown = || {
+        ConfigError(format!(
+            "unknown configuration key '{dotted}' (from environment variable {name})"
+        ))
+    };
+    let mut node = defaults;
+    for seg in &path[..path.len() - 1] {
+        node = node
+            .get(seg)
+            .and_then(toml::Value::as_table)
+            .ok_or_else(unknown)?;
+    }
+    let leaf = node.get(&path[path.len() - 1]).ok_or_else(unknown)?;
+    let bad = |why: &str| ConfigError(format!("invalid value for '{dotted}' (from {name}): {why}"));
+    let value = match leaf {
+        toml::Value::Boolean(_) => match raw.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" | "on" => toml::Value::Boolean(true),
+            "false" | "0" | "no" | "off" => toml::Value::Boolean(false),
+            _ => return Err(bad("expected a boolean (true or false)")),
+        },
+        toml::Value::Integer(_) => {
+            toml::Value::Integer(raw.trim().parse().map_err(|_| bad("expected an integer"))?)
+        }
+        toml::Value::Float(_) => {
+            toml::Value::Float(raw.trim().parse().map_err(|_| bad("expected a number"))?)
+        }
+        toml::Value::String(_) => toml::Value::String(raw.to_owned()),
+        toml::Value::Array(_) => {
+            // Arrays (kafka.topics) are given inline, as TOML: `[{topic = "t", channel = "c"}]`.
+            let doc: toml::Table = format!("v = {raw}")
+                .parse()
+                .map_err(|e| bad(&format!("expected a TOML array: {e}")))?;
+            doc.get("v")
+                .cloned()
+                .ok_or_else(|| bad("expected a TOML array"))?
+        }
+        toml::Value::Table(_) => return Err(unknown()),
+        toml::Value::Datetime(_) => toml::Value::String(raw.to_owned()),
+    };
+    let mut node = merged;
+    for seg in &path[..path.len() - 1] {
+        node = node
+            .entry(seg.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .ok_or_else(unknown)?;
+    }
+    node.insert(path[path.len() - 1].clone(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn load(toml_text: Option<&str>, vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let dir = std::env::temp_dir().join(format!("sluice-config-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = toml_text.map(|t| {
+            let p = dir.join("sluice.toml");
+            std::fs::write(&p, t).unwrap();
+            p
+        });
+        let cfg = Config::load_from(
+            Some(file.as_deref().unwrap_or(&dir.join("none.toml"))).filter(|p| p.exists()),
+            env(vars),
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        cfg
+    }
+
+    #[test]
+    fn defaults_match_the_decisions() {
+        let c = load(None, &[]).unwrap();
+        assert_eq!((c.server.host.as_str(), c.server.port), ("127.0.0.1", 8080));
+        assert_eq!(c.storage.url, "sqlite://sluice.db");
+        assert_eq!(c.ingest.max_payload_size, 1_048_576);
+        assert_eq!(c.engine.circuit_breaker.failure_threshold, 5);
+        assert_eq!(c.engine.max_channel_call_depth, 8);
+        assert_eq!(c.kafka.dlq.topic, "sluice-dlq");
+        assert!(c.tracing.profile_enabled && !c.admin_auth.enabled);
+    }
+
+    #[test]
+    fn file_then_environment() {
+        let c = load(
+            Some("[server]\nport = 9000\n[engine.circuit_breaker]\nenabled = false\n"),
+            &[
+                ("SERVICE_SERVER__PORT", "9100"),
+                ("SERVICE_ENGINE__CIRCUIT_BREAKER__FAILURE_THRESHOLD", "7"),
+                ("SERVICE_LOGGING__FORMAT", "json"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.server.port, 9100);
+        assert!(!c.engine.circuit_breaker.enabled);
+        assert_eq!(c.engine.circuit_breaker.failure_threshold, 7);
+        assert_eq!(c.logging.format, LogFormat::Json);
+    }
+
+    #[test]
+    fn every_key_has_an_environment_override() {
+        // Walk the defaults and override each leaf: the mechanism is derived,
+        // so no key can be forgotten.
+        fn leaves(prefix: &str, t: &toml::Table, out: &mut Vec<(String, toml::Value)>) {
+            for (k, v) in t {
+                let name = if prefix.is_empty() {
+                    k.to_uppercase()
+                } else {
+                    format!("{prefix}__{}", k.to_uppercase())
+                };
+                match v {
+                    toml::Value::Table(inner) => leaves(&name, inner, out),
+                    other => out.push((name, other.clone())),
+                }
+            }
+        }
+        let mut all = Vec::new();
+        leaves(
+            "",
+            &toml::Table::try_from(Config::default()).unwrap(),
+            &mut all,
+        );
+        assert!(all.len() >= 40, "only {} keys", all.len());
+        for (name, value) in all {
+            let raw = match value {
+                toml::Value::Boolean(b) => (!b).to_string(),
+                toml::Value::Integer(i) => (i + 1).to_string(),
+                toml::Value::Float(_) => "0.5".into(),
+                toml::Value::String(s) if name.ends_with("LEVEL") => {
+                    if s == "info" {
+                        "debug".into()
+                    } else {
+                        "info".into()
+                    }
+                }
+                toml::Value::String(s) if name.ends_with("FORMAT") => {
+                    if s == "json" {
+                        "pretty".into()
+                    } else {
+                        "json".into()
+                    }
+                }
+                toml::Value::String(s) if name.ends_with("API_KEY_HEADER") => format!("x-{s}"),
+                toml::Value::String(s) => format!("{s}x"),
+                toml::Value::Array(_) => "[{topic = \"t\", channel = \"c\"}]".into(),
+                other => panic!("unexpected leaf {other:?}"),
+            };
+            let var = format!("SERVICE_{name}");
+            let extra = [("SERVICE_ADMIN_AUTH__API_KEY", "k")];
+            let mut vars = vec![(var.as_str(), raw.as_str())];
+            if var != "SERVICE_ADMIN_AUTH__API_KEY" {
+                vars.extend(extra);
+            }
+            let cfg = load(None, &vars).unwrap_or_else(|e| panic!("{var}={raw}: {e}"));
+            let tree = toml::Table::try_from(cfg).unwrap();
+            let default_tree = toml::Table::try_from(Config::default()).unwrap();
+            assert_ne!(tree, default_tree, "{var} had no effect");
+        }
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_key() {
+        let e = load(Some("[server]\nprot = 1\n"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("prot"), "{e}");
+        let e = load(Some("[server]\nport = \"x\"\n"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("server.port"), "{e}");
+        let e = load(None, &[("SERVICE_SERVER__PROT", "1")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("server.prot") && e.contains("SERVICE_SERVER__PROT"),
+            "{e}"
+        );
+        let e = load(None, &[("SERVICE_METRICS__ENABLED", "maybe")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("metrics.enabled"), "{e}");
+        let e = load(None, &[("SERVICE_LOGGING__LEVEL", "loud")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("logging.level"), "{e}");
+        let e = load(None, &[("SERVICE_TRACING__SAMPLE_RATE", "2")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tracing.sample_rate"), "{e}");
+        // Variables without a section separator are not ours (e.g. SERVICE_NAME).
+        assert!(load(None, &[("SERVICE_NAME", "x")]).is_ok());
+    }
+}

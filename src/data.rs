@@ -1,0 +1,336 @@
+//! The data plane, `/api/v1/data/...`: route resolution, the channel's
+//! checks, workflow execution on the live snapshot, and the response.
+//!
+//! Resolution order (the spec's): a trailing `/async` selects async mode and is
+//! stripped; then the REST route table (method + pattern); then a channel whose
+//! name is the single remaining segment. The request path takes no lock: it
+//! loads the engine snapshot once and keeps it to the end.
+
+use crate::api::{ApiError, Code, HttpResponse, bytes_response};
+use crate::app::App;
+use crate::engine::{Channel, Snapshot};
+use crate::server::Req;
+use bumpalo::Bump;
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use serde_json::{Value as Json, json};
+use sluice_compiler::Value;
+use sluice_compiler::diag::Diagnostic;
+use sluice_compiler::logic::truthy;
+use sluice_runtime::connectors::CallScope;
+use sluice_runtime::exec::{
+    self, Execution, FailureKind, Input, Meta, Options, PayloadFrom, Status,
+};
+use sluice_runtime::rollout;
+use smallvec::SmallVec;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Handles a data-plane request (`segments` are the path after `/api/v1/data`).
+pub async fn handle(
+    app: &Arc<App>,
+    req: &Req,
+    segments: &[String],
+) -> Result<HttpResponse, ApiError> {
+    let lock_started = Instant::now();
+    let snapshot = app.engine.load_full();
+    let engine_lock_ms = lock_started.elapsed().as_secs_f64() * 1000.0;
+    let (segments, is_async) = match segments.split_last() {
+        Some((last, rest)) if last == "async" && !rest.is_empty() => (rest, true),
+        _ => (segments, false),
+    };
+    let parts: SmallVec<[&str; 8]> = segments.iter().map(String::as_str).collect();
+    let (channel, params) = resolve(&snapshot, req, &parts)?;
+    let started = Instant::now();
+    if is_async {
+        return Err(ApiError::new(
+            Code::ServiceUnavailable,
+            "asynchronous submission is not available in this build",
+        ));
+    }
+    let result = run_sync(app, req, &channel, &params, engine_lock_ms).await;
+    let m = &channel.metrics;
+    match &result {
+        Ok(_) => m.ok.increment(1),
+        Err(e) if e.code == Code::BadRequest || e.code == Code::NotFound => m.rejected.increment(1),
+        Err(_) => m.failed.increment(1),
+    }
+    m.duration.record(started.elapsed().as_secs_f64());
+    result
+}
+
+/// A resolved channel and its path parameters.
+type Resolved = (Arc<Channel>, Vec<(String, String)>);
+
+fn resolve(snapshot: &Snapshot, req: &Req, parts: &[&str]) -> Result<Resolved, ApiError> {
+    if let Some(m) = snapshot.routes.find(req.method.as_str(), parts) {
+        let params = m
+            .params
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
+        return Ok((m.channel.clone(), params));
+    }
+    if let [name] = parts {
+        let name = crate::server::percent_decode(name);
+        return match snapshot.channels.get(&name) {
+            Some(channel) if req.method == Method::POST => Ok((channel.clone(), Vec::new())),
+            Some(_) => Err(ApiError::new(
+                Code::MethodNotAllowed,
+                format!("channel '{name}' is called with POST, not {}", req.method),
+            )),
+            None => Err(ApiError::not_found(format!("Channel '{name}' not found"))),
+        };
+    }
+    Err(ApiError::not_found(format!(
+        "No route matches {} {}",
+        req.method, req.path
+    )))
+}
+
+/// Lowercase header names (hyper keeps them lowercase) with UTF-8 values;
+/// `x-request-id` is the effective request id (the caller's or ours).
+fn header_pairs(req: &Req) -> SmallVec<[(&str, &str); 16]> {
+    let mut pairs: SmallVec<[(&str, &str); 16]> = req
+        .headers
+        .iter()
+        .filter(|(k, _)| k.as_str() != "x-request-id")
+        .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)))
+        .collect();
+    pairs.push(("x-request-id", req.request_id.as_str()));
+    pairs
+}
+
+async fn run_sync(
+    app: &Arc<App>,
+    req: &Req,
+    channel: &Arc<Channel>,
+    params: &[(String, String)],
+    engine_lock_ms: f64,
+) -> Result<HttpResponse, ApiError> {
+    let headers = header_pairs(req);
+    let query: SmallVec<[(&str, &str); 8]> = req
+        .query
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let path: SmallVec<[(&str, &str); 4]> = params
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    if let Some(rule) = &channel.validation {
+        check_input(rule, &req.body, &headers, &query, &path)?;
+    }
+    let caller_id = req.caller_request_id.then_some(req.request_id.as_str());
+    let bucket = rollout::bucket_for(&headers, caller_id, Some(req.client_ip.as_str()));
+    let input = Input {
+        body: &req.body,
+        payload_from: PayloadFrom::DataMember,
+        meta: Meta {
+            headers: &headers,
+            query: &query,
+            path: &path,
+            method: req.method.as_str(),
+            channel: &channel.name,
+            request_id: &req.request_id,
+        },
+        bucket,
+    };
+    let profile = app.config.tracing.profile_enabled
+        && (req.header("x-service-profile") == Some("1") || req.query("profile") == Some("1"));
+    let options = Options {
+        record_tasks: profile,
+        pretty: false,
+    };
+    let scope = CallScope {
+        channel: channel.name.clone(),
+        ..CallScope::default()
+    };
+    channel.metrics.executions.increment(1);
+    let run = exec::execute(
+        channel.plans.iter().map(|p| &**p),
+        input,
+        &app.services,
+        &scope,
+        &options,
+    );
+    let execution = match tokio::time::timeout(channel.timeout, run).await {
+        Ok(result) => result.map_err(|e| ApiError::bad_request(e.to_string()))?,
+        Err(_) => {
+            return Err(ApiError::new(
+                Code::Timeout,
+                format!(
+                    "channel '{}' did not finish within {} ms",
+                    channel.name,
+                    channel.timeout.as_millis()
+                ),
+            ));
+        }
+    };
+    respond(channel, execution, profile.then_some(engine_lock_ms))
+}
+
+/// A channel's `validation_logic` reads `{data, headers, query, path}`.
+fn check_input(
+    rule: &sluice_compiler::logic::Logic,
+    body: &[u8],
+    headers: &[(&str, &str)],
+    query: &[(&str, &str)],
+    path: &[(&str, &str)],
+) -> Result<(), ApiError> {
+    let arena = Bump::new();
+    let data = if body.iter().all(u8::is_ascii_whitespace) {
+        Value::Null
+    } else {
+        let parsed = sluice_runtime::json::parse(body, &arena)
+            .map_err(|e| ApiError::bad_request(format!("malformed JSON: {}", e.0)))?;
+        parsed.get("data").unwrap_or(Value::Null)
+    };
+    let pairs = |items: &[(&str, &str)]| {
+        Value::Object(
+            arena.alloc_slice_fill_iter(
+                items
+                    .iter()
+                    .map(|(k, v)| (&*arena.alloc_str(k), Value::Str(arena.alloc_str(v)))),
+            ),
+        )
+    };
+    let root = Value::Object(arena.alloc_slice_copy(&[
+        ("data", data),
+        ("headers", pairs(headers)),
+        ("query", pairs(query)),
+        ("path", pairs(path)),
+    ]));
+    match rule.eval(root, &arena) {
+        Ok(v) if truthy(&v) => Ok(()),
+        Ok(_) => Err(ApiError::bad_request(
+            "input validation failed: the channel's validation_logic rejected the request",
+        )),
+        Err(e) => Err(ApiError::bad_request(format!(
+            "input validation failed: {e}"
+        ))),
+    }
+}
+
+fn respond(
+    channel: &Channel,
+    execution: Execution,
+    engine_lock_ms: Option<f64>,
+) -> Result<HttpResponse, ApiError> {
+    if execution.matched.is_none() {
+        return Err(ApiError::not_found(format!(
+            "No active workflow of channel '{}' matches the request",
+            channel.name
+        )));
+    }
+    if let Status::Failed(f) = &execution.status {
+        let code = match f.kind {
+            FailureKind::Task => Code::TaskError,
+            FailureKind::Timeout => Code::Timeout,
+            FailureKind::CircuitOpen => Code::ServiceUnavailable,
+            FailureKind::Upstream => Code::UpstreamError,
+            FailureKind::Validation => Code::BadRequest,
+        };
+        let details = if f.messages.is_empty() {
+            vec![Diagnostic {
+                field: f.field.clone(),
+                message: f.message.clone(),
+            }]
+        } else {
+            f.messages
+                .iter()
+                .map(|m| Diagnostic {
+                    field: f.field.clone(),
+                    message: m.clone(),
+                })
+                .collect()
+        };
+        let message = format!("task '{}' failed: {}", f.task_id, f.message);
+        return Err(ApiError::new(code, message)
+            .with_details(details)
+            .with_task(f.task_id.clone()));
+    }
+    let mut out = Vec::with_capacity(execution.data.len() + 64);
+    out.extend_from_slice(b"{\"status\":\"ok\",\"data\":");
+    out.extend_from_slice(&execution.data);
+    out.extend_from_slice(b",\"errors\":");
+    serde_json::to_writer(&mut out, &execution.errors).unwrap_or_default();
+    if let Some(lock_ms) = engine_lock_ms {
+        let profile = json!({"_service": {"profile": {
+            "version": execution.matched.as_ref().map_or(0, |m| m.version),
+            "engine_lock_ms": lock_ms,
+            "workflow_ms": execution.workflow_ms,
+            "tasks": execution.tasks.iter().map(|t| json!({"id": t.id, "ms": t.ms})).collect::<Vec<_>>(),
+        }}});
+        out.extend_from_slice(b",\"_service\":");
+        serde_json::to_writer(&mut out, &profile["_service"]).unwrap_or_default();
+    }
+    out.push(b'}');
+    Ok(bytes_response(StatusCode::OK, Bytes::from(out)))
+}
+
+/// The answer of `POST /workflows/{id}/test` (and `sluice dry-run`).
+pub fn dry_run_answer(e: &Execution) -> Json {
+    let data: Json = serde_json::from_slice(&e.data).unwrap_or(Json::Null);
+    let (status, mut errors) = match &e.status {
+        Status::Completed => ("completed", Vec::new()),
+        Status::Filtered => ("filtered", Vec::new()),
+        Status::Failed(f) => {
+            let code = match f.kind {
+                FailureKind::Validation => "VALIDATION_ERROR",
+                FailureKind::Timeout => "TIMEOUT",
+                FailureKind::CircuitOpen => "SERVICE_UNAVAILABLE",
+                FailureKind::Upstream => "UPSTREAM_ERROR",
+                FailureKind::Task => "TASK_ERROR",
+            };
+            (
+                "failed",
+                vec![
+                    json!({"code": code, "task_id": f.task_id, "field": f.field, "message": f.message}),
+                ],
+            )
+        }
+    };
+    errors.splice(
+        0..0,
+        e.errors
+            .iter()
+            .map(|i| json!({"code": i.code, "task_id": i.task_id, "message": i.message})),
+    );
+    json!({
+        "matched": e.matched.is_some(),
+        "status": status,
+        "data": data,
+        "errors": errors,
+        "tasks": e.tasks,
+        "ms": e.workflow_ms,
+    })
+}
+
+/// `{headers, query, path}` of a dry-run's `metadata` as owned pairs (header
+/// names lowercased; non-string values as JSON text).
+pub fn metadata_pairs(meta: &Json, area: &str) -> Vec<(String, String)> {
+    meta.get(area)
+        .and_then(Json::as_object)
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| {
+                    let k = if area == "headers" {
+                        k.to_ascii_lowercase()
+                    } else {
+                        k.clone()
+                    };
+                    (k, v.as_str().map_or_else(|| v.to_string(), str::to_owned))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Borrows owned pairs the way `exec::Meta` takes them.
+pub fn borrow_pairs(pairs: &[(String, String)]) -> Vec<(&str, &str)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect()
+}

@@ -1,0 +1,343 @@
+//! The engine snapshot: every active workflow's compiled plan, the channel
+//! table, the REST route table and rollout ranges, built off to the side from
+//! storage and swapped in with one `ArcSwap::store`. Start-up is a reload from
+//! empty; a reload that fails leaves the previous snapshot serving.
+//!
+//! Requests load the snapshot once and keep it for their whole life, so a
+//! reload never disturbs requests in flight.
+
+use crate::storage::{Kind, Record, Status, StorageError, Store};
+use sluice_compiler::def::ChannelDef;
+use sluice_compiler::diag::Diagnostic;
+use sluice_compiler::logic::{self, Logic};
+use sluice_compiler::plan::{Plan, Rollout, compile_workflow};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+/// One channel as the data plane serves it.
+#[derive(Debug)]
+pub struct Channel {
+    pub id: String,
+    pub name: String,
+    pub version: i64,
+    pub def: ChannelDef,
+    /// Candidate plans, by descending priority (then newest version first).
+    pub plans: Vec<Arc<Plan>>,
+    pub validation: Option<Logic>,
+    pub timeout: Duration,
+    pub is_async: bool,
+    pub metrics: ChannelMetrics,
+}
+
+/// Metric handles registered once per channel when the snapshot is built, so
+/// the request path records without a registry lookup.
+#[derive(Debug)]
+pub struct ChannelMetrics {
+    pub ok: metrics::Counter,
+    pub failed: metrics::Counter,
+    pub rejected: metrics::Counter,
+    pub executions: metrics::Counter,
+    pub duration: metrics::Histogram,
+}
+
+impl ChannelMetrics {
+    fn new(channel: &str) -> Self {
+        use crate::telemetry::names;
+        let messages = |status: &'static str| metrics::counter!(names::MESSAGES_TOTAL, "channel" => channel.to_owned(), "status" => status);
+        ChannelMetrics {
+            ok: messages("ok"),
+            failed: messages("error"),
+            rejected: messages("rejected"),
+            executions: metrics::counter!(names::CHANNEL_EXECUTIONS_TOTAL, "channel" => channel.to_owned()),
+            duration: metrics::histogram!(names::MESSAGE_DURATION_SECONDS, "channel" => channel.to_owned()),
+        }
+    }
+}
+
+/// One segment of a route pattern.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Seg {
+    Literal(String),
+    Param(String),
+}
+
+#[derive(Debug)]
+struct Route {
+    segments: Vec<Seg>,
+    methods: Vec<String>,
+    priority: i64,
+    literals: usize,
+    channel: Arc<Channel>,
+}
+
+/// REST routes grouped by segment count, each group in match order
+/// (priority, then specificity).
+#[derive(Debug, Default)]
+pub struct RouteTable {
+    by_len: HashMap<usize, Vec<Route>>,
+}
+
+/// A route match: the channel and the path parameters.
+pub struct RouteMatch<'s> {
+    pub channel: &'s Arc<Channel>,
+    pub params: Vec<(&'s str, String)>,
+}
+
+impl RouteTable {
+    fn insert(&mut self, route: Route) {
+        self.by_len
+            .entry(route.segments.len())
+            .or_default()
+            .push(route);
+    }
+
+    fn finish(&mut self) {
+        for routes in self.by_len.values_mut() {
+            routes.sort_by(|a, b| {
+                b.priority
+                    .cmp(&a.priority)
+                    .then(b.literals.cmp(&a.literals))
+            });
+        }
+    }
+
+    /// Finds the route for `method` and `path` (segments after `/api/v1/data`).
+    pub fn find<'s>(&'s self, method: &str, segments: &[&str]) -> Option<RouteMatch<'s>> {
+        let routes = self.by_len.get(&segments.len())?;
+        routes.iter().find_map(|route| {
+            if !route.methods.iter().any(|m| m == method) {
+                return None;
+            }
+            let mut params = Vec::new();
+            for (seg, part) in route.segments.iter().zip(segments) {
+                match seg {
+                    Seg::Literal(l) if l == part => {}
+                    Seg::Literal(_) => return None,
+                    Seg::Param(name) => {
+                        params.push((name.as_str(), crate::server::percent_decode(part)))
+                    }
+                }
+            }
+            Some(RouteMatch {
+                channel: &route.channel,
+                params,
+            })
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_len.values().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_len.is_empty()
+    }
+}
+
+/// Everything the data plane needs, immutable.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    pub generation: u64,
+    pub built_at: Option<SystemTime>,
+    /// Channels by name.
+    pub channels: HashMap<String, Arc<Channel>>,
+    pub routes: RouteTable,
+    /// Distinct workflow ids with at least one active version.
+    pub active_workflows: usize,
+    /// Compiled active workflow versions.
+    pub workflows_loaded: usize,
+}
+
+/// Why a reload failed: every definition that did not compile.
+#[derive(Debug)]
+pub enum ReloadError {
+    Storage(StorageError),
+    Invalid(Vec<Diagnostic>),
+}
+
+/// The outcome of a successful build.
+pub struct Built {
+    pub snapshot: Snapshot,
+    pub elapsed: Duration,
+}
+
+/// Builds a snapshot from storage. Fails (building nothing) if any active
+/// definition does not compile.
+pub async fn build(store: &Store, generation: u64) -> Result<Built, ReloadError> {
+    let started = Instant::now();
+    let workflows = store
+        .active(Kind::Workflow)
+        .await
+        .map_err(ReloadError::Storage)?;
+    let channels = store
+        .active(Kind::Channel)
+        .await
+        .map_err(ReloadError::Storage)?;
+    let snapshot = assemble(&workflows, &channels, generation)?;
+    Ok(Built {
+        snapshot,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// The pure part of a build (no I/O): compile and index.
+pub fn assemble(
+    workflows: &[Record],
+    channels: &[Record],
+    generation: u64,
+) -> Result<Snapshot, ReloadError> {
+    let mut problems = Vec::new();
+    let ranges = rollout_ranges(workflows);
+    // Plans by workflow id and by the engine-schema `channel` label.
+    let mut by_id: HashMap<&str, Vec<Arc<Plan>>> = HashMap::new();
+    let mut by_label: HashMap<String, Vec<Arc<Plan>>> = HashMap::new();
+    for (record, range) in workflows.iter().zip(&ranges) {
+        let mut def = record.to_json(Kind::Workflow);
+        if let Some(obj) = def.as_object_mut()
+            && !obj.contains_key("rollout")
+        {
+            obj.insert(
+                "rollout".into(),
+                serde_json::json!({"bucket_start": range.start, "bucket_end": range.end}),
+            );
+        }
+        match compile_workflow(&def) {
+            Ok(compiled) => {
+                let plan = Arc::new(compiled.plan);
+                if let Some(label) = def.get("channel").and_then(|c| c.as_str()) {
+                    by_label
+                        .entry(label.to_owned())
+                        .or_default()
+                        .push(plan.clone());
+                }
+                by_id.entry(record.id.as_str()).or_default().push(plan);
+            }
+            Err(errors) => problems.extend(errors.into_iter().map(|d| Diagnostic {
+                field: format!("workflows['{}'].v{}.{}", record.id, record.version, d.field),
+                message: d.message,
+            })),
+        }
+    }
+    let mut snapshot = Snapshot {
+        generation,
+        built_at: Some(SystemTime::now()),
+        active_workflows: by_id.len(),
+        workflows_loaded: by_id.values().map(Vec::len).sum(),
+        ..Snapshot::default()
+    };
+    for record in channels {
+        let json = record.to_json(Kind::Channel);
+        let def: ChannelDef = match serde_json::from_value(json) {
+            Ok(d) => d,
+            Err(e) => {
+                problems.push(Diagnostic {
+                    field: format!("channels['{}']", record.id),
+                    message: e.to_string(),
+                });
+                continue;
+            }
+        };
+        let validation = match def.validation_logic.as_ref().map(logic::compile) {
+            Some(Ok(l)) => Some(l),
+            Some(Err(e)) => {
+                problems.push(Diagnostic {
+                    field: format!("channels['{}'].validation_logic", record.id),
+                    message: format!("invalid JSONLogic: {}", e.message),
+                });
+                continue;
+            }
+            None => None,
+        };
+        let mut plans: Vec<Arc<Plan>> = by_id
+            .get(def.workflow_id.as_str())
+            .cloned()
+            .unwrap_or_default();
+        for plan in by_label.get(def.name.as_str()).into_iter().flatten() {
+            if !plans.iter().any(|p| Arc::ptr_eq(p, plan)) {
+                plans.push(plan.clone());
+            }
+        }
+        plans.sort_by(|a, b| b.priority.cmp(&a.priority).then(b.version.cmp(&a.version)));
+        let channel = Arc::new(Channel {
+            id: record.id.clone(),
+            name: def.name.clone(),
+            version: record.version,
+            timeout: Duration::from_millis(def.config_json.timeout_ms),
+            is_async: def.channel_type() == sluice_compiler::def::ChannelType::Async,
+            metrics: ChannelMetrics::new(&def.name),
+            validation,
+            plans,
+            def,
+        });
+        if let (Some(pattern), sluice_compiler::def::Protocol::Rest) =
+            (&channel.def.route_pattern, channel.def.protocol())
+        {
+            let segments: Vec<Seg> = pattern
+                .split('/')
+                .filter(|s| !s.is_empty())
+                .map(
+                    |s| match s.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
+                        Some(name) => Seg::Param(name.to_owned()),
+                        None => Seg::Literal(s.to_owned()),
+                    },
+                )
+                .collect();
+            let literals = segments
+                .iter()
+                .filter(|s| matches!(s, Seg::Literal(_)))
+                .count();
+            snapshot.routes.insert(Route {
+                segments,
+                methods: channel
+                    .def
+                    .methods
+                    .iter()
+                    .map(|m| m.as_str().to_owned())
+                    .collect(),
+                priority: channel.def.priority,
+                literals,
+                channel: channel.clone(),
+            });
+        }
+        snapshot.channels.insert(channel.name.clone(), channel);
+    }
+    snapshot.routes.finish();
+    if problems.is_empty() {
+        Ok(snapshot)
+    } else {
+        Err(ReloadError::Invalid(problems))
+    }
+}
+
+/// Canary ranges: for each workflow id, the newest active version gets
+/// `[0, p)` and an older active version the rest `[p, 100)`.
+fn rollout_ranges(workflows: &[Record]) -> Vec<Rollout> {
+    let mut newest: HashMap<&str, i64> = HashMap::new();
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for r in workflows.iter().filter(|r| r.status == Status::Active) {
+        let e = newest.entry(r.id.as_str()).or_insert(r.version);
+        *e = (*e).max(r.version);
+        *count.entry(r.id.as_str()).or_default() += 1;
+    }
+    workflows
+        .iter()
+        .map(|r| {
+            let p = newest_percentage(workflows, &r.id, newest[r.id.as_str()]).clamp(0, 100) as u8;
+            if r.version == newest[r.id.as_str()] {
+                Rollout { start: 0, end: p }
+            } else if count[r.id.as_str()] > 1 {
+                Rollout { start: p, end: 100 }
+            } else {
+                Rollout::default()
+            }
+        })
+        .collect()
+}
+
+fn newest_percentage(workflows: &[Record], id: &str, version: i64) -> i64 {
+    workflows
+        .iter()
+        .find(|r| r.id == id && r.version == version)
+        .map_or(100, |r| r.rollout_percentage)
+}

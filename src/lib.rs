@@ -1,0 +1,53 @@
+//! The Sluice service: configuration, the hyper server, the admin and data
+//! planes, storage and (later) real connector clients. The `sluice` binary
+//! (`main.rs`) is a thin command line over this library, and the integration
+//! tests start the same server in-process.
+
+use std::sync::Arc;
+
+pub mod admin;
+pub mod api;
+pub mod app;
+pub mod auth;
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod engine;
+pub mod openapi;
+pub mod ops;
+pub mod router;
+pub mod server;
+pub mod storage;
+pub mod telemetry;
+
+/// Opens storage and applies the migrations.
+pub async fn open_store(config: &config::Config) -> Result<storage::Store, String> {
+    let store = storage::Store::connect(&config.storage.url, config.storage.max_connections)
+        .await
+        .map_err(|e| format!("cannot open storage: {e}"))?;
+    store
+        .migrate()
+        .await
+        .map_err(|e| format!("migrations failed: {e}"))?;
+    Ok(store)
+}
+
+/// Everything before the service reports ready: storage, migrations, the
+/// first engine load (a reload from empty).
+pub async fn start(config: config::Config) -> Result<Arc<app::App>, String> {
+    let store = open_store(&config).await?;
+    let app = Arc::new(app::App::new(config, store, Default::default()));
+    match app.reload(None).await {
+        Ok(report) => tracing::info!(
+            workflows = report.workflows,
+            channels = report.channels,
+            "engine loaded"
+        ),
+        Err(e) => tracing::error!(
+            ?e,
+            "the stored definitions do not compile; serving with an empty engine"
+        ),
+    }
+    app.ready.store(true, std::sync::atomic::Ordering::Release);
+    Ok(app)
+}

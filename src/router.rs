@@ -1,0 +1,119 @@
+//! Top-level dispatch: operational endpoints, the admin plane and the data
+//! plane, chosen by the first path segments (a precomputed match, no scan).
+
+use crate::api::{ApiError, HttpResponse};
+use crate::app::App;
+use crate::server::{Req, percent_decode};
+use crate::{admin, auth, data, ops};
+use http::Method;
+use std::sync::Arc;
+
+pub async fn route(app: &Arc<App>, req: Req) -> HttpResponse {
+    let segments: Vec<String> = req
+        .path
+        .split('/')
+        .filter(|s| !s.is_empty())
+        .map(percent_decode)
+        .collect();
+    let seg: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let result = match seg.as_slice() {
+        ["health"] => get_only(&req).and(ops::health(app).await),
+        ["healthz"] => get_only(&req).and(ops::healthz()),
+        ["readyz"] => get_only(&req).and(ops::readyz(app).await),
+        ["metrics"] => match auth::authenticate(&app.config.admin_auth, &req) {
+            Ok(_) => get_only(&req).and(ops::metrics(app)),
+            Err(e) => Err(e),
+        },
+        ["api", "v1", "openapi.json"] => {
+            get_only(&req).and(crate::api::ok_raw(&crate::openapi::document()))
+        }
+        ["docs"] => get_only(&req).and(Ok(crate::api::static_asset(
+            crate::openapi::DOCS_HTML,
+            "text/html; charset=utf-8",
+        ))),
+        ["docs", "app.js"] => get_only(&req).and(Ok(crate::api::static_asset(
+            crate::openapi::DOCS_JS,
+            "text/javascript; charset=utf-8",
+        ))),
+        ["api", "v1", "admin", ..] => match auth::authenticate(&app.config.admin_auth, &req) {
+            Ok(who) => admin::dispatch(app, &req, &segments[3..], who).await,
+            Err(e) => Err(e),
+        },
+        ["api", "v1", "data", ..] if seg.len() > 3 => data::handle(app, &req, &segments[3..]).await,
+        _ => Err(ApiError::not_found(format!(
+            "No route matches {} {}",
+            req.method, req.path
+        ))),
+    };
+    result.unwrap_or_else(ApiError::into_response)
+}
+
+fn get_only(req: &Req) -> Result<(), ApiError> {
+    if req.method == Method::GET || req.method == Method::HEAD {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            crate::api::Code::MethodNotAllowed,
+            format!("method {} is not allowed on {}", req.method, req.path),
+        ))
+    }
+}
+
+/// A low-cardinality label for a request path: identifiers become `{id}`,
+/// data-plane paths one label, unknown paths `unmatched`.
+pub fn route_label(path: &str) -> String {
+    let seg: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+    match seg.as_slice() {
+        ["health" | "healthz" | "readyz" | "metrics" | "docs"] => path.to_owned(),
+        ["api", "v1", "openapi.json"] => path.to_owned(),
+        ["api", "v1", "data", "traces", ..] => "/api/v1/data/traces".to_owned(),
+        ["api", "v1", "data", ..] => "/api/v1/data/{path}".to_owned(),
+        ["api", "v1", "admin", rest @ ..] => {
+            const WORDS: &[&str] = &[
+                "workflows",
+                "channels",
+                "connectors",
+                "import",
+                "export",
+                "validate",
+                "status",
+                "versions",
+                "rollout",
+                "test",
+                "reload",
+                "circuit-breakers",
+                "engine",
+                "functions",
+                "audit-logs",
+                "backups",
+            ];
+            let mut out = String::from("/api/v1/admin");
+            for s in rest {
+                out.push('/');
+                out.push_str(if WORDS.contains(s) { s } else { "{id}" });
+            }
+            out
+        }
+        _ => "unmatched".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::route_label;
+
+    #[test]
+    fn labels_have_low_cardinality() {
+        assert_eq!(
+            route_label("/api/v1/admin/workflows/abc/status"),
+            "/api/v1/admin/workflows/{id}/status"
+        );
+        assert_eq!(
+            route_label("/api/v1/admin/workflows/import"),
+            "/api/v1/admin/workflows/import"
+        );
+        assert_eq!(route_label("/api/v1/data/orders/7"), "/api/v1/data/{path}");
+        assert_eq!(route_label("/health"), "/health");
+        assert_eq!(route_label("/x/y"), "unmatched");
+    }
+}

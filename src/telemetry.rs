@@ -1,0 +1,131 @@
+//! Logging: tracing with the configured level and format. Each request runs
+//! in a span carrying its request id, so every line it logs names it.
+
+use crate::config::{LogFormat, LogLevel, Logging};
+use tracing_subscriber::EnvFilter;
+
+/// Installs the global subscriber (once; later calls are ignored).
+pub fn init(logging: &Logging) {
+    let level = match logging.level {
+        LogLevel::Trace => "trace",
+        LogLevel::Debug => "debug",
+        LogLevel::Info => "info",
+        LogLevel::Warn => "warn",
+        LogLevel::Error => "error",
+    };
+    // Library crates log at warn unless asked; ours at the configured level.
+    let filter = EnvFilter::new(format!(
+        "warn,sluice={level},sluice_runtime={level},sluice::workflow={level}"
+    ));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(true);
+    let _ = match logging.format {
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .try_init(),
+        LogFormat::Pretty => builder.try_init(),
+    };
+}
+
+/// Metric names: the one list (the spec's set). Label keys are given where
+/// each metric is recorded.
+pub mod names {
+    pub const MESSAGES_TOTAL: &str = "messages_total";
+    pub const MESSAGE_DURATION_SECONDS: &str = "message_duration_seconds";
+    pub const ACTIVE_WORKFLOWS: &str = "active_workflows";
+    pub const ERRORS_TOTAL: &str = "errors_total";
+    pub const HTTP_REQUESTS_TOTAL: &str = "http_requests_total";
+    pub const HTTP_REQUEST_DURATION_SECONDS: &str = "http_request_duration_seconds";
+    pub const DB_QUERY_DURATION_SECONDS: &str = "db_query_duration_seconds";
+    pub const ENGINE_RELOADS_TOTAL: &str = "engine_reloads_total";
+    pub const ENGINE_RELOAD_DURATION_SECONDS: &str = "engine_reload_duration_seconds";
+    pub const CIRCUIT_BREAKER_TRIPS_TOTAL: &str = "circuit_breaker_trips_total";
+    pub const CIRCUIT_BREAKER_REJECTIONS_TOTAL: &str = "circuit_breaker_rejections_total";
+    pub const CHANNEL_EXECUTIONS_TOTAL: &str = "channel_executions_total";
+    pub const RATE_LIMIT_REJECTIONS_TOTAL: &str = "rate_limit_rejections_total";
+
+    /// Every name, for describing them once at start-up.
+    pub const ALL: &[(&str, &str)] = &[
+        (
+            MESSAGES_TOTAL,
+            "Data-plane messages processed, by channel and outcome",
+        ),
+        (
+            MESSAGE_DURATION_SECONDS,
+            "Time to process one data-plane message, by channel",
+        ),
+        (
+            ACTIVE_WORKFLOWS,
+            "Workflow ids with an active version in the live engine",
+        ),
+        (ERRORS_TOTAL, "Errors by type"),
+        (
+            HTTP_REQUESTS_TOTAL,
+            "HTTP requests by method, route and status",
+        ),
+        (
+            HTTP_REQUEST_DURATION_SECONDS,
+            "HTTP request duration by method, route and status",
+        ),
+        (
+            DB_QUERY_DURATION_SECONDS,
+            "Storage query duration by operation",
+        ),
+        (ENGINE_RELOADS_TOTAL, "Engine reloads by outcome"),
+        (ENGINE_RELOAD_DURATION_SECONDS, "Engine reload duration"),
+        (
+            CIRCUIT_BREAKER_TRIPS_TOTAL,
+            "Circuit breakers opened, by connector and channel",
+        ),
+        (
+            CIRCUIT_BREAKER_REJECTIONS_TOTAL,
+            "Calls rejected by an open breaker, by connector and channel",
+        ),
+        (CHANNEL_EXECUTIONS_TOTAL, "Workflow executions by channel"),
+        (
+            RATE_LIMIT_REJECTIONS_TOTAL,
+            "Requests rejected by a rate limit, by client",
+        ),
+    ];
+}
+
+static PROMETHEUS: std::sync::OnceLock<Option<metrics_exporter_prometheus::PrometheusHandle>> =
+    std::sync::OnceLock::new();
+
+/// Installs the Prometheus recorder once per process (the first caller's
+/// choice holds). Returns the handle that renders `/metrics`.
+pub fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::PrometheusHandle> {
+    PROMETHEUS
+        .get_or_init(|| {
+            use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+            const BUCKETS: &[f64] = &[
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                1.0, 2.5, 5.0, 10.0,
+            ];
+            let handle = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
+                .ok()?
+                .install_recorder()
+                .map_err(|e| tracing::warn!(error = %e, "metrics recorder not installed"))
+                .ok()?;
+            for (name, help) in names::ALL {
+                metrics::describe_counter!(*name, *help);
+            }
+            // Histograms keep raw samples until upkeep folds them into buckets.
+            let upkeep = handle.clone();
+            std::thread::Builder::new()
+                .name("metrics-upkeep".into())
+                .spawn(move || {
+                    loop {
+                        std::thread::sleep(std::time::Duration::from_secs(5));
+                        upkeep.run_upkeep();
+                    }
+                })
+                .ok()?;
+            Some(handle)
+        })
+        .as_ref()
+}

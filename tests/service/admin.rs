@@ -1,0 +1,689 @@
+//! The admin plane over real HTTP, on SQLite, PostgreSQL and MariaDB.
+
+use crate::on_every_backend;
+use crate::support::*;
+use serde_json::{Value as Json, json};
+
+async fn workflow_lifecycle(db: Db) {
+    let s = start(db).await;
+    let created = s
+        .admin("POST", "/workflows", Some(workflow("orders")))
+        .await;
+    let data = created.ok(201);
+    assert_eq!(
+        (data["version"].as_i64(), data["status"].as_str()),
+        (Some(1), Some("draft"))
+    );
+    assert_eq!(data["rollout_percentage"], 100);
+    assert!(data["created_at"].as_str().unwrap().ends_with('Z'));
+
+    // Creating the same id again conflicts.
+    s.admin("POST", "/workflows", Some(workflow("orders")))
+        .await
+        .error(409, "CONFLICT");
+
+    // Drafts are editable.
+    let mut edited = workflow("orders");
+    edited["name"] = json!("renamed");
+    assert_eq!(
+        s.admin("PUT", "/workflows/orders", Some(edited.clone()))
+            .await
+            .ok(200)["name"],
+        "renamed"
+    );
+
+    // Activate; the active version is immutable.
+    let active = s
+        .admin(
+            "PATCH",
+            "/workflows/orders/status",
+            Some(json!({"status": "active"})),
+        )
+        .await;
+    assert_eq!(active.ok(200)["status"], "active");
+    s.admin("PUT", "/workflows/orders", Some(edited.clone()))
+        .await
+        .error(409, "CONFLICT");
+    s.admin(
+        "PATCH",
+        "/workflows/orders/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .error(409, "CONFLICT");
+
+    // A new version is a draft copy; only one draft at a time.
+    let v2 = s.admin("POST", "/workflows/orders/versions", None).await;
+    assert_eq!(
+        (
+            v2.ok(201)["version"].as_i64(),
+            v2.ok(201)["status"].as_str()
+        ),
+        (Some(2), Some("draft"))
+    );
+    s.admin("POST", "/workflows/orders/versions", None)
+        .await
+        .error(409, "CONFLICT");
+
+    // Canary: v2 at 30% next to v1, then raised to 100% archives v1.
+    let canary = s
+        .admin(
+            "PATCH",
+            "/workflows/orders/status",
+            Some(json!({"status": "active", "rollout_percentage": 30})),
+        )
+        .await;
+    assert_eq!(canary.ok(200)["rollout_percentage"], 30);
+    let versions = s.admin("GET", "/workflows/orders/versions", None).await;
+    let statuses: Vec<_> = versions
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["status"].clone())
+        .collect();
+    assert_eq!(statuses, vec![json!("active"), json!("active")]);
+    assert_eq!(versions.body["total"], 2);
+    s.admin(
+        "PATCH",
+        "/workflows/orders/rollout",
+        Some(json!({"rollout_percentage": 100})),
+    )
+    .await
+    .ok(200);
+    let versions = s.admin("GET", "/workflows/orders/versions", None).await;
+    let statuses: Vec<_> = versions
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["status"].clone())
+        .collect();
+    assert_eq!(statuses, vec![json!("archived"), json!("active")]);
+
+    // Rollback: re-activating v1 makes it the only active version.
+    let back = s
+        .admin(
+            "PATCH",
+            "/workflows/orders/status",
+            Some(json!({"status": "active", "version": 1})),
+        )
+        .await;
+    assert_eq!(back.ok(200)["version"], 1);
+    let versions = s.admin("GET", "/workflows/orders/versions", None).await;
+    let statuses: Vec<_> = versions
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["status"].clone())
+        .collect();
+    assert_eq!(statuses, vec![json!("active"), json!("archived")]);
+
+    // Bad rollout values.
+    let bad = s
+        .admin(
+            "PATCH",
+            "/workflows/orders/rollout",
+            Some(json!({"rollout_percentage": 0})),
+        )
+        .await;
+    bad.error(400, "BAD_REQUEST");
+    assert_eq!(bad.detail_fields(), vec!["rollout_percentage"]);
+
+    // Archive, then delete everything.
+    s.admin(
+        "PATCH",
+        "/workflows/orders/status",
+        Some(json!({"status": "archived"})),
+    )
+    .await
+    .ok(200);
+    let deleted = s.admin("DELETE", "/workflows/orders", None).await;
+    assert_eq!(deleted.status, 204);
+    assert!(deleted.text.is_empty());
+    let gone = s.admin("GET", "/workflows/orders", None).await;
+    assert_eq!(
+        gone.error(404, "NOT_FOUND")["message"],
+        "Workflow with id 'orders' not found"
+    );
+    s.admin("DELETE", "/workflows/orders", None)
+        .await
+        .error(404, "NOT_FOUND");
+}
+on_every_backend!(
+    workflow_lifecycle_follows_the_state_table,
+    workflow_lifecycle
+);
+
+async fn lists_filter_and_page(db: Db) {
+    let s = start(db).await;
+    for i in 0..5 {
+        let mut w = workflow(&format!("w{i}"));
+        w["tags"] = json!([if i % 2 == 0 { "even" } else { "odd" }]);
+        s.admin("POST", "/workflows", Some(w)).await.ok(201);
+    }
+    s.admin(
+        "PATCH",
+        "/workflows/w0/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    let all = s.admin("GET", "/workflows", None).await;
+    assert_eq!(
+        (
+            all.body["total"].as_i64(),
+            all.body["limit"].as_i64(),
+            all.body["offset"].as_i64()
+        ),
+        (Some(5), Some(50), Some(0))
+    );
+    let even = s.admin("GET", "/workflows?tag=even", None).await;
+    assert_eq!(even.body["total"], 3);
+    let active = s.admin("GET", "/workflows?status=active", None).await;
+    let ids: Vec<_> = active
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["workflow_id"].clone())
+        .collect();
+    assert_eq!(ids, vec![json!("w0")]);
+    let page = s.admin("GET", "/workflows?limit=2&offset=1", None).await;
+    assert_eq!(page.ok(200).as_array().unwrap().len(), 2);
+    assert_eq!(page.body["total"], 5);
+    s.admin("GET", "/workflows?limit=0", None)
+        .await
+        .error(400, "BAD_REQUEST");
+    s.admin("GET", "/workflows?limit=1001", None)
+        .await
+        .error(400, "BAD_REQUEST");
+    s.admin("GET", "/workflows?offset=-1", None)
+        .await
+        .error(400, "BAD_REQUEST");
+    s.admin("GET", "/workflows?status=bogus", None)
+        .await
+        .error(400, "BAD_REQUEST");
+
+    // Export gives definitions that import accepts unchanged (as new ids here).
+    let exported = s.admin("GET", "/workflows/export?tag=odd", None).await;
+    let defs = exported.ok(200).as_array().unwrap().clone();
+    assert_eq!(defs.len(), 2);
+    let dry = s
+        .admin(
+            "POST",
+            "/workflows/import?dry_run=true",
+            Some(Json::Array(defs.clone())),
+        )
+        .await;
+    assert_eq!(dry.ok(200)["created"].as_array().unwrap().len(), 2);
+    // Re-importing the same ids conflicts per item; renamed ones are created.
+    let mut renamed = defs.clone();
+    for d in &mut renamed {
+        let id = format!("{}-copy", d["workflow_id"].as_str().unwrap());
+        d["workflow_id"] = json!(id);
+    }
+    renamed.push(json!({"name": ""}));
+    let imported = s
+        .admin("POST", "/workflows/import", Some(Json::Array(renamed)))
+        .await;
+    let data = imported.ok(200);
+    assert_eq!(data["created"].as_array().unwrap().len(), 2);
+    assert_eq!(data["failed"][0]["index"], 2);
+    assert!(!data["failed"][0]["details"].as_array().unwrap().is_empty());
+    assert_eq!(s.admin("GET", "/workflows", None).await.body["total"], 7);
+}
+on_every_backend!(lists_filter_page_export_and_import, lists_filter_and_page);
+
+async fn validation_errors(db: Db) {
+    let s = start(db).await;
+    let bad = json!({
+        "workflow_id": "-bad",
+        "tasks": [
+            {"id": "a", "name": "a", "function": {"name": "http_call", "input": {"method": "FETCH"}}},
+            {"id": "a", "name": "b", "function": {"name": "Map", "input": {}}}
+        ]
+    });
+    let resp = s.admin("POST", "/workflows", Some(bad.clone())).await;
+    resp.error(400, "BAD_REQUEST");
+    let fields = resp.detail_fields();
+    for expected in [
+        "workflow_id",
+        "name",
+        "tasks[0].function.input.connector",
+        "tasks[0].function.input.method",
+        "tasks[1].id",
+        "tasks[1].function.name",
+    ] {
+        assert!(
+            fields.iter().any(|f| f == expected),
+            "{expected} missing from {fields:?}"
+        );
+    }
+    let messages = resp.body["error"]["details"].as_array().unwrap();
+    assert!(messages.iter().any(
+        |d| d["field"] == "tasks[0].function.input.connector" && d["message"] == "is required"
+    ));
+
+    // The validate endpoint answers the same way, and 200 with warnings when valid.
+    let v = s.admin("POST", "/workflows/validate", Some(bad)).await;
+    v.error(400, "BAD_REQUEST");
+    let ok = s
+        .admin("POST", "/workflows/validate", Some(workflow("fine")))
+        .await;
+    assert_eq!(ok.ok(200)["valid"], true);
+    assert!(ok.ok(200)["warnings"].as_array().unwrap().is_empty());
+    let mut warned = workflow("warned");
+    warned["tasks"][1]["function"]["input"] = json!({"mappings": 5});
+    let w = s.admin("POST", "/workflows/validate", Some(warned)).await;
+    assert_eq!(
+        w.ok(200)["warnings"][0]["field"],
+        "tasks[1].function.input.mappings"
+    );
+
+    // A JSONLogic error in a condition is a validation error with its path.
+    let mut cond = workflow("cond");
+    cond["condition"] = json!({"no_such_op": [1]});
+    let c = s.admin("POST", "/workflows", Some(cond)).await;
+    c.error(400, "BAD_REQUEST");
+    assert_eq!(c.detail_fields(), vec!["condition"]);
+
+    // Nothing was stored.
+    assert_eq!(s.admin("GET", "/workflows", None).await.body["total"], 0);
+}
+on_every_backend!(
+    create_reports_every_problem_with_its_path,
+    validation_errors
+);
+
+async fn channels(db: Db) {
+    let s = start(db).await;
+    let created = s
+        .admin("POST", "/channels", Some(channel("orders", "wf")))
+        .await;
+    assert_eq!(created.ok(201)["status"], "draft");
+    let mut same_name = channel("other-id", "wf");
+    same_name["name"] = json!("orders");
+    s.admin("POST", "/channels", Some(same_name))
+        .await
+        .error(409, "CONFLICT");
+    let mut kafka = channel("events", "wf");
+    kafka["channel_type"] = json!("async");
+    kafka["protocol"] = json!("kafka");
+    kafka["config_json"] = json!({"topic": "events"});
+    kafka.as_object_mut().unwrap().remove("route_pattern");
+    kafka.as_object_mut().unwrap().remove("methods");
+    s.admin("POST", "/channels", Some(kafka)).await.ok(201);
+    let rest = s.admin("GET", "/channels?protocol=rest", None).await;
+    assert_eq!(rest.body["total"], 1);
+    let asyncs = s.admin("GET", "/channels?channel_type=async", None).await;
+    assert_eq!(asyncs.ok(200)[0]["channel_id"], "events");
+
+    let mut bad = channel("bad", "wf");
+    bad["config_json"] =
+        json!({"timeout_ms": -1, "rate_limit": {"requests_per_second": 0}, "surprise": 1});
+    let resp = s.admin("POST", "/channels", Some(bad)).await;
+    resp.error(400, "BAD_REQUEST");
+    let fields = resp.detail_fields();
+    assert!(
+        fields.iter().any(|f| f == "config_json.timeout_ms"),
+        "{fields:?}"
+    );
+    assert!(
+        fields
+            .iter()
+            .any(|f| f == "config_json.rate_limit.requests_per_second"),
+        "{fields:?}"
+    );
+    assert!(
+        fields.iter().any(|f| f.starts_with("config_json.surprise")),
+        "{fields:?}"
+    );
+
+    s.admin(
+        "PATCH",
+        "/channels/orders/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    let status = s.admin("GET", "/engine/status", None).await;
+    assert_eq!(status.ok(200)["channels"], json!(["orders"]));
+    s.admin("POST", "/channels/orders/versions", None)
+        .await
+        .ok(201);
+    s.admin("DELETE", "/channels/orders", None).await;
+    assert_eq!(
+        s.admin("GET", "/engine/status", None).await.ok(200)["channels"],
+        json!([])
+    );
+    let gone = s.admin("GET", "/channels/orders", None).await;
+    assert_eq!(
+        gone.error(404, "NOT_FOUND")["message"],
+        "Channel with id 'orders' not found"
+    );
+}
+on_every_backend!(channels_share_the_lifecycle_and_names_are_unique, channels);
+
+async fn connectors(db: Db) {
+    let s = start(db).await;
+    let def = json!({
+        "name": "billing",
+        "connector_type": "http",
+        "config": {"type": "http", "url": "https://billing.example.com/api",
+                   "auth": {"type": "bearer", "token": "s3cr3t-token"},
+                   "headers": {"x-api-key": "k-123", "accept": "application/json"},
+                   "retry": {"max_retries": 2, "retry_delay_ms": 50}}
+    });
+    let created = s.admin("POST", "/connectors", Some(def.clone())).await;
+    let data = created.ok(201);
+    assert_eq!(data["config"]["auth"]["token"], "******");
+    assert_eq!(data["config"]["headers"]["x-api-key"], "******");
+    assert_eq!(data["config"]["headers"]["accept"], "application/json");
+    assert!(!created.text.contains("s3cr3t"));
+    s.admin("POST", "/connectors", Some(def.clone()))
+        .await
+        .error(409, "CONFLICT");
+    let listed = s.admin("GET", "/connectors", None).await;
+    assert!(!listed.text.contains("s3cr3t") && !listed.text.contains("k-123"));
+    assert_eq!(listed.body["total"], 1);
+
+    let db_def = json!({"name": "orders-db", "connector_type": "db",
+        "config": {"type": "db", "connection_string": "env://ORDERS_DB_URL", "query_timeout_ms": 500}});
+    let got = s.admin("POST", "/connectors", Some(db_def)).await;
+    // Masked anyway (the field is secret-named); never the resolved value.
+    assert_eq!(got.ok(201)["config"]["connection_string"], "******");
+
+    let mut updated = def.clone();
+    updated["config"]["url"] = json!("https://billing2.example.com");
+    let u = s.admin("PUT", "/connectors/billing", Some(updated)).await;
+    assert_eq!(u.ok(200)["config"]["url"], "https://billing2.example.com");
+    assert_eq!(
+        s.admin("GET", "/connectors/billing", None).await.ok(200)["config"]["auth"]["token"],
+        "******"
+    );
+
+    let bad = s
+        .admin(
+            "POST",
+            "/connectors",
+            Some(json!({"name": "x", "connector_type": "http", "config": {"type": "http"}})),
+        )
+        .await;
+    bad.error(400, "BAD_REQUEST");
+    assert!(
+        bad.detail_fields().iter().any(|f| f == "config.url"),
+        "{:?}",
+        bad.detail_fields()
+    );
+
+    let imported = s
+        .admin("POST", "/connectors/import?dry_run=true", Some(json!([{"name": "c1", "connector_type": "cache", "config": {"type": "cache", "backend": "memory"}}])))
+        .await;
+    assert_eq!(imported.ok(200)["created"], json!(["c1"]));
+    s.admin("GET", "/connectors/c1", None)
+        .await
+        .error(404, "NOT_FOUND");
+    assert_eq!(
+        s.admin("DELETE", "/connectors/billing", None).await.status,
+        204
+    );
+    let gone = s.admin("GET", "/connectors/billing", None).await;
+    assert_eq!(
+        gone.error(404, "NOT_FOUND")["message"],
+        "Connector with id 'billing' not found"
+    );
+}
+on_every_backend!(connectors_validate_and_mask_secrets, connectors);
+
+async fn audit_and_backups(db: Db) {
+    let s = start(db).await;
+    s.admin("POST", "/workflows", Some(workflow("a")))
+        .await
+        .ok(201);
+    s.admin(
+        "PATCH",
+        "/workflows/a/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    // A failed change writes no audit entry.
+    s.admin("PUT", "/workflows/a", Some(workflow("a")))
+        .await
+        .error(409, "CONFLICT");
+    let log = s
+        .admin("GET", "/audit-logs?resource_type=workflow", None)
+        .await;
+    let actions: Vec<_> = log
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["action"].clone())
+        .collect();
+    assert_eq!(actions, vec![json!("activate"), json!("create")]);
+    let entry = &log.ok(200)[0];
+    assert_eq!(
+        (entry["principal"].as_str(), entry["resource_id"].as_str()),
+        (Some("anonymous"), Some("a"))
+    );
+    let reloads = s.admin("GET", "/audit-logs?action=reload", None).await;
+    assert_eq!(reloads.ok(200)[0]["resource_type"], "engine");
+
+    let backup = s.admin("POST", "/backups", None).await;
+    match db {
+        Db::Sqlite => {
+            let entry = backup.ok(201);
+            let name = entry["filename"].as_str().unwrap();
+            assert!(
+                name.starts_with("sluice_backup_") && name.ends_with("Z.db"),
+                "{name}"
+            );
+            assert!(entry["size_bytes"].as_u64().unwrap() > 0);
+            let listed = s.admin("GET", "/backups", None).await;
+            assert_eq!(listed.ok(200)[0]["filename"], name);
+            let logged = s.admin("GET", "/audit-logs?action=backup", None).await;
+            assert_eq!(logged.ok(200)[0]["resource_id"], name);
+        }
+        _ => {
+            backup.error(400, "BAD_REQUEST");
+        }
+    }
+}
+on_every_backend!(audit_entries_and_backups, audit_and_backups);
+
+async fn concurrent_lifecycle(db: Db) {
+    let s = start(db).await;
+    s.admin("POST", "/workflows", Some(workflow("race")))
+        .await
+        .ok(201);
+    s.admin(
+        "PATCH",
+        "/workflows/race/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    let attempts: Vec<_> = (0..20)
+        .map(|_| s.admin("POST", "/workflows/race/versions", None))
+        .collect();
+    let results = futures_util::future::join_all(attempts).await;
+    let created = results.iter().filter(|r| r.status == 201).count();
+    assert_eq!(
+        created,
+        1,
+        "{:?}",
+        results
+            .iter()
+            .map(|r| (r.status, r.text.clone()))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        results.iter().all(|r| r.status == 201 || r.status == 409),
+        "only conflicts besides the one draft"
+    );
+    let versions = s.admin("GET", "/workflows/race/versions", None).await;
+    let drafts = versions
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["status"] == "draft")
+        .count();
+    assert_eq!(drafts, 1);
+
+    // Parallel activations of the draft: exactly one active version at 100%.
+    let attempts: Vec<_> = (0..10)
+        .map(|_| {
+            s.admin(
+                "PATCH",
+                "/workflows/race/status",
+                Some(json!({"status": "active"})),
+            )
+        })
+        .collect();
+    let results = futures_util::future::join_all(attempts).await;
+    assert!(
+        results.iter().all(|r| r.status == 200 || r.status == 409),
+        "{:?}",
+        results.iter().map(|r| &r.text).collect::<Vec<_>>()
+    );
+    let versions = s.admin("GET", "/workflows/race/versions", None).await;
+    let active: Vec<_> = versions
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["status"] == "active")
+        .cloned()
+        .collect();
+    assert_eq!(active.len(), 1, "{active:?}");
+    assert_eq!(active[0]["rollout_percentage"], 100);
+}
+on_every_backend!(
+    concurrent_lifecycle_requests_keep_the_rules,
+    concurrent_lifecycle
+);
+
+#[tokio::test]
+async fn functions_lists_connector_and_composition_functions_only() {
+    let s = start(Db::Sqlite).await;
+    let f = s.admin("GET", "/functions", None).await;
+    let names: Vec<_> = f
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names.len(), 8, "{names:?}");
+    for n in [
+        "http_call",
+        "db_read",
+        "db_write",
+        "cache_read",
+        "cache_write",
+        "mongo_read",
+        "publish_kafka",
+        "channel_call",
+    ] {
+        assert!(names.iter().any(|x| x == n), "{n}");
+    }
+    let http = f
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["name"] == "http_call")
+        .unwrap()
+        .clone();
+    let connector = http["fields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["name"] == "connector")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (connector["required"].as_bool(), connector["type"].as_str()),
+        (Some(true), Some("string"))
+    );
+    assert!(connector["description"].is_string() && connector["category"].is_string());
+}
+
+#[tokio::test]
+async fn engine_status_and_reload() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(workflow("w"), channel("c", "w")).await;
+    let status = s.admin("GET", "/engine/status", None).await;
+    let data = status.ok(200);
+    assert_eq!(
+        (
+            data["workflows_count"].as_i64(),
+            data["active_workflows"].as_i64()
+        ),
+        (Some(1), Some(1))
+    );
+    assert!(data["uptime_seconds"].is_u64() && data["version"].is_string());
+    let reload = s.admin("POST", "/engine/reload", None).await;
+    assert_eq!(reload.ok(200)["channels"], 1);
+}
+
+#[tokio::test]
+async fn admin_auth_keys_and_roles() {
+    let s = start_with(Db::Sqlite, |c| {
+        c.admin_auth.enabled = true;
+        c.admin_auth.api_key = "full-key".into();
+        c.admin_auth.read_only_api_key = "ro-key".into();
+    })
+    .await;
+    s.send("GET", "/api/v1/admin/workflows", None, &[])
+        .await
+        .error(401, "UNAUTHORIZED");
+    s.send(
+        "GET",
+        "/api/v1/admin/workflows",
+        None,
+        &[("authorization", "Bearer nope")],
+    )
+    .await
+    .error(401, "UNAUTHORIZED");
+    s.send(
+        "GET",
+        "/api/v1/admin/workflows",
+        None,
+        &[("authorization", "Bearer ro-key")],
+    )
+    .await
+    .ok(200);
+    s.send(
+        "POST",
+        "/api/v1/admin/workflows",
+        Some(workflow("x")),
+        &[("authorization", "Bearer ro-key")],
+    )
+    .await
+    .error(403, "FORBIDDEN");
+    s.send(
+        "POST",
+        "/api/v1/admin/workflows",
+        Some(workflow("x")),
+        &[("x-api-key", "full-key")],
+    )
+    .await
+    .ok(201);
+    let log = s
+        .send(
+            "GET",
+            "/api/v1/admin/audit-logs?action=create",
+            None,
+            &[("authorization", "Bearer full-key")],
+        )
+        .await;
+    assert_eq!(log.ok(200)[0]["principal"], "admin");
+    assert!(!log.text.contains("full-key"));
+    // The data plane and health endpoints are not protected.
+    assert_eq!(s.get("/healthz").await.status, 200);
+}

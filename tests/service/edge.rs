@@ -1,0 +1,210 @@
+//! The HTTP edge: the error envelope for bad requests, security headers,
+//! request ids, operational endpoints, and a data-plane request end to end.
+
+use crate::support::*;
+use serde_json::json;
+
+#[tokio::test]
+async fn bad_requests_get_the_envelope() {
+    let s = start_with(Db::Sqlite, |c| c.ingest.max_payload_size = 1024).await;
+    let big = json!({"name": "x".repeat(2000)});
+    s.admin("POST", "/workflows", Some(big))
+        .await
+        .error(413, "PAYLOAD_TOO_LARGE");
+    let r = s
+        .raw(
+            "POST",
+            "/api/v1/admin/workflows",
+            b"name=x".to_vec(),
+            Some("application/x-www-form-urlencoded"),
+        )
+        .await;
+    r.error(415, "UNSUPPORTED_MEDIA_TYPE");
+    let r = s
+        .raw(
+            "POST",
+            "/api/v1/admin/workflows",
+            b"{\"name\": ".to_vec(),
+            Some("application/json"),
+        )
+        .await;
+    assert!(
+        r.error(400, "BAD_REQUEST")["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("malformed JSON")
+    );
+    assert!(
+        r.body["error"].get("details").is_none(),
+        "single-message errors have no details"
+    );
+    s.get("/api/v1/admin/nothing-here")
+        .await
+        .error(404, "NOT_FOUND");
+    s.call("DELETE", "/api/v1/admin/workflows", None)
+        .await
+        .error(405, "METHOD_NOT_ALLOWED");
+    s.call("PATCH", "/api/v1/admin/engine/status", None)
+        .await
+        .error(405, "METHOD_NOT_ALLOWED");
+    s.get("/nowhere").await.error(404, "NOT_FOUND");
+    let no_channel = s.post("/api/v1/data/ghost", json!({"data": {}})).await;
+    assert_eq!(
+        no_channel.error(404, "NOT_FOUND")["message"],
+        "Channel 'ghost' not found"
+    );
+    let no_route = s.get("/api/v1/data/orders/7").await;
+    assert_eq!(
+        no_route.error(404, "NOT_FOUND")["message"],
+        "No route matches GET /api/v1/data/orders/7"
+    );
+    // The server is still serving after all of that.
+    assert_eq!(s.get("/healthz").await.status, 200);
+}
+
+#[tokio::test]
+async fn every_response_has_security_headers_and_a_request_id() {
+    let s = start(Db::Sqlite).await;
+    for r in [s.get("/health").await, s.get("/nowhere").await] {
+        assert_eq!(r.headers["x-content-type-options"], "nosniff");
+        assert_eq!(r.headers["x-frame-options"], "DENY");
+        assert_eq!(r.headers["referrer-policy"], "no-referrer");
+        assert!(r.headers.contains_key("content-security-policy"));
+        let id = r.headers["x-request-id"].to_str().unwrap();
+        assert!(uuid::Uuid::parse_str(id).is_ok(), "{id}");
+    }
+    let mine = "6f1c2f8e-3b0a-4c3e-9d7e-1a2b3c4d5e6f";
+    let r = s
+        .send("GET", "/healthz", None, &[("x-request-id", mine)])
+        .await;
+    assert_eq!(r.headers["x-request-id"], mine);
+    let r = s
+        .send("GET", "/healthz", None, &[("x-request-id", "not-a-uuid")])
+        .await;
+    assert_ne!(r.headers["x-request-id"], "not-a-uuid");
+}
+
+#[tokio::test]
+async fn health_and_readiness() {
+    let s = start(Db::Sqlite).await;
+    let h = s.get("/health").await;
+    assert_eq!(h.status, 200);
+    assert_eq!(h.body["status"], "ok");
+    assert_eq!(
+        h.body["components"],
+        json!({"database": "ok", "engine": "ok"})
+    );
+    assert!(h.body["uptime_seconds"].is_u64() && h.body["version"].is_string());
+    assert_eq!(s.get("/readyz").await.status, 200);
+    // With the database gone, health degrades and readiness fails.
+    s.app.store.close().await;
+    let h = s.get("/health").await;
+    assert_eq!(
+        (h.status, h.body["status"].as_str()),
+        (503, Some("degraded"))
+    );
+    assert_eq!(s.get("/readyz").await.status, 503);
+    assert_eq!(s.get("/healthz").await.status, 200);
+}
+
+#[tokio::test]
+async fn the_reference_workload_runs_end_to_end() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        shared("bench/reference/workflow.json"),
+        shared("bench/reference/channel.json"),
+    )
+    .await;
+    let r = s
+        .post(
+            "/api/v1/data/bench/orders/ord-7f3a9c",
+            shared("bench/reference/request.json"),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["status"], "ok");
+    assert_eq!(r.body["errors"], json!([]));
+    let order = &r.body["data"]["order"];
+    let expected = shared("bench/reference/expected.json");
+    for (k, want) in expected.as_object().unwrap() {
+        match want.as_f64() {
+            Some(w) => assert!((order[k].as_f64().unwrap() - w).abs() < 1e-6, "{k}"),
+            None if want.is_object() => {
+                for (k2, w2) in want.as_object().unwrap() {
+                    assert_eq!(&order[k][k2], w2, "{k}.{k2}");
+                }
+            }
+            None => assert_eq!(&order[k], want, "{k}"),
+        }
+    }
+    // Profiling on request.
+    let p = s
+        .send(
+            "POST",
+            "/api/v1/data/bench/orders/x?profile=1",
+            Some(shared("bench/reference/request.json")),
+            &[],
+        )
+        .await;
+    let profile = &p.body["_service"]["profile"];
+    assert_eq!(profile["version"], 1);
+    assert_eq!(profile["tasks"].as_array().unwrap().len(), 6);
+    assert!(profile["workflow_ms"].is_number() && profile["engine_lock_ms"].is_number());
+}
+
+#[tokio::test]
+async fn metrics_are_served_in_prometheus_format() {
+    let s = start(Db::Sqlite).await;
+    let mut wf = workflow("metered");
+    wf["workflow_id"] = json!("metered");
+    s.deploy(wf, channel("metered-ch", "metered")).await;
+    let ok = s
+        .post("/api/v1/data/metered-ch/1", json!({"data": {"name": "x"}}))
+        .await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+    let r = s.get("/metrics").await;
+    assert_eq!(r.status, 200);
+    assert!(
+        r.headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    for needle in [
+        "messages_total{channel=\"metered-ch\",status=\"ok\"} 1",
+        "channel_executions_total{channel=\"metered-ch\"} 1",
+        "message_duration_seconds_bucket{channel=\"metered-ch\"",
+        "http_requests_total{method=\"POST\",path=\"/api/v1/data/{path}\",status=\"200\"}",
+        "engine_reloads_total{status=\"success\"}",
+        "active_workflows",
+    ] {
+        assert!(r.text.contains(needle), "missing {needle} in\n{}", r.text);
+    }
+}
+
+#[tokio::test]
+async fn openapi_and_docs_are_served_offline() {
+    let s = start(Db::Sqlite).await;
+    let spec = s.get("/api/v1/openapi.json").await;
+    assert_eq!(spec.status, 200);
+    assert!(spec.body["openapi"].as_str().unwrap().starts_with("3.0"));
+    for path in [
+        "/api/v1/admin/workflows",
+        "/api/v1/admin/workflows/{id}/status",
+        "/api/v1/data/{channel}",
+        "/health",
+    ] {
+        assert!(spec.body["paths"].get(path).is_some(), "{path}");
+    }
+    let docs = s.get("/docs").await;
+    assert_eq!(docs.status, 200);
+    assert!(docs.text.contains("/docs/app.js") && docs.text.contains("openapi.json"));
+    let csp = docs.headers["content-security-policy"].to_str().unwrap();
+    assert!(
+        csp.contains("script-src 'self'") && !csp.contains("http"),
+        "{csp}"
+    );
+    let js = s.get("/docs/app.js").await;
+    assert_eq!(js.status, 200);
+    assert!(js.text.contains("fetch(\"/api/v1/openapi.json\")"));
+}

@@ -1,0 +1,6 @@
+//! Integration tests: the real server, started in-process on `127.0.0.1:0`,
+//! driven over HTTP. One test binary (link time); one module per area.
+
+mod admin;
+mod edge;
+mod support;

@@ -1,0 +1,312 @@
+//! Test support: a fresh database per test on each backend, the real server
+//! started in-process on `127.0.0.1:0`, and a small HTTP client.
+//!
+//! PostgreSQL and MariaDB must be running (`scripts/test.sh` starts them with
+//! `../shared/services/`); a test fails, never skips, when one is missing.
+
+use reqwest::Method;
+use serde_json::{Value as Json, json};
+use sluice::app::App;
+use sluice::config::Config;
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Db {
+    Sqlite,
+    Postgres,
+    MySql,
+}
+
+const PG_ADMIN: &str = "postgres://postgres@127.0.0.1:5432/test";
+const MY_ADMIN: &str = "mysql://root@127.0.0.1:3306/test";
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A URL for a database nobody else uses.
+pub async fn fresh_database(db: Db) -> String {
+    use sqlx::Connection;
+    match db {
+        Db::Sqlite => {
+            let dir = std::env::temp_dir().join("sluice-tests");
+            std::fs::create_dir_all(&dir).unwrap();
+            format!(
+                "sqlite://{}",
+                dir.join(format!("{}.db", unique("t"))).display()
+            )
+        }
+        Db::Postgres => {
+            let name = unique("sluice_t");
+            let mut conn = sqlx::PgConnection::connect(PG_ADMIN)
+                .await
+                .unwrap_or_else(|e| panic!("PostgreSQL at {PG_ADMIN} is required (bash ../shared/services/postgres.sh): {e}"));
+            sqlx::query(&format!("CREATE DATABASE {name}"))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            format!("postgres://postgres@127.0.0.1:5432/{name}")
+        }
+        Db::MySql => {
+            let name = unique("sluice_t");
+            let mut conn = sqlx::MySqlConnection::connect(MY_ADMIN)
+                .await
+                .unwrap_or_else(|e| panic!("MariaDB at {MY_ADMIN} is required (bash ../shared/services/mariadb.sh): {e}"));
+            sqlx::query(&format!("CREATE DATABASE {name}"))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            format!("mysql://root@127.0.0.1:3306/{name}")
+        }
+    }
+}
+
+/// A running server and a client for it.
+pub struct TestServer {
+    pub base: String,
+    pub app: Arc<App>,
+    pub client: reqwest::Client,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Starts the real server on a fresh database.
+pub async fn start(db: Db) -> TestServer {
+    start_with(db, |_| {}).await
+}
+
+pub async fn start_with(db: Db, adjust: impl FnOnce(&mut Config)) -> TestServer {
+    let mut config = Config::default();
+    config.storage.url = fresh_database(db).await;
+    config.storage.max_connections = 8;
+    config.storage.backup_dir = std::env::temp_dir()
+        .join("sluice-tests")
+        .join(unique("backups"))
+        .display()
+        .to_string();
+    config.server.shutdown_drain_secs = 1;
+    adjust(&mut config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = sluice::start(config).await.expect("service starts");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(sluice::server::run(listener, app.clone(), async {
+        let _ = rx.await;
+    }));
+    TestServer {
+        base: format!("http://{addr}"),
+        app,
+        client: reqwest::Client::new(),
+        stop: Some(tx),
+    }
+}
+
+/// One response, read whole.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Json,
+    pub text: String,
+}
+
+impl Resp {
+    /// Asserts the error envelope: status, code, and that `message` is a string.
+    #[track_caller]
+    pub fn error(&self, status: u16, code: &str) -> &Json {
+        assert_eq!(self.status, status, "body: {}", self.text);
+        assert_eq!(self.body["error"]["code"], code, "body: {}", self.text);
+        assert!(
+            self.body["error"]["message"].is_string(),
+            "body: {}",
+            self.text
+        );
+        &self.body["error"]
+    }
+
+    #[track_caller]
+    pub fn ok(&self, status: u16) -> &Json {
+        assert_eq!(self.status, status, "body: {}", self.text);
+        &self.body["data"]
+    }
+
+    /// The `field`s of `error.details`.
+    pub fn detail_fields(&self) -> Vec<String> {
+        self.body["error"]["details"]
+            .as_array()
+            .map(|d| {
+                d.iter()
+                    .map(|x| x["field"].as_str().unwrap_or_default().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl TestServer {
+    pub async fn call(&self, method: &str, path: &str, body: Option<Json>) -> Resp {
+        self.send(method, path, body, &[]).await
+    }
+
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Json>,
+        headers: &[(&str, &str)],
+    ) -> Resp {
+        let mut req = self.client.request(
+            Method::from_bytes(method.as_bytes()).unwrap(),
+            format!("{}{path}", self.base),
+        );
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        if let Some(body) = body {
+            req = req
+                .header("content-type", "application/json")
+                .body(body.to_string());
+        }
+        let resp = req.send().await.expect("request reaches the server");
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let text = resp.text().await.unwrap();
+        let body = serde_json::from_str(&text).unwrap_or(Json::Null);
+        Resp {
+            status,
+            headers,
+            body,
+            text,
+        }
+    }
+
+    pub async fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        body: Vec<u8>,
+        content_type: Option<&str>,
+    ) -> Resp {
+        let mut req = self.client.request(
+            Method::from_bytes(method.as_bytes()).unwrap(),
+            format!("{}{path}", self.base),
+        );
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        let resp = req.body(body).send().await.unwrap();
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let text = resp.text().await.unwrap();
+        let body = serde_json::from_str(&text).unwrap_or(Json::Null);
+        Resp {
+            status,
+            headers,
+            body,
+            text,
+        }
+    }
+
+    pub async fn get(&self, path: &str) -> Resp {
+        self.call("GET", path, None).await
+    }
+
+    pub async fn post(&self, path: &str, body: Json) -> Resp {
+        self.call("POST", path, Some(body)).await
+    }
+
+    pub async fn admin(&self, method: &str, path: &str, body: Option<Json>) -> Resp {
+        self.call(method, &format!("/api/v1/admin{path}"), body)
+            .await
+    }
+
+    /// Creates and activates a workflow and a channel.
+    pub async fn deploy(&self, workflow: Json, channel: Json) {
+        let wid = workflow["workflow_id"].as_str().unwrap().to_owned();
+        let cid = channel["channel_id"].as_str().unwrap().to_owned();
+        self.admin("POST", "/workflows", Some(workflow))
+            .await
+            .ok(201);
+        self.admin(
+            "PATCH",
+            &format!("/workflows/{wid}/status"),
+            Some(json!({"status": "active"})),
+        )
+        .await
+        .ok(200);
+        self.admin("POST", "/channels", Some(channel)).await.ok(201);
+        self.admin(
+            "PATCH",
+            &format!("/channels/{cid}/status"),
+            Some(json!({"status": "active"})),
+        )
+        .await
+        .ok(200);
+    }
+}
+
+pub fn shared(rel: &str) -> Json {
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared")
+        .join(rel);
+    serde_json::from_str(
+        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap()
+}
+
+pub fn workflow(id: &str) -> Json {
+    json!({
+        "workflow_id": id,
+        "name": format!("workflow {id}"),
+        "tags": ["test"],
+        "tasks": [
+            {"id": "parse", "name": "Parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}},
+            {"id": "greet", "name": "Greet", "function": {"name": "map", "input": {"mappings": [
+                {"path": "greeting", "logic": {"cat": ["hello ", {"var": "data.in.name"}]}}
+            ]}}}
+        ]
+    })
+}
+
+pub fn channel(id: &str, workflow_id: &str) -> Json {
+    json!({
+        "channel_id": id,
+        "name": id,
+        "channel_type": "sync",
+        "protocol": "rest",
+        "route_pattern": format!("/{id}/{{item}}"),
+        "methods": ["POST"],
+        "workflow_id": workflow_id,
+        "config_json": {"timeout_ms": 5000}
+    })
+}
+
+/// Runs an async test body once per backend, as three `#[tokio::test]`s.
+#[macro_export]
+macro_rules! on_every_backend {
+    ($name:ident, $body:path) => {
+        mod $name {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                $body($crate::support::Db::Sqlite).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                $body($crate::support::Db::Postgres).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mariadb() {
+                $body($crate::support::Db::MySql).await
+            }
+        }
+    };
+}
