@@ -164,7 +164,7 @@ fn audit(who: Principal, action: &str) -> Audit {
 }
 
 /// `?limit=` (default 50, 1..=1000) and `?offset=` (default 0).
-fn paging(req: &Req) -> Result<(i64, i64), ApiError> {
+pub(crate) fn paging(req: &Req) -> Result<(i64, i64), ApiError> {
     let limit = match req.query("limit") {
         None => 50,
         Some(v) => match v.parse::<i64>() {
@@ -544,9 +544,12 @@ async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
         },
         bucket: None,
     };
+    // Without ?connectors=true, connector tasks are reported as skipped so a
+    // dry-run has no side effects on the connectors' targets.
     let options = Options {
         record_tasks: true,
-        pretty: false,
+        skip_connectors: req.query("connectors") != Some("true"),
+        ..Options::default()
     };
     let scope = CallScope::default();
     let result = exec::execute([&compiled.plan], input, &app.services, &scope, &options)

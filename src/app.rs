@@ -23,6 +23,10 @@ pub struct App {
     pub started: Instant,
     /// Set once start-up (migrations, first reload) has completed.
     pub ready: AtomicBool,
+    /// Requests being served now (for `server.max_in_flight` load shedding).
+    pub in_flight: AtomicU64,
+    /// Async trace workers (started by `crate::start`, stopped by `crate::queue::shutdown`).
+    pub queue: crate::queue::Queue,
     generation: AtomicU64,
     /// Reloads are serialized (admin side only; the request path never waits on it).
     reload_lock: tokio::sync::Mutex<()>,
@@ -45,12 +49,14 @@ impl App {
             crate::telemetry::metrics_handle();
         }
         App {
+            queue: crate::queue::Queue::new(&config.queue),
             config,
             store,
             engine: ArcSwap::from_pointee(Snapshot::default()),
             services,
             started: Instant::now(),
             ready: AtomicBool::new(false),
+            in_flight: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),
         }

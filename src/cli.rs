@@ -127,9 +127,11 @@ fn dry_run_answer(
     };
     let services = Services::default();
     let scope = CallScope::default();
+    // Offline: connector tasks are reported as skipped.
     let options = Options {
         record_tasks: true,
-        pretty: false,
+        skip_connectors: true,
+        ..Options::default()
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -32,6 +32,13 @@ pub async fn handle(
     req: &Req,
     segments: &[String],
 ) -> Result<HttpResponse, ApiError> {
+    // Trace reads come before channel routing (a channel named "traces" is shadowed).
+    if let [first, rest @ ..] = segments
+        && first == "traces"
+        && rest.len() <= 1
+    {
+        return crate::traces::read(app, req, rest).await;
+    }
     let lock_started = Instant::now();
     let snapshot = app.engine.load_full();
     let engine_lock_ms = lock_started.elapsed().as_secs_f64() * 1000.0;
@@ -42,11 +49,8 @@ pub async fn handle(
     let parts: SmallVec<[&str; 8]> = segments.iter().map(String::as_str).collect();
     let (channel, params) = resolve(&snapshot, req, &parts)?;
     let started = Instant::now();
-    if is_async {
-        return Err(ApiError::new(
-            Code::ServiceUnavailable,
-            "asynchronous submission is not available in this build",
-        ));
+    if is_async || channel.is_async {
+        return crate::traces::submit(app, req, &channel, &params).await;
     }
     let result = run_sync(app, req, &channel, &params, engine_lock_ms).await;
     let m = &channel.metrics;
@@ -90,7 +94,7 @@ fn resolve(snapshot: &Snapshot, req: &Req, parts: &[&str]) -> Result<Resolved, A
 
 /// Lowercase header names (hyper keeps them lowercase) with UTF-8 values;
 /// `x-request-id` is the effective request id (the caller's or ours).
-fn header_pairs(req: &Req) -> SmallVec<[(&str, &str); 16]> {
+pub(crate) fn header_pairs(req: &Req) -> SmallVec<[(&str, &str); 16]> {
     let mut pairs: SmallVec<[(&str, &str); 16]> = req
         .headers
         .iter()
@@ -140,7 +144,8 @@ async fn run_sync(
         && (req.header("x-service-profile") == Some("1") || req.query("profile") == Some("1"));
     let options = Options {
         record_tasks: profile,
-        pretty: false,
+        deadline: Some(Instant::now() + channel.timeout),
+        ..Options::default()
     };
     let scope = CallScope {
         channel: channel.name.clone(),
@@ -171,7 +176,7 @@ async fn run_sync(
 }
 
 /// A channel's `validation_logic` reads `{data, headers, query, path}`.
-fn check_input(
+pub(crate) fn check_input(
     rule: &sluice_compiler::logic::Logic,
     body: &[u8],
     headers: &[(&str, &str)],
@@ -224,13 +229,7 @@ fn respond(
         )));
     }
     if let Status::Failed(f) = &execution.status {
-        let code = match f.kind {
-            FailureKind::Task => Code::TaskError,
-            FailureKind::Timeout => Code::Timeout,
-            FailureKind::CircuitOpen => Code::ServiceUnavailable,
-            FailureKind::Upstream => Code::UpstreamError,
-            FailureKind::Validation => Code::BadRequest,
-        };
+        let code = failure_code(f.kind);
         let details = if f.messages.is_empty() {
             vec![Diagnostic {
                 field: f.field.clone(),
@@ -267,6 +266,17 @@ fn respond(
     }
     out.push(b'}');
     Ok(bytes_response(StatusCode::OK, Bytes::from(out)))
+}
+
+/// The error code of a halted workflow (the async trace's `errors` use it too).
+pub(crate) fn failure_code(kind: FailureKind) -> Code {
+    match kind {
+        FailureKind::Task => Code::TaskError,
+        FailureKind::Timeout => Code::Timeout,
+        FailureKind::CircuitOpen => Code::ServiceUnavailable,
+        FailureKind::Upstream => Code::UpstreamError,
+        FailureKind::Validation => Code::BadRequest,
+    }
 }
 
 /// The answer of `POST /workflows/{id}/test` (and `sluice dry-run`).

@@ -21,6 +21,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tracing::Instrument;
@@ -99,10 +100,13 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
         drain_secs = drain.as_secs(),
         "shutting down; draining in-flight requests"
     );
-    if tokio::time::timeout(drain, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    // In-flight requests and running async traces drain side by side, both
+    // within the same period.
+    let (http, ()) = tokio::join!(
+        tokio::time::timeout(drain, graceful.shutdown()),
+        crate::queue::shutdown(&app, drain),
+    );
+    if http.is_err() {
         tracing::warn!("drain period ended with requests still in flight");
     }
 }
@@ -124,15 +128,32 @@ async fn handle(
     let started = std::time::Instant::now();
     let method = req.method().clone();
     let route = crate::router::route_label(req.uri().path());
-    let response = isolate(read_and_route(
-        &app,
-        peer,
-        req,
-        request_id.clone(),
-        caller_request_id,
-    ))
-    .instrument(span)
-    .await;
+    // Load shedding: past `server.max_in_flight` requests, answer 503 at
+    // once (health and metrics stay reachable).
+    let counted = !is_operational(req.uri().path());
+    let shed =
+        counted && app.in_flight.fetch_add(1, Ordering::AcqRel) >= app.config.server.max_in_flight;
+    let response = if shed {
+        ApiError::new(
+            Code::ServiceUnavailable,
+            "the service is at its in-flight request limit; retry shortly",
+        )
+        .with_retry_after(1)
+        .into_response()
+    } else {
+        isolate(read_and_route(
+            &app,
+            peer,
+            req,
+            request_id.clone(),
+            caller_request_id,
+        ))
+        .instrument(span)
+        .await
+    };
+    if counted {
+        app.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
     let status = response.status().as_str().to_owned();
     let labels = [
         ("method", method.as_str().to_owned()),
@@ -164,6 +185,11 @@ pub async fn isolate(handler: impl Future<Output = HttpResponse>) -> HttpRespons
             ApiError::internal("internal error; the request was not completed").into_response()
         }
     }
+}
+
+/// Health and metrics stay reachable when the service sheds load.
+fn is_operational(path: &str) -> bool {
+    matches!(path, "/health" | "/healthz" | "/readyz" | "/metrics")
 }
 
 /// Security headers and the request id on every response.

@@ -114,6 +114,16 @@ pub fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::Promethe
             for (name, help) in names::ALL {
                 metrics::describe_counter!(*name, *help);
             }
+            // Counters that only move on rare events are shown at zero from
+            // the start, so dashboards and alerts see them before they fire.
+            for name in [
+                names::ERRORS_TOTAL,
+                names::CIRCUIT_BREAKER_TRIPS_TOTAL,
+                names::CIRCUIT_BREAKER_REJECTIONS_TOTAL,
+                names::RATE_LIMIT_REJECTIONS_TOTAL,
+            ] {
+                metrics::counter!(name).increment(0);
+            }
             // Histograms keep raw samples until upkeep folds them into buckets.
             let upkeep = handle.clone();
             std::thread::Builder::new()

@@ -66,6 +66,12 @@ pub struct Options {
     pub record_tasks: bool,
     /// Serialize `data` pretty-printed.
     pub pretty: bool,
+    /// Report connector and composition tasks as skipped instead of calling
+    /// them (dry-runs without side effects).
+    pub skip_connectors: bool,
+    /// Stop with a timeout failure once this instant has passed (checked
+    /// between steps, so CPU-bound work is bounded too, not only I/O waits).
+    pub deadline: Option<Instant>,
 }
 
 /// The request body could not be used.
@@ -185,7 +191,7 @@ where
             workflow_ms: 0.0,
         });
     };
-    let mut machine = Machine::new(plan, context, options.record_tasks);
+    let mut machine = Machine::new(plan, context, options);
     loop {
         match machine.run(&arena) {
             Next::Done => break,
@@ -356,10 +362,15 @@ struct Machine<'a> {
     /// The connector task waiting for its I/O, and when it started.
     pending: Option<(&'a Task, Instant)>,
     task_started: Option<Instant>,
+    skip_connectors: bool,
+    deadline: Option<Instant>,
+    /// The task most recently started (named by a timeout failure).
+    current: Option<&'a Task>,
 }
 
 impl<'a> Machine<'a> {
-    fn new(plan: &'a Plan, ctx: Context<'a>, record_tasks: bool) -> Self {
+    fn new(plan: &'a Plan, ctx: Context<'a>, options: &Options) -> Self {
+        let record_tasks = options.record_tasks;
         let mut frames = SmallVec::new();
         frames.push(Frame {
             block: &plan.body,
@@ -383,6 +394,9 @@ impl<'a> Machine<'a> {
             },
             pending: None,
             task_started: None,
+            skip_connectors: options.skip_connectors,
+            deadline: options.deadline,
+            current: None,
         }
     }
 
@@ -431,6 +445,12 @@ impl<'a> Machine<'a> {
     /// Runs steps until the workflow ends or a connector call is needed.
     fn run(&mut self, arena: &'a Bump) -> Next {
         while self.status.is_none() {
+            if let Some(deadline) = self.deadline
+                && Instant::now() >= deadline
+            {
+                self.status = Some(Status::Failed(self.timeout_failure()));
+                break;
+            }
             let Some(frame) = self.frames.last_mut() else {
                 self.status = Some(Status::Completed);
                 break;
@@ -509,6 +529,20 @@ impl<'a> Machine<'a> {
         Next::Done
     }
 
+    fn timeout_failure(&self) -> Failure {
+        let (task_id, field) = self
+            .current
+            .map(|t| (t.id.to_string(), t.field.to_string()))
+            .unwrap_or_else(|| (self.plan.workflow_id.to_string(), String::new()));
+        Failure {
+            kind: FailureKind::Timeout,
+            task_id,
+            field,
+            message: "the execution deadline (the channel's timeout_ms) passed".into(),
+            messages: Vec::new(),
+        }
+    }
+
     fn loop_failure(&self, e: TaskError) -> Failure {
         Failure {
             kind: FailureKind::Task,
@@ -541,7 +575,12 @@ impl<'a> Machine<'a> {
     fn start_task(&mut self, task: &'a Task, arena: &'a Bump) -> Option<IoRequest> {
         let started = Instant::now();
         self.task_started = Some(started);
+        self.current = Some(task);
         match self.condition_holds(&task.condition, arena) {
+            Ok(true) if self.skip_connectors && task.function.needs_io() => {
+                self.record(task, TaskStatus::Skipped);
+                return None;
+            }
             Ok(true) => {}
             Ok(false) => {
                 self.record(task, TaskStatus::Skipped);

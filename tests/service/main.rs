@@ -2,5 +2,6 @@
 //! driven over HTTP. One test binary (link time); one module per area.
 
 mod admin;
+mod data;
 mod edge;
 mod support;

@@ -67,6 +67,7 @@ pub struct TestServer {
     pub app: Arc<App>,
     pub client: reqwest::Client,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
+    running: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for TestServer {
@@ -97,7 +98,7 @@ pub async fn start_with(db: Db, adjust: impl FnOnce(&mut Config)) -> TestServer 
     let addr = listener.local_addr().unwrap();
     let app = sluice::start(config).await.expect("service starts");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(sluice::server::run(listener, app.clone(), async {
+    let running = tokio::spawn(sluice::server::run(listener, app.clone(), async {
         let _ = rx.await;
     }));
     TestServer {
@@ -105,6 +106,7 @@ pub async fn start_with(db: Db, adjust: impl FnOnce(&mut Config)) -> TestServer 
         app,
         client: reqwest::Client::new(),
         stop: Some(tx),
+        running: Some(running),
     }
 }
 
@@ -151,6 +153,16 @@ impl Resp {
 }
 
 impl TestServer {
+    /// Signals shutdown and waits until the server has drained and returned.
+    pub async fn shutdown(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(running) = self.running.take() {
+            running.await.unwrap();
+        }
+    }
+
     pub async fn call(&self, method: &str, path: &str, body: Option<Json>) -> Resp {
         self.send(method, path, body, &[]).await
     }

@@ -1,0 +1,555 @@
+//! The data plane over real HTTP: routing rules, response shapes, failure
+//! statuses, timeouts, profiling, canary rollout, hot reload under load and
+//! graceful shutdown.
+
+use crate::support::*;
+use serde_json::{Value as Json, json};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+fn tagging_workflow(id: &str, tag: &str) -> Json {
+    json!({
+        "workflow_id": id,
+        "name": id,
+        "tasks": [
+            {"id": "parse", "name": "parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}},
+            {"id": "tag", "name": "tag", "function": {"name": "map", "input": {"mappings": [
+                {"path": "by", "logic": tag},
+                {"path": "path", "logic": {"var": "metadata.path"}},
+                {"path": "query", "logic": {"var": "metadata.query"}},
+                {"path": "method", "logic": {"var": "metadata.method"}},
+                {"path": "tenant", "logic": {"var": "metadata.headers.x-tenant"}}
+            ]}}}
+        ]
+    })
+}
+
+fn rest_channel(id: &str, workflow: &str, pattern: &str, methods: &[&str], priority: i64) -> Json {
+    json!({
+        "channel_id": id, "name": id, "channel_type": "sync", "protocol": "rest",
+        "route_pattern": pattern, "methods": methods, "workflow_id": workflow,
+        "priority": priority, "config_json": {"timeout_ms": 5000}
+    })
+}
+
+#[tokio::test]
+async fn routing_follows_the_resolution_rules() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        tagging_workflow("generic", "generic"),
+        rest_channel(
+            "by-id",
+            "generic",
+            "/orders/{order_id}",
+            &["POST", "GET"],
+            0,
+        ),
+    )
+    .await;
+    s.deploy(
+        tagging_workflow("special", "special"),
+        rest_channel("special", "special", "/orders/special", &["POST"], 0),
+    )
+    .await;
+    s.deploy(
+        tagging_workflow("urgent", "urgent"),
+        rest_channel("urgent", "urgent", "/orders/{any}/items", &["PUT"], 5),
+    )
+    .await;
+    s.deploy(
+        tagging_workflow("named", "named"),
+        json!({
+            "channel_id": "plain", "name": "plain", "channel_type": "sync", "protocol": "http",
+            "workflow_id": "named", "config_json": {}
+        }),
+    )
+    .await;
+
+    // Path parameters and metadata.
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/data/orders/o-1?x=1&y=two",
+            Some(json!({"data": {"a": 1}})),
+            &[("x-tenant", "acme")],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let d = &r.body["data"];
+    assert_eq!(
+        (d["by"].as_str(), d["method"].as_str(), d["tenant"].as_str()),
+        (Some("generic"), Some("POST"), Some("acme"))
+    );
+    assert_eq!(d["path"], json!({"order_id": "o-1"}));
+    assert_eq!(d["query"], json!({"x": "1", "y": "two"}));
+    assert_eq!(d["in"], json!({"a": 1}));
+    // A more specific pattern (more literal segments) wins at equal priority.
+    assert_eq!(
+        s.post("/api/v1/data/orders/special", json!({"data": {}}))
+            .await
+            .body["data"]["by"],
+        "special"
+    );
+    // A GET on a route has no body.
+    let g = s.get("/api/v1/data/orders/o-2").await;
+    assert_eq!((g.status, g.body["data"]["in"].clone()), (200, Json::Null));
+    // Methods are part of the match.
+    let wrong = s.call("DELETE", "/api/v1/data/orders/o-1", None).await;
+    assert_eq!(
+        wrong.error(404, "NOT_FOUND")["message"],
+        "No route matches DELETE /api/v1/data/orders/o-1"
+    );
+    assert_eq!(
+        s.call(
+            "PUT",
+            "/api/v1/data/orders/x/items",
+            Some(json!({"data": {}}))
+        )
+        .await
+        .body["data"]["by"],
+        "urgent"
+    );
+    // Name-based routing for a single segment.
+    assert_eq!(
+        s.post("/api/v1/data/plain", json!({"data": {}})).await.body["data"]["by"],
+        "named"
+    );
+    s.get("/api/v1/data/plain")
+        .await
+        .error(405, "METHOD_NOT_ALLOWED");
+    // A draft channel is not routed.
+    s.admin(
+        "POST",
+        "/channels",
+        Some(rest_channel(
+            "draft-only",
+            "generic",
+            "/drafts/{x}",
+            &["POST"],
+            0,
+        )),
+    )
+    .await
+    .ok(201);
+    s.post("/api/v1/data/drafts/1", json!({"data": {}}))
+        .await
+        .error(404, "NOT_FOUND");
+    // Bodies must be JSON objects.
+    let bad = s
+        .raw(
+            "POST",
+            "/api/v1/data/plain",
+            b"[1,2]".to_vec(),
+            Some("application/json"),
+        )
+        .await;
+    bad.error(400, "BAD_REQUEST");
+}
+
+#[tokio::test]
+async fn failures_map_to_statuses_and_errors_are_collected() {
+    let s = start(Db::Sqlite).await;
+    let wf = json!({
+        "workflow_id": "f", "name": "f",
+        "tasks": [
+            {"id": "parse", "name": "parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}},
+            {"id": "check", "name": "check", "function": {"name": "validation", "input": {"rules": [
+                {"logic": {"!!": [{"var": "data.in.email"}]}, "message": "email is required"}
+            ]}}},
+            {"id": "gate", "name": "gate", "function": {"name": "filter", "input": {"condition": {"!": [{"var": "data.in.stop"}]}}}},
+            {"id": "boom", "name": "boom", "function": {"name": "map", "input": {"mappings": [
+                {"path": "x", "logic": {"if": [{"var": "data.in.fail"}, {"throw": "exploded"}, 1]}}
+            ]}}}
+        ]
+    });
+    s.deploy(wf, rest_channel("f", "f", "/f", &["POST"], 0))
+        .await;
+    // Validation failures are reported but do not halt.
+    let r = s.post("/api/v1/data/f", json!({"data": {}})).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.body["errors"],
+        json!([{"code": "VALIDATION_ERROR", "task_id": "check", "message": "email is required"}])
+    );
+    assert_eq!(r.body["data"]["x"], 1);
+    // A filter halt is a success with the data so far.
+    let r = s
+        .post(
+            "/api/v1/data/f",
+            json!({"data": {"email": "a@b", "stop": true}}),
+        )
+        .await;
+    assert_eq!((r.status, r.body["status"].as_str()), (200, Some("ok")));
+    assert!(r.body["data"].get("x").is_none());
+    // A task error halts with 500 TASK_ERROR naming the task.
+    let r = s
+        .post(
+            "/api/v1/data/f",
+            json!({"data": {"email": "a@b", "fail": true}}),
+        )
+        .await;
+    let e = r.error(500, "TASK_ERROR");
+    assert_eq!(e["task_id"], "boom");
+    assert_eq!(e["details"][0]["field"], "tasks[3]");
+    assert!(
+        e["details"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("exploded")
+    );
+
+    // halt_on: failure on validation → 400 with the messages.
+    let mut strict = tagging_workflow("strict", "s");
+    strict["tasks"] = json!([{"id": "v", "name": "v", "halt_on": "failure", "function": {"name": "validate", "input": {"rules": [
+        {"logic": false, "message": "first"}, {"logic": false, "message": "second"}
+    ]}}}]);
+    s.deploy(
+        strict,
+        rest_channel("strict", "strict", "/strict", &["POST"], 0),
+    )
+    .await;
+    let r = s.post("/api/v1/data/strict", json!({"data": {}})).await;
+    let e = r.error(400, "BAD_REQUEST");
+    let messages: Vec<_> = e["details"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["message"].clone())
+        .collect();
+    assert_eq!(messages, vec![json!("first"), json!("second")]);
+
+    // continue_on_error collects TASK_ERROR entries with 200.
+    let mut tolerant = tagging_workflow("tolerant", "t");
+    tolerant["continue_on_error"] = json!(true);
+    tolerant["tasks"] = json!([
+        {"id": "bad", "name": "bad", "function": {"name": "parse_json", "input": {"source": "payload.text", "target": "t"}}},
+        {"id": "after", "name": "after", "function": {"name": "map", "input": {"mappings": [{"path": "ran", "logic": true}]}}}
+    ]);
+    s.deploy(
+        tolerant,
+        rest_channel("tolerant", "tolerant", "/tolerant", &["POST"], 0),
+    )
+    .await;
+    let r = s
+        .post("/api/v1/data/tolerant", json!({"data": {"text": "{nope"}}))
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body["data"]["ran"], true);
+    assert_eq!(r.body["errors"][0]["code"], "TASK_ERROR");
+    assert_eq!(r.body["errors"][0]["task_id"], "bad");
+
+    // No matching workflow: 404.
+    let mut picky = tagging_workflow("picky", "p");
+    picky["condition"] = json!({"==": [{"var": "metadata.headers.x-vip"}, "yes"]});
+    s.deploy(
+        picky,
+        rest_channel("picky", "picky", "/picky", &["POST"], 0),
+    )
+    .await;
+    s.post("/api/v1/data/picky", json!({"data": {}}))
+        .await
+        .error(404, "NOT_FOUND");
+    let vip = s
+        .send(
+            "POST",
+            "/api/v1/data/picky",
+            Some(json!({"data": {}})),
+            &[("x-vip", "yes")],
+        )
+        .await;
+    assert_eq!(vip.status, 200);
+}
+
+/// A workflow that burns CPU: `passes` loop passes, each summing a range.
+fn slow_workflow(id: &str, passes: u32) -> Json {
+    json!({
+        "workflow_id": id, "name": id,
+        "loop": {"max": passes, "counter": "temp_data.i"},
+        "tasks": [{"id": "spin", "name": "spin", "function": {"name": "map", "input": {"mappings": [
+            {"path": "sum", "logic": {"reduce": [{"var": "payload.items"}, {"+": [{"var": "accumulator"}, {"var": "current"}]}, 0]}}
+        ]}}}]
+    })
+}
+
+fn items(n: usize) -> Json {
+    json!({"data": {"items": (0..n).collect::<Vec<_>>()}})
+}
+
+#[tokio::test]
+async fn the_channel_timeout_gives_504() {
+    let s = start(Db::Sqlite).await;
+    let mut ch = rest_channel("slow", "slow", "/slow", &["POST"], 0);
+    ch["config_json"]["timeout_ms"] = json!(20);
+    s.deploy(slow_workflow("slow", 10_000), ch).await;
+    let r = s.post("/api/v1/data/slow", items(2000)).await;
+    let e = r.error(504, "TIMEOUT");
+    assert_eq!(e["task_id"], "spin");
+    // The server is fine afterwards.
+    assert_eq!(s.get("/healthz").await.status, 200);
+}
+
+#[tokio::test]
+async fn the_profile_block_is_opt_in_and_gated() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        tagging_workflow("p", "p"),
+        rest_channel("p", "p", "/p", &["POST"], 0),
+    )
+    .await;
+    let plain = s.post("/api/v1/data/p", json!({"data": {}})).await;
+    assert!(plain.body.get("_service").is_none());
+    let header = s
+        .send(
+            "POST",
+            "/api/v1/data/p",
+            Some(json!({"data": {}})),
+            &[("x-service-profile", "1")],
+        )
+        .await;
+    let profile = &header.body["_service"]["profile"];
+    let ids: Vec<_> = profile["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].clone())
+        .collect();
+    assert_eq!(ids, vec![json!("parse"), json!("tag")]);
+    assert!(profile["tasks"][0]["ms"].is_number());
+
+    let gated = start_with(Db::Sqlite, |c| c.tracing.profile_enabled = false).await;
+    gated
+        .deploy(
+            tagging_workflow("p", "p"),
+            rest_channel("p", "p", "/p", &["POST"], 0),
+        )
+        .await;
+    let r = gated
+        .send(
+            "POST",
+            "/api/v1/data/p?profile=1",
+            Some(json!({"data": {}})),
+            &[("x-service-profile", "1")],
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert!(r.body.get("_service").is_none());
+}
+
+#[tokio::test]
+async fn canary_rollout_splits_traffic_and_callers_stick() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        tagging_workflow("canary", "v1"),
+        rest_channel("canary", "canary", "/canary", &["POST"], 0),
+    )
+    .await;
+    s.admin("POST", "/workflows/canary/versions", None)
+        .await
+        .ok(201);
+    s.admin(
+        "PUT",
+        "/workflows/canary",
+        Some(tagging_workflow("canary", "v2")),
+    )
+    .await
+    .ok(200);
+    s.admin(
+        "PATCH",
+        "/workflows/canary/status",
+        Some(json!({"status": "active", "rollout_percentage": 30})),
+    )
+    .await
+    .ok(200);
+    let mut v2 = 0;
+    for i in 0..1000 {
+        let key = format!("caller-{i}");
+        let r = s
+            .send(
+                "POST",
+                "/api/v1/data/canary",
+                Some(json!({"data": {}})),
+                &[("x-rollout-key", &key)],
+            )
+            .await;
+        assert_eq!(r.status, 200);
+        if r.body["data"]["by"] == "v2" {
+            v2 += 1;
+        }
+    }
+    assert!((250..=350).contains(&v2), "{v2} of 1000 on the 30% canary");
+    // The same caller always lands on the same version.
+    for i in 0..20 {
+        let key = format!("sticky-{i}");
+        let first = s
+            .send(
+                "POST",
+                "/api/v1/data/canary",
+                Some(json!({"data": {}})),
+                &[("x-rollout-key", &key)],
+            )
+            .await;
+        for _ in 0..5 {
+            let again = s
+                .send(
+                    "POST",
+                    "/api/v1/data/canary",
+                    Some(json!({"data": {}})),
+                    &[("x-rollout-key", &key)],
+                )
+                .await;
+            assert_eq!(again.body["data"]["by"], first.body["data"]["by"]);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hot_reload_under_load_drops_nothing() {
+    let s = Arc::new(start(Db::Sqlite).await);
+    s.deploy(
+        tagging_workflow("live", "v1"),
+        rest_channel("live", "live", "/live/{client}", &["POST"], 0),
+    )
+    .await;
+    s.admin("POST", "/workflows/live/versions", None)
+        .await
+        .ok(201);
+    s.admin(
+        "PUT",
+        "/workflows/live",
+        Some(tagging_workflow("live", "v2")),
+    )
+    .await
+    .ok(200);
+    let stop = Arc::new(AtomicBool::new(false));
+    let served = Arc::new(AtomicUsize::new(0));
+    let mut clients = Vec::new();
+    for c in 0..8 {
+        let (s, stop, served) = (s.clone(), stop.clone(), served.clone());
+        clients.push(tokio::spawn(async move {
+            let mut failures = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let r = s
+                    .post(&format!("/api/v1/data/live/{c}"), json!({"data": {"n": c}}))
+                    .await;
+                let by = r.body["data"]["by"].as_str().unwrap_or_default().to_owned();
+                // Each response comes whole from one version: its tag and
+                // its echo of the request agree.
+                if r.status != 200 || !(by == "v1" || by == "v2") || r.body["data"]["in"]["n"] != c
+                {
+                    failures.push(r.text);
+                }
+                served.fetch_add(1, Ordering::Relaxed);
+            }
+            failures
+        }));
+    }
+    // 50 activations and rollbacks while the clients run.
+    for i in 0..50 {
+        let version = if i % 2 == 0 { 2 } else { 1 };
+        let r = s
+            .admin(
+                "PATCH",
+                "/workflows/live/status",
+                Some(json!({"status": "active", "version": version})),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut failures = Vec::new();
+    for c in clients {
+        failures.extend(c.await.unwrap());
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failed requests, e.g. {:?}",
+        failures.len(),
+        failures.first()
+    );
+    assert!(
+        served.load(Ordering::Relaxed) > 50,
+        "clients ran during the reloads"
+    );
+    let gen_now = s.admin("GET", "/engine/status", None).await.ok(200)["generation"]
+        .as_u64()
+        .unwrap();
+    assert!(gen_now >= 50);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_finishes_an_in_flight_request() {
+    let mut s = start_with(Db::Sqlite, |c| c.server.shutdown_drain_secs = 30).await;
+    s.deploy(
+        slow_workflow("slowish", 3000),
+        rest_channel("slowish", "slowish", "/slowish", &["POST"], 0),
+    )
+    .await;
+    let client = s.client.clone();
+    let url = format!("{}/api/v1/data/slowish", s.base);
+    let in_flight = tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let r = client
+            .post(url)
+            .header("content-type", "application/json")
+            .body(items(3000).to_string())
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), started.elapsed())
+    });
+    // Let the request reach the server, then ask it to stop.
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    s.shutdown().await;
+    let (status, took) = in_flight.await.unwrap();
+    assert_eq!(
+        status, 200,
+        "the in-flight request completed during the drain"
+    );
+    assert!(
+        took >= std::time::Duration::from_millis(150),
+        "it was in flight when shutdown began ({took:?})"
+    );
+    // New connections are refused after shutdown.
+    assert!(
+        s.client
+            .get(format!("{}/healthz", s.base))
+            .send()
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_is_shed_past_max_in_flight() {
+    let s = start_with(Db::Sqlite, |c| c.server.max_in_flight = 1).await;
+    s.deploy(
+        slow_workflow("hog", 3000),
+        rest_channel("hog", "hog", "/hog", &["POST"], 0),
+    )
+    .await;
+    let client = s.client.clone();
+    let url = format!("{}/api/v1/data/hog", s.base);
+    let first = tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let status = client
+            .post(url)
+            .header("content-type", "application/json")
+            .body(items(3000).to_string())
+            .send()
+            .await
+            .unwrap()
+            .status();
+        (status, started.elapsed())
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let shed = s.post("/api/v1/data/hog", items(1)).await;
+    shed.error(503, "SERVICE_UNAVAILABLE");
+    assert_eq!(shed.headers["retry-after"], "1");
+    assert_eq!(s.get("/health").await.status, 200, "health is never shed");
+    let (status, took) = first.await.unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        took > std::time::Duration::from_millis(100),
+        "the first request was still running ({took:?})"
+    );
+}
