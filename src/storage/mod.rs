@@ -7,7 +7,6 @@
 //! when the `Store` is built (see `sql.rs`). Every write and the audit entry that
 //! records it share one transaction.
 
-
 mod audit;
 mod backup;
 mod connectors;
