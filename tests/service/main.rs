@@ -2,6 +2,8 @@
 //! driven over HTTP. One test binary (link time); one module per area.
 
 mod admin;
+mod cli;
 mod data;
 mod edge;
 mod support;
+mod traces;

@@ -1,0 +1,163 @@
+//! The command line, run as the real binary.
+
+use serde_json::{Value as Json, json};
+use std::process::Command;
+
+fn sluice() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    // Keep the developer's environment out of the config under test.
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SERVICE_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
+fn temp_file(name: &str, content: &Json) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("sluice-cli-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, content.to_string()).unwrap();
+    path
+}
+
+#[test]
+fn logic_prints_the_result_or_fails_with_exit_1() {
+    let out = sluice()
+        .args([
+            "logic",
+            "--rule",
+            r#"{"+": [1, {"var": "x"}]}"#,
+            "--data",
+            r#"{"x": 41}"#,
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "42");
+    let out = sluice()
+        .args(["logic", "--rule", r#"{"nope": 1}"#])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown operator 'nope'"));
+}
+
+#[test]
+fn lint_prints_the_envelope_for_bad_files() {
+    let good = temp_file(
+        "good.json",
+        &json!({"name": "ok", "tasks": [{"id": "a", "name": "a", "function": {"name": "log", "input": {"message": "hi"}}}]}),
+    );
+    let bad = temp_file(
+        "bad.json",
+        &json!({"tasks": [{"id": "a", "name": "a", "function": {"name": "http_call", "input": {}}}]}),
+    );
+    let out = sluice().arg("lint").arg(&good).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let out = sluice().arg("lint").arg(&good).arg(&bad).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let envelope: Json = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(envelope["error"]["code"], "BAD_REQUEST");
+    let fields: Vec<_> = envelope["error"]["details"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["field"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(
+        fields.contains(&"name".to_owned())
+            && fields.contains(&"tasks[0].function.input.connector".to_owned()),
+        "{fields:?}"
+    );
+    assert!(envelope["file"].as_str().unwrap().ends_with("bad.json"));
+}
+
+#[test]
+fn dry_run_runs_a_workflow_offline() {
+    let wf = temp_file(
+        "wf.json",
+        &json!({"name": "w", "tasks": [
+            {"id": "parse", "name": "p", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}},
+            {"id": "call", "name": "c", "function": {"name": "http_call", "input": {"connector": "api"}}},
+            {"id": "double", "name": "d", "function": {"name": "map", "input": {"mappings": [{"path": "twice", "logic": {"*": [{"var": "data.in.n"}, 2]}}]}}}
+        ]}),
+    );
+    let payload = temp_file("payload.json", &json!({"n": 21}));
+    let out = sluice()
+        .args(["dry-run", "--workflow"])
+        .arg(&wf)
+        .arg("--payload")
+        .arg(&payload)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let answer: Json = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answer["status"], "completed");
+    assert_eq!(answer["data"]["twice"], 42);
+    let statuses: Vec<_> = answer["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["status"].clone())
+        .collect();
+    assert_eq!(
+        statuses,
+        vec![json!("executed"), json!("skipped"), json!("executed")]
+    );
+
+    let failing = temp_file(
+        "fail.json",
+        &json!({"name": "f", "tasks": [
+            {"id": "boom", "name": "b", "function": {"name": "map", "input": {"mappings": [{"path": "x", "logic": {"throw": "no"}}]}}}
+        ]}),
+    );
+    let out = sluice()
+        .args(["dry-run", "--workflow"])
+        .arg(&failing)
+        .arg("--payload")
+        .arg(&payload)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let answer: Json = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (
+            answer["status"].as_str(),
+            answer["errors"][0]["task_id"].as_str()
+        ),
+        (Some("failed"), Some("boom"))
+    );
+}
+
+#[test]
+fn configuration_errors_stop_start_up_naming_the_key() {
+    let out = sluice()
+        .arg("migrate")
+        .env("SERVICE_SERVER__PROT", "1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("server.prot"));
+    let db = std::env::temp_dir().join(format!("sluice-cli-{}.db", uuid::Uuid::new_v4()));
+    let out = sluice()
+        .arg("migrate")
+        .env("SERVICE_STORAGE__URL", format!("sqlite://{}", db.display()))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(db.exists(), "the SQLite file is created on first use");
+}
