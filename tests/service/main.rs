@@ -6,4 +6,3 @@ mod cli;
 mod data;
 mod edge;
 mod support;
-mod traces;
