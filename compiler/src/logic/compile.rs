@@ -2,7 +2,7 @@
 //! compile-time path splitting, constant folding and the nesting limit.
 
 use super::eval::{self, index_of, key_text};
-use super::{CompileError, Logic, MAX_DEPTH, MissingKey, Node, NodeId, Op, Program};
+use super::{CompileError, Logic, MAX_DEPTH, MissingKey, Node, NodeId, Op, Program, Slot};
 use crate::path::{Path, Segment};
 use crate::value::Value;
 use bumpalo::Bump;
@@ -87,6 +87,10 @@ fn resolve(name: &str) -> Option<(Op, Shape)> {
         "missing_some" => (Op::MissingSome, Spread),
         _ => return None,
     })
+}
+
+fn slot(path: &[Segment]) -> Slot {
+    path.first().map_or(Slot::Whole, |s| eval::slot_of(&s.key))
 }
 
 fn invalid(name: &str, why: &str) -> CompileError {
@@ -362,6 +366,7 @@ impl Compiler {
                 };
                 Node::Var {
                     level: 0,
+                    slot: slot(&segments),
                     path: segments,
                     default: ids.get(1).copied(),
                 }
@@ -393,6 +398,7 @@ impl Compiler {
                 } else {
                     Node::Var {
                         level,
+                        slot: slot(&path),
                         path,
                         default: None,
                     }

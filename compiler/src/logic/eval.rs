@@ -5,8 +5,8 @@
 use super::ops::compare::{Rel, loose_eq_checked, relate, strict_eq};
 use super::ops::string::{substr_range, write_js_string};
 use super::ops::{to_number, truthy};
-use super::{EvalError, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Program};
-use crate::path::{Segment, get_segments};
+use super::{EvalError, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Program, Slot};
+use crate::path::Segment;
 use crate::value::Value;
 use bumpalo::Bump;
 use bumpalo::collections::{String as BString, Vec as BVec};
@@ -15,10 +15,10 @@ use std::cell::Cell;
 /// Evaluation result. The error's details wait in `Ev::error`: a zero-sized
 /// error keeps `R` as small as `Value` (niche-packed), which measurably cuts
 /// the copying of results up the recursion.
-type R<'a> = Result<Value<'a>, Fail>;
+pub(crate) type R<'a> = Result<Value<'a>, Fail>;
 
 /// An evaluation failed; `Ev::error` holds why.
-pub(super) struct Fail;
+pub(crate) struct Fail;
 
 pub(super) fn run<'a>(
     prog: &'a Program,
@@ -26,18 +26,38 @@ pub(super) fn run<'a>(
     data: Value<'a>,
     arena: &'a Bump,
 ) -> Result<Value<'a>, EvalError<'a>> {
+    let error = Cell::new(None);
+    match run_raw(prog, root, data, arena, &error) {
+        Ok(v) => Ok(v),
+        Err(Fail) => Err(take_error(&error)),
+    }
+}
+
+/// The evaluation proper. Returns the niche-packed `R` (laid out exactly like
+/// a `Value`) so the public wrapper, inlined into the caller, converts it
+/// without moving a `Value` between differently shaped enums; the error
+/// details land in `error`.
+pub(super) fn run_raw<'a>(
+    prog: &'a Program,
+    root: NodeId,
+    data: Value<'a>,
+    arena: &'a Bump,
+    error: &Cell<Option<EvalError<'a>>>,
+) -> R<'a> {
     let ev = Ev {
         prog,
         arena,
         budget: Cell::new(MAX_EVAL_ALLOC),
-        error: Cell::new(None),
+        error,
     };
-    let scope = Scope {
-        frame: Frame::Data(data),
-        index: None,
-        parent: None,
-    };
-    ev.eval(root, &scope).map_err(|Fail| ev.take_error())
+    ev.eval(root, &Scope::root(data))
+}
+
+#[cold]
+pub(super) fn take_error<'a>(error: &Cell<Option<EvalError<'a>>>) -> EvalError<'a> {
+    error
+        .take()
+        .unwrap_or(EvalError::InvalidArguments("unknown failure"))
 }
 
 /// Evaluates a node whose arguments are all constants (the folder). `None`
@@ -110,10 +130,52 @@ enum Frame<'a> {
 
 /// A scope: its frame, the iteration index when an iterator pushed it, and
 /// the enclosing scope. Lives on the Rust stack, so scopes never allocate.
+/// The frame is stored flat (`data`, plus `acc` for a `reduce` frame, whose
+/// `data` is then `current`) rather than as a `Frame`: copying a `Value`
+/// into an enum variant makes the compiler move it in misaligned pieces,
+/// which stalls store forwarding on every scope push.
 struct Scope<'s, 'a> {
-    frame: Frame<'a>,
+    data: Value<'a>,
+    acc: Value<'a>,
+    reduce: bool,
     index: Option<usize>,
     parent: Option<&'s Scope<'s, 'a>>,
+}
+
+impl<'s, 'a> Scope<'s, 'a> {
+    #[inline]
+    fn root(data: Value<'a>) -> Self {
+        Scope {
+            data,
+            acc: Value::Null,
+            reduce: false,
+            index: None,
+            parent: None,
+        }
+    }
+
+    #[inline]
+    fn child(data: Value<'a>, index: Option<usize>, parent: &'s Scope<'s, 'a>) -> Self {
+        Scope {
+            data,
+            acc: Value::Null,
+            reduce: false,
+            index,
+            parent: Some(parent),
+        }
+    }
+
+    #[inline]
+    fn frame(&self) -> Frame<'a> {
+        if self.reduce {
+            Frame::Reduce {
+                current: self.data,
+                accumulator: self.acc,
+            }
+        } else {
+            Frame::Data(self.data)
+        }
+    }
 }
 
 /// Where a `val` level lands: a frame, or an iterator's metadata
@@ -133,7 +195,7 @@ impl<'a> Scope<'_, 'a> {
         let mut n = level;
         loop {
             if n == 0 {
-                return Cursor::Frame(scope.frame);
+                return Cursor::Frame(scope.frame());
             }
             n -= 1;
             if let Some(i) = scope.index {
@@ -144,9 +206,39 @@ impl<'a> Scope<'_, 'a> {
             }
             match scope.parent {
                 Some(p) => scope = p,
-                None => return Cursor::Frame(scope.frame),
+                None => return Cursor::Frame(scope.frame()),
             }
         }
+    }
+}
+
+/// Key equality with a cheap first-byte reject before the (out-of-line)
+/// byte comparison: object keys of equal length rarely share a first byte.
+#[inline(always)]
+fn key_eq(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.as_bytes().first() == b.as_bytes().first() && a == b
+}
+
+/// `path::get_segments` with [`key_eq`].
+#[inline]
+fn get_path<'a>(mut current: Value<'a>, segments: &[Segment]) -> Option<Value<'a>> {
+    for seg in segments {
+        current = match current {
+            Value::Object(members) => members.iter().find(|(k, _)| key_eq(k, &seg.key))?.1,
+            Value::Array(items) => *items.get(seg.index?)?,
+            _ => return None,
+        };
+    }
+    Some(current)
+}
+
+/// Which `reduce` member a path starts with (see `Node::Var::slot`).
+#[inline]
+pub(super) fn slot_of(first_key: &str) -> Slot {
+    match first_key {
+        "current" => Slot::Current,
+        "accumulator" => Slot::Accumulator,
+        _ => Slot::Other,
     }
 }
 
@@ -154,7 +246,10 @@ impl<'a> Scope<'_, 'a> {
 #[inline]
 fn step<'a>(v: Value<'a>, key: &str, index: Option<usize>) -> Option<Value<'a>> {
     match v {
-        Value::Object(members) => members.iter().find(|(k, _)| *k == key).map(|(_, v)| *v),
+        Value::Object(members) => members
+            .iter()
+            .find(|(k, _)| key_eq(k, key))
+            .map(|(_, v)| *v),
         Value::Array(items) => items.get(index?).copied(),
         _ => None,
     }
@@ -231,16 +326,16 @@ impl Args<'_> {
     }
 }
 
-struct Ev<'a> {
+struct Ev<'a, 'e> {
     prog: &'a Program,
     arena: &'a Bump,
     /// Bytes operators may still allocate (see `MAX_EVAL_ALLOC`).
     budget: Cell<usize>,
     /// The pending error while a `Fail` unwinds.
-    error: Cell<Option<EvalError<'a>>>,
+    error: &'e Cell<Option<EvalError<'a>>>,
 }
 
-impl<'a> Ev<'a> {
+impl<'a> Ev<'a, '_> {
     #[cold]
     #[inline(never)]
     fn fail(&self, e: EvalError<'a>) -> Fail {
@@ -249,9 +344,7 @@ impl<'a> Ev<'a> {
     }
 
     fn take_error(&self) -> EvalError<'a> {
-        self.error
-            .take()
-            .unwrap_or(EvalError::InvalidArguments("unknown failure"))
+        take_error(self.error)
     }
 
     #[inline]
@@ -281,9 +374,10 @@ impl<'a> Ev<'a> {
                 level,
                 path,
                 default,
+                slot,
             } => {
                 let found = if *level == 0 {
-                    self.lookup_frame(&scope.frame, path)
+                    self.lookup_slot(scope, *slot, path)
                 } else {
                     self.lookup(scope.at_level(*level), path)
                 };
@@ -315,9 +409,7 @@ impl<'a> Ev<'a> {
                 };
                 self.op(*op, Args::Values(values), scope)
             }
-            Node::Exists { path } => {
-                Ok(Value::Bool(self.lookup_frame(&scope.frame, path).is_some()))
-            }
+            Node::Exists { path } => Ok(Value::Bool(self.lookup_scope(scope, path).is_some())),
             Node::Missing { keys, need } => self.missing_const(keys, *need, scope),
             Node::InStrs { needle, set } => {
                 let found = match self.eval(*needle, scope)? {
@@ -330,22 +422,33 @@ impl<'a> Ev<'a> {
         }
     }
 
-    /// The hot `var` path: the current frame, read in place.
+    /// The current frame, read in place (`exists`, `missing`).
+    #[inline]
+    fn lookup_scope(&self, scope: &Scope<'_, 'a>, path: &[Segment]) -> Option<Value<'a>> {
+        let slot = match path.first() {
+            Some(first) => slot_of(&first.key),
+            None => Slot::Whole,
+        };
+        self.lookup_slot(scope, slot, path)
+    }
+
+    /// The hot `var` path: the current frame, read in place, with the
+    /// `reduce` member the path starts with resolved at compile time.
     #[inline(always)]
-    fn lookup_frame(&self, frame: &Frame<'a>, path: &[Segment]) -> Option<Value<'a>> {
-        match frame {
-            Frame::Data(v) => get_segments(*v, path),
-            Frame::Reduce {
-                current,
-                accumulator,
-            } => match path.split_first() {
-                Some((first, rest)) => match &*first.key {
-                    "current" => get_segments(*current, rest),
-                    "accumulator" => get_segments(*accumulator, rest),
-                    _ => None,
-                },
-                None => Some(whole(Cursor::Frame(*frame), self.arena)),
-            },
+    fn lookup_slot(
+        &self,
+        scope: &Scope<'_, 'a>,
+        slot: Slot,
+        path: &[Segment],
+    ) -> Option<Value<'a>> {
+        if !scope.reduce {
+            return get_path(scope.data, path);
+        }
+        match slot {
+            Slot::Current => get_path(scope.data, &path[1..]),
+            Slot::Accumulator => get_path(scope.acc, &path[1..]),
+            Slot::Whole => Some(whole(Cursor::Frame(scope.frame()), self.arena)),
+            Slot::Other => None,
         }
     }
 
@@ -353,7 +456,7 @@ impl<'a> Ev<'a> {
     fn lookup(&self, cursor: Cursor<'a>, path: &[Segment]) -> Option<Value<'a>> {
         match path.split_first() {
             None => Some(whole(cursor, self.arena)),
-            Some((first, rest)) => get_segments(first_step(cursor, &first.key, first.index)?, rest),
+            Some((first, rest)) => get_path(first_step(cursor, &first.key, first.index)?, rest),
         }
     }
 
@@ -681,11 +784,7 @@ impl<'a> Ev<'a> {
             let s = match &error {
                 None => scope,
                 Some(e) => {
-                    handler = Scope {
-                        frame: Frame::Data(self.error_value(e)),
-                        index: None,
-                        parent: Some(scope),
-                    };
+                    handler = Scope::child(self.error_value(e), None, scope);
                     &handler
                 }
             };
@@ -728,11 +827,7 @@ impl<'a> Ev<'a> {
             }
             _ => &[],
         };
-        let item_scope = |i: usize, item: Value<'a>| Scope {
-            frame: Frame::Data(item),
-            index: Some(i),
-            parent: Some(scope),
-        };
+        let item_scope = |i: usize, item: Value<'a>| Scope::child(item, Some(i), scope);
         match op {
             Op::Map => {
                 self.charge(size_of_val(items))?;
@@ -759,10 +854,9 @@ impl<'a> Ev<'a> {
                 };
                 for (i, item) in items.iter().enumerate() {
                     let s = Scope {
-                        frame: Frame::Reduce {
-                            current: *item,
-                            accumulator: acc,
-                        },
+                        data: *item,
+                        acc,
+                        reduce: true,
                         index: Some(i),
                         parent: Some(scope),
                     };
@@ -798,7 +892,7 @@ impl<'a> Ev<'a> {
     /// `var` with a path computed at evaluation time: `[path, default]`.
     #[inline(never)]
     fn var_dynamic(&self, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
-        let cursor = Cursor::Frame(scope.frame);
+        let cursor = Cursor::Frame(scope.frame());
         let found = match self.arg(args, 0, scope)? {
             Value::Null => Some(whole(cursor, self.arena)),
             path => walk_dotted(cursor, key_text(path, self.arena), self.arena),
@@ -813,7 +907,7 @@ impl<'a> Ev<'a> {
     #[inline(never)]
     fn val_dynamic(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
         let n = args.len();
-        let mut cursor = Cursor::Frame(scope.frame);
+        let mut cursor = Cursor::Frame(scope.frame());
         let mut pending = if n > 0 {
             Some(self.arg(args, 0, scope)?)
         } else {
@@ -879,7 +973,7 @@ impl<'a> Ev<'a> {
         };
         let mut out = BVec::new_in(self.arena);
         for key in keys {
-            if Self::is_missing(self.lookup_frame(&scope.frame, &key.path)) {
+            if Self::is_missing(self.lookup_scope(scope, &key.path)) {
                 out.push(Value::Str(&key.text));
             }
         }
@@ -921,7 +1015,7 @@ impl<'a> Ev<'a> {
                 }
             }
         };
-        let cursor = Cursor::Frame(scope.frame);
+        let cursor = Cursor::Frame(scope.frame());
         let mut out = BVec::new_in(self.arena);
         for key in keys {
             let found = match key {

@@ -56,6 +56,7 @@ pub fn compile(rule: &serde_json::Value) -> Result<Logic, CompileError> {
 impl Logic {
     /// Evaluates the rule against `data`. The result borrows from `self`
     /// (string constants) and from `arena` (anything computed).
+    #[inline]
     pub fn eval<'a>(
         &'a self,
         data: Value<'a>,
@@ -67,7 +68,13 @@ impl Logic {
             Node::Str(s) => Ok(Value::Str(s)),
             Node::Null => Ok(Value::Null),
             Node::Int(i) => Ok(Value::Int(*i)),
-            _ => eval::run(&self.prog, self.root, data, arena),
+            _ => {
+                let error = std::cell::Cell::new(None);
+                match eval::run_raw(&self.prog, self.root, data, arena, &error) {
+                    Ok(v) => Ok(v),
+                    Err(eval::Fail) => Err(eval::take_error(&error)),
+                }
+            }
         }
     }
 
@@ -248,6 +255,9 @@ pub(crate) enum Node {
         level: u32,
         path: Box<[Segment]>,
         default: Option<NodeId>,
+        /// The path's first key as a `reduce` frame member, resolved here so
+        /// reading `current.x` / `accumulator` compares no strings.
+        slot: Slot,
     },
     /// `exists` with a constant path.
     Exists {
@@ -263,6 +273,18 @@ pub(crate) enum Node {
         needle: NodeId,
         set: Box<[Box<str>]>,
     },
+}
+
+/// What a `var` path's first segment names in a `reduce` frame
+/// (`{current, accumulator}`); irrelevant in other frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// The empty path: the whole frame.
+    Whole,
+    Current,
+    Accumulator,
+    /// Any other key: absent in a `reduce` frame.
+    Other,
 }
 
 /// A `missing` key: the text reported back and its pre-split path.

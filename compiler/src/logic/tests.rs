@@ -56,6 +56,7 @@ fn var_paths_are_split_at_compile_time() {
         level: 0,
         path,
         default: None,
+        ..
     } = root
     else {
         panic!("not a compiled var: {root:?}")
