@@ -15,10 +15,12 @@ pub mod data;
 pub mod engine;
 pub mod openapi;
 pub mod ops;
+pub mod queue;
 pub mod router;
 pub mod server;
 pub mod storage;
 pub mod telemetry;
+pub mod traces;
 
 /// Opens storage and applies the migrations.
 pub async fn open_store(config: &config::Config) -> Result<storage::Store, String> {
@@ -48,6 +50,7 @@ pub async fn start(config: config::Config) -> Result<Arc<app::App>, String> {
             "the stored definitions do not compile; serving with an empty engine"
         ),
     }
+    queue::start(&app);
     app.ready.store(true, std::sync::atomic::Ordering::Release);
     Ok(app)
 }

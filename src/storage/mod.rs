@@ -1,5 +1,6 @@
 //! Storage layer: one `Store` over SQLite, PostgreSQL or MariaDB/MySQL holding
-//! versioned workflows and channels, connectors, the audit log and (SQLite) backups.
+//! versioned workflows and channels, connectors, the audit log, (SQLite) backups
+//! and async traces with their dead-letter queue.
 //!
 //! Every query body is written once and expanded per backend by the `dispatch!`
 //! macro, so each backend gets monomorphic sqlx code without generic trait bounds.
@@ -12,6 +13,10 @@ mod backup;
 mod connectors;
 mod lifecycle;
 mod sql;
+mod traces;
+pub use traces::{
+    Claimed, DlqEntry, NewTrace, Outcome, RetryPolicy, Trace, TraceQuery, TraceStatus,
+};
 // Test helpers (`tests::TestDb`) are visible to other modules' tests.
 #[cfg(test)]
 pub(crate) mod tests;
@@ -318,16 +323,64 @@ impl std::fmt::Debug for Store {
 
 /// Expands `$body` once per backend with `$pool` bound to the concrete pool, so
 /// the body is written once and type-checked against each driver.
+///
+/// Every expansion is also timed into `db_query_duration_seconds{operation}`,
+/// the operation being the enclosing `Store` method's name (a low-cardinality
+/// label that needs no call site to spell it). The timer records on drop, so
+/// early returns and `?` are timed too.
 macro_rules! dispatch {
-    ($store:expr, $pool:ident => $body:expr) => {
+    ($store:expr, $pool:ident => $body:expr) => {{
+        fn __op() {}
+        static OP: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+        let _timer = $crate::storage::QueryTimer::start(
+            *OP.get_or_init(|| $crate::storage::op_name(std::any::type_name_of_val(&__op))),
+        );
         match &$store.inner.pools {
             $crate::storage::Pools::Sqlite($pool) => $body,
             $crate::storage::Pools::Postgres($pool) => $body,
             $crate::storage::Pools::MySql($pool) => $body,
         }
-    };
+    }};
 }
 pub(crate) use dispatch;
+
+/// The method a `dispatch!` sits in, from the type name of a fn item declared
+/// there (`sluice::storage::audit::<impl ..>::list_audit::{{closure}}::__op` →
+/// `list_audit`): the last path segment that is not a closure.
+pub(crate) fn op_name(type_name: &'static str) -> &'static str {
+    type_name
+        .rsplit("::")
+        .skip(1)
+        .find(|s| !s.starts_with('{') && !s.is_empty())
+        .unwrap_or("unknown")
+}
+
+/// Records the time until it is dropped into `db_query_duration_seconds`.
+pub(crate) struct QueryTimer {
+    operation: &'static str,
+    started: std::time::Instant,
+}
+
+impl QueryTimer {
+    pub(crate) fn start(operation: &'static str) -> QueryTimer {
+        QueryTimer {
+            operation,
+            started: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for QueryTimer {
+    fn drop(&mut self) {
+        // Looked up per call rather than cached: a handle taken before the
+        // recorder is installed (start-up) would stay a no-op forever.
+        metrics::histogram!(
+            crate::telemetry::names::DB_QUERY_DURATION_SECONDS,
+            "operation" => self.operation
+        )
+        .record(self.started.elapsed().as_secs_f64());
+    }
+}
 
 /// `sqlx::query(sql).bind(a)...` on an executor; returns all rows.
 macro_rules! fetch_all {

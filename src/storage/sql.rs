@@ -10,7 +10,7 @@ use super::{Backend, Kind};
 /// `{def}`/`{details}` a JSON column read back as text, `{for_update}` a row lock
 /// (nothing on SQLite, whose writers hold the database lock), `{tag}` the
 /// "tags array contains ?" test (two parameters: the tag, twice).
-fn build(backend: Backend, template: &str) -> String {
+pub(super) fn build(backend: Backend, template: &str) -> String {
     let pg = backend == Backend::Postgres;
     let tag = match backend {
         Backend::Sqlite => {
@@ -163,6 +163,7 @@ pub(crate) struct Sql {
     pub audit_page: String,
     pub audit_count: String,
     pub backup: String,
+    pub traces: super::traces::TraceSql,
 }
 
 impl Sql {
@@ -199,6 +200,7 @@ impl Sql {
             )),
             audit_count: f(&format!("SELECT COUNT(*) FROM audit_log {audit_filter}")),
             backup: f("VACUUM INTO ?"),
+            traces: super::traces::TraceSql::new(b),
         }
     }
 

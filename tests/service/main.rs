@@ -6,3 +6,4 @@ mod cli;
 mod data;
 mod edge;
 mod support;
+mod traces;

@@ -1,0 +1,467 @@
+//! The async trace worker pool: `queue.workers` tasks fed by a bounded channel,
+//! plus three background loops (sweep, dead-letter retry, retention).
+//!
+//! The database is the queue of record; the channel only saves workers a
+//! poll. A submission stores a `pending` trace and offers its id to the channel
+//! (`try_send`: a full channel drops the hint, never the trace). A worker claims
+//! the id in storage before it runs it, so a hint delivered twice, or a trace
+//! the sweep took first, never runs twice. The sweep claims whatever storage
+//! still holds as claimable (submissions whose hint was dropped, traces left
+//! pending by a restart, runs whose lease expired after a crash).
+//!
+//! Each run uses the engine snapshot current when it starts, the stored
+//! payload and the stored (masked) metadata, bounded by the channel's timeout.
+
+use crate::api::Code;
+use crate::app::App;
+use crate::config;
+use crate::storage::{Claimed, Outcome, RetryPolicy, Store};
+use serde_json::{Value as Json, json};
+use sluice_runtime::connectors::CallScope;
+use sluice_runtime::exec::{self, Input, Meta, Options, PayloadFrom, Status};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
+use tokio::task::{AbortHandle, JoinHandle};
+
+/// How often storage is swept for claimable traces the channel did not carry.
+pub const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+/// How often traces past `queue.trace_retention_hours` are deleted.
+pub const RETENTION_INTERVAL: Duration = Duration::from_secs(3600);
+/// The shortest lease of a run; see `lease`.
+pub const MIN_LEASE: Duration = Duration::from_secs(300);
+/// Dead letters moved back to pending per storage round trip.
+const REQUEUE_BATCH: i64 = 100;
+
+/// One unit of work for a worker.
+enum Job {
+    /// A hint: this trace may be pending; claim it first.
+    Claim(String),
+    /// Already claimed by the sweep.
+    Run(Claimed),
+}
+
+/// The pool's handles; lives in `App`, started by `start` once the app exists.
+pub struct Queue {
+    tx: mpsc::Sender<Job>,
+    rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>,
+    stop: watch::Sender<bool>,
+    started: AtomicBool,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+    loops: Mutex<Vec<AbortHandle>>,
+    /// Runs in progress (trace id → attempt), handed back if shutdown cuts them off.
+    running: Mutex<HashMap<String, i64>>,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("started", &self.started.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Queue {
+    pub fn new(config: &config::Queue) -> Queue {
+        // Room for a burst of hints per worker; beyond that the sweep catches up.
+        let capacity = (config.workers.max(1) as usize * 64).max(256);
+        let (tx, rx) = mpsc::channel(capacity);
+        Queue {
+            tx,
+            rx: Arc::new(tokio::sync::Mutex::new(rx)),
+            stop: watch::channel(false).0,
+            started: AtomicBool::new(false),
+            workers: Mutex::new(Vec::new()),
+            loops: Mutex::new(Vec::new()),
+            running: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Offers a stored trace to the workers. Never waits: when the channel is
+    /// full the trace stays pending in storage and the sweep takes it.
+    pub fn notify(&self, trace_id: String) {
+        if let Err(e) = self.tx.try_send(Job::Claim(trace_id)) {
+            tracing::debug!(error = %e, "trace queue full; the sweep will pick the trace up");
+        }
+    }
+
+    /// The dead-letter policy the configuration asks for: the first retry
+    /// after one poll interval, doubling per retry (capped).
+    pub fn retry_policy(config: &config::Queue) -> RetryPolicy {
+        RetryPolicy {
+            max_retries: config.dlq_max_retries,
+            base_delay_secs: config.dlq_poll_interval_secs.max(1),
+        }
+    }
+}
+
+/// Spawns the workers and the background loops (once; later calls do nothing).
+pub fn start(app: &Arc<App>) {
+    let q = &app.queue;
+    if q.started.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let cfg = &app.config.queue;
+    let mut workers = lock(&q.workers);
+    for _ in 0..cfg.workers.max(1) {
+        workers.push(tokio::spawn(worker(
+            app.clone(),
+            q.rx.clone(),
+            q.stop.subscribe(),
+        )));
+    }
+    let mut loops = lock(&q.loops);
+    loops.push(tokio::spawn(sweep_loop(app.clone())).abort_handle());
+    if cfg.dlq_retry_enabled {
+        let every = Duration::from_secs(cfg.dlq_poll_interval_secs.max(1));
+        loops.push(tokio::spawn(dlq_loop(app.clone(), every)).abort_handle());
+    }
+    if cfg.trace_retention_hours > 0 {
+        loops.push(tokio::spawn(retention_loop(app.clone())).abort_handle());
+    }
+}
+
+/// Stops taking work, lets running traces finish for up to `drain`, then
+/// cuts off what is left and hands those runs (and claimed jobs still queued)
+/// back to `pending`, so the next start runs them without spending an attempt.
+pub async fn shutdown(app: &App, drain: Duration) {
+    let q = &app.queue;
+    let _ = q.stop.send(true);
+    for l in std::mem::take(&mut *lock(&q.loops)) {
+        l.abort();
+    }
+    let workers = std::mem::take(&mut *lock(&q.workers));
+    let aborts: Vec<AbortHandle> = workers.iter().map(JoinHandle::abort_handle).collect();
+    if tokio::time::timeout(drain, futures_util::future::join_all(workers))
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "drain period ended with async traces still running; they go back to pending"
+        );
+        aborts.iter().for_each(AbortHandle::abort);
+    }
+    let cut_off = std::mem::take(&mut *lock(&q.running));
+    let mut queued = Vec::new();
+    if let Ok(mut rx) = q.rx.try_lock() {
+        while let Ok(job) = rx.try_recv() {
+            if let Job::Run(c) = job {
+                queued.push((c.trace_id, c.attempt));
+            }
+        }
+    }
+    for (id, attempt) in cut_off.into_iter().chain(queued) {
+        if let Err(e) = app.store.release_trace(&id, attempt).await {
+            tracing::warn!(trace_id = %id, error = %e, "could not hand an unfinished trace back");
+        }
+    }
+}
+
+async fn worker(
+    app: Arc<App>,
+    rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let job = {
+            let mut rx = rx.lock().await;
+            tokio::select! {
+                biased;
+                _ = stop.wait_for(|s| *s) => None,
+                job = rx.recv() => job,
+            }
+        };
+        let Some(job) = job else { break };
+        let claimed = match job {
+            Job::Run(c) => c,
+            Job::Claim(id) => match app.store.claim_trace(&id, lease(&app)).await {
+                Ok(Some(c)) => c,
+                // Taken by another worker or instance, finished, or deleted.
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(trace_id = %id, error = %e, "could not claim a trace; the sweep retries it");
+                    continue;
+                }
+            },
+        };
+        let id = claimed.trace_id.clone();
+        lock(&app.queue.running).insert(id.clone(), claimed.attempt);
+        run(&app, claimed).await;
+        lock(&app.queue.running).remove(&id);
+    }
+}
+
+/// A poisoned lock only means a panic elsewhere; the maps stay usable.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The lease of one run: longer than any channel's timeout (a run ends by its
+/// timeout well before the lease does), and at least `MIN_LEASE`.
+fn lease(app: &App) -> Duration {
+    let longest = app
+        .engine
+        .load()
+        .channels
+        .values()
+        .map(|c| c.timeout)
+        .max()
+        .unwrap_or_default();
+    (longest + Duration::from_secs(60)).max(MIN_LEASE)
+}
+
+fn error_item(code: &str, task_id: &str, message: &str) -> Json {
+    json!({"code": code, "task_id": task_id, "message": message})
+}
+
+/// Runs one claimed trace and records its outcome.
+async fn run(app: &App, c: Claimed) {
+    let started = Instant::now();
+    let snapshot = app.engine.load_full();
+    let mut outcome = Outcome {
+        trace_id: c.trace_id.clone(),
+        attempt: c.attempt,
+        workflow_id: None,
+        workflow_version: None,
+        data: None,
+        errors: Json::Array(Vec::new()),
+        duration_ms: 0.0,
+    };
+    let ok = match snapshot.channels.get(&c.channel) {
+        None => {
+            outcome.errors = json!([error_item(
+                Code::NotFound.as_str(),
+                "",
+                &format!("Channel '{}' not found", c.channel)
+            )]);
+            false
+        }
+        Some(channel) => {
+            let ok = execute(app, channel, &c, &mut outcome).await;
+            let m = &channel.metrics;
+            if ok {
+                m.ok.increment(1)
+            } else {
+                m.failed.increment(1)
+            }
+            m.duration.record(started.elapsed().as_secs_f64());
+            ok
+        }
+    };
+    outcome.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
+    let recorded = if ok {
+        app.store.complete_trace(&outcome).await
+    } else {
+        let policy = Queue::retry_policy(&app.config.queue);
+        app.store.fail_trace(&outcome, policy).await
+    };
+    match recorded {
+        Ok(true) => {
+            tracing::debug!(trace_id = %c.trace_id, attempt = c.attempt, ok, "trace finished")
+        }
+        Ok(false) => tracing::info!(
+            trace_id = %c.trace_id,
+            attempt = c.attempt,
+            "trace outcome discarded: the run lost its lease to a newer one"
+        ),
+        // The trace stays running until its lease expires; the sweep then reruns it.
+        Err(e) => {
+            tracing::error!(trace_id = %c.trace_id, error = %e, "could not record a trace outcome")
+        }
+    }
+}
+
+/// Executes the trace on `channel`; fills `outcome` and says whether it succeeded.
+async fn execute(
+    app: &App,
+    channel: &crate::engine::Channel,
+    c: &Claimed,
+    outcome: &mut Outcome,
+) -> bool {
+    let meta: Json = serde_json::from_str(&c.metadata).unwrap_or(Json::Null);
+    let headers = crate::data::metadata_pairs(&meta, "headers");
+    let query = crate::data::metadata_pairs(&meta, "query");
+    let path = crate::data::metadata_pairs(&meta, "path");
+    let (headers, query, path) = (
+        crate::data::borrow_pairs(&headers),
+        crate::data::borrow_pairs(&query),
+        crate::data::borrow_pairs(&path),
+    );
+    let text = |k: &str| meta.get(k).and_then(Json::as_str).unwrap_or_default();
+    let input = Input {
+        body: c.payload.as_bytes(),
+        payload_from: PayloadFrom::Whole,
+        meta: Meta {
+            headers: &headers,
+            query: &query,
+            path: &path,
+            method: text("method"),
+            channel: &channel.name,
+            request_id: text("request_id"),
+        },
+        bucket: c.bucket,
+    };
+    let options = Options {
+        deadline: Some(Instant::now() + channel.timeout),
+        ..Options::default()
+    };
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| (*v).to_owned())
+    };
+    let scope = CallScope {
+        channel: channel.name.clone(),
+        traceparent: header("traceparent"),
+        tracestate: header("tracestate"),
+        ..CallScope::default()
+    };
+    channel.metrics.executions.increment(1);
+    let run = exec::execute(
+        channel.plans.iter().map(|p| &**p),
+        input,
+        &app.services,
+        &scope,
+        &options,
+    );
+    let execution = match tokio::time::timeout(channel.timeout, run).await {
+        Err(_) => {
+            let message = format!(
+                "channel '{}' did not finish within {} ms",
+                channel.name,
+                channel.timeout.as_millis()
+            );
+            outcome.errors = json!([error_item(Code::Timeout.as_str(), "", &message)]);
+            return false;
+        }
+        Ok(Err(e)) => {
+            outcome.errors = json!([error_item(Code::BadRequest.as_str(), "", &e.to_string())]);
+            return false;
+        }
+        Ok(Ok(execution)) => execution,
+    };
+    let Some(matched) = &execution.matched else {
+        let message = format!(
+            "No active workflow of channel '{}' matches the request",
+            channel.name
+        );
+        outcome.errors = json!([error_item(Code::NotFound.as_str(), "", &message)]);
+        return false;
+    };
+    outcome.workflow_id = Some(matched.workflow_id.clone());
+    outcome.workflow_version = Some(matched.version);
+    // Secrets never reach a stored trace (decisions.md, Masking).
+    outcome.data = serde_json::from_slice::<Json>(&execution.data)
+        .ok()
+        .map(|mut d| {
+            sluice_compiler::validate::mask_secrets(&mut d);
+            d.to_string()
+        });
+    let mut errors: Vec<Json> = execution
+        .errors
+        .iter()
+        .map(|i| error_item(i.code, &i.task_id, &i.message))
+        .collect();
+    let ok = match &execution.status {
+        Status::Completed | Status::Filtered => true,
+        Status::Failed(f) => {
+            let code = crate::data::failure_code(f.kind).as_str();
+            if f.messages.is_empty() {
+                errors.push(error_item(code, &f.task_id, &f.message));
+            } else {
+                errors.extend(f.messages.iter().map(|m| error_item(code, &f.task_id, m)));
+            }
+            false
+        }
+    };
+    outcome.errors = Json::Array(errors);
+    ok
+}
+
+/// Claims what storage holds as claimable while the channel has room.
+async fn sweep_loop(app: Arc<App>) {
+    let mut every = tokio::time::interval(SWEEP_INTERVAL);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        while app.queue.tx.capacity() > 0 {
+            match app.store.claim_next_trace(lease(&app)).await {
+                Ok(Some(c)) => {
+                    if let Err(mpsc::error::SendError(Job::Run(c))) =
+                        app.queue.tx.send(Job::Run(c)).await
+                    {
+                        let _ = app.store.release_trace(&c.trace_id, c.attempt).await;
+                        return;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "trace sweep failed");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Moves due dead letters back to pending and offers them to the workers.
+async fn dlq_loop(app: Arc<App>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        loop {
+            match app.store.requeue_due_traces(REQUEUE_BATCH).await {
+                Ok(ids) => {
+                    let full = ids.len() as i64 == REQUEUE_BATCH;
+                    for id in ids {
+                        tracing::info!(trace_id = %id, "retrying a failed trace from the dead-letter queue");
+                        app.queue.notify(id);
+                    }
+                    if !full {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "dead-letter poll failed");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+async fn retention_loop(app: Arc<App>) {
+    let mut tick = tokio::time::interval(RETENTION_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = delete_expired(&app.store, &app.config.queue).await {
+            tracing::warn!(error = %e, "trace retention pass failed");
+        }
+    }
+}
+
+/// One retention pass: deletes traces created more than
+/// `queue.trace_retention_hours` ago (0 keeps traces forever). Returns how many went.
+pub async fn delete_expired(
+    store: &Store,
+    config: &config::Queue,
+) -> Result<u64, crate::storage::StorageError> {
+    if config.trace_retention_hours == 0 {
+        return Ok(0);
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let keep = Duration::from_secs(config.trace_retention_hours.saturating_mul(3600));
+    let cutoff = i64::try_from(now.saturating_sub(keep).as_micros()).unwrap_or(i64::MAX);
+    let n = store.delete_traces_before(cutoff).await?;
+    if n > 0 {
+        tracing::info!(deleted = n, "old traces deleted");
+    }
+    Ok(n)
+}

@@ -1,0 +1,586 @@
+//! Async traces and their dead-letter queue: submission (`insert_pending`),
+//! exclusive claiming of a run, the outcome of a run (`complete`, `fail`),
+//! dead-letter retries, reads for the data plane and retention.
+//!
+//! How "a trace never runs twice at once" holds:
+//! - a claim is one conditional UPDATE (`pending`, or `running` with an expired
+//!   lease → `running`, `attempts + 1`) whose rows-affected is checked; the
+//!   database serialises concurrent UPDATEs of one row, so exactly one claimer
+//!   sees 1. Claiming "the next due trace" first picks a row with
+//!   `FOR UPDATE SKIP LOCKED` (PostgreSQL/MariaDB) so parallel sweepers take
+//!   different rows instead of queueing on one; SQLite has one writer
+//!   (`BEGIN IMMEDIATE`) and needs no row lock;
+//! - `attempts` doubles as a fencing token: a run records its outcome only
+//!   `WHERE status = 'running' AND attempts = <its attempt>`, so a worker whose
+//!   lease expired (and whose trace was reclaimed) cannot overwrite the newer run.
+
+use serde_json::{Map, Value as Json};
+use sqlx::{ColumnIndex, Decode, Row, Type};
+
+use super::sql::build;
+use super::{
+    Backend, BeginWrite, StorageError, Store, dispatch, execute, fetch_all, fetch_one,
+    fetch_optional, now_micros, parse_json, retry, rfc3339,
+};
+
+/// Where a trace is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TraceStatus {
+    Pending,
+    Running,
+    Completed,
+    Failed,
+}
+
+impl TraceStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TraceStatus::Pending => "pending",
+            TraceStatus::Running => "running",
+            TraceStatus::Completed => "completed",
+            TraceStatus::Failed => "failed",
+        }
+    }
+    pub fn parse(s: &str) -> Option<TraceStatus> {
+        match s {
+            "pending" => Some(TraceStatus::Pending),
+            "running" => Some(TraceStatus::Running),
+            "completed" => Some(TraceStatus::Completed),
+            "failed" => Some(TraceStatus::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// A submission to store as `pending`. `payload` and `metadata` are JSON text;
+/// the caller masks `metadata` (headers) before it gets here.
+#[derive(Debug, Clone)]
+pub struct NewTrace {
+    pub trace_id: String,
+    pub channel: String,
+    pub mode: String,
+    pub bucket: Option<u8>,
+    pub payload: String,
+    pub metadata: String,
+    /// Microseconds since the epoch (the caller's clock, so tests can age traces).
+    pub created_at: i64,
+}
+
+/// What a worker needs to run a claimed trace.
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub trace_id: String,
+    pub channel: String,
+    /// This run's number (1 for the first); the fencing token for its outcome.
+    pub attempt: i64,
+    pub bucket: Option<u8>,
+    pub payload: String,
+    pub metadata: String,
+}
+
+/// The outcome of one run, recorded by `complete` or `fail`.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub trace_id: String,
+    pub attempt: i64,
+    pub workflow_id: Option<String>,
+    pub workflow_version: Option<i64>,
+    /// The final `data` as JSON text (`None`: nothing ran).
+    pub data: Option<String>,
+    /// `[{code, task_id, message}]`.
+    pub errors: Json,
+    pub duration_ms: f64,
+}
+
+/// When a failed trace is retried from the dead-letter queue.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryPolicy {
+    /// Retries after the first run (`queue.dlq_max_retries`).
+    pub max_retries: u32,
+    /// The first retry's delay; each further retry doubles it (capped).
+    pub base_delay_secs: u64,
+}
+
+/// Backoff is capped so a long retry budget still retries within the day.
+pub const MAX_RETRY_DELAY_SECS: u64 = 3600;
+
+impl RetryPolicy {
+    /// The delay before the retry that follows run number `attempts`, or `None`
+    /// when the retry budget is spent (`attempts - 1` retries already ran).
+    pub fn delay_after(&self, attempts: i64) -> Option<std::time::Duration> {
+        let retries_done = u64::try_from(attempts.saturating_sub(1)).unwrap_or(0);
+        if retries_done >= u64::from(self.max_retries) {
+            return None;
+        }
+        let factor = 1u64 << retries_done.min(20);
+        let secs = self
+            .base_delay_secs
+            .max(1)
+            .saturating_mul(factor)
+            .min(MAX_RETRY_DELAY_SECS);
+        Some(std::time::Duration::from_secs(secs))
+    }
+}
+
+/// A dead-letter entry: `waiting` for `next_retry_at`, or `exhausted`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DlqEntry {
+    pub trace_id: String,
+    pub state: String,
+    pub attempts: i64,
+    pub next_retry_at: Option<i64>,
+    pub last_error: String,
+}
+
+/// One stored trace, as the data plane shows it (payload and metadata are
+/// never shown).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trace {
+    pub trace_id: String,
+    pub channel: String,
+    pub mode: String,
+    pub status: TraceStatus,
+    pub workflow_id: Option<String>,
+    pub workflow_version: Option<i64>,
+    pub data: Option<Json>,
+    pub errors: Json,
+    pub created_at: i64,
+    pub started_at: Option<i64>,
+    pub completed_at: Option<i64>,
+    pub duration_ms: Option<f64>,
+    pub attempts: i64,
+}
+
+impl Trace {
+    /// The record of decisions.md: `{trace_id, channel, mode, status,
+    /// workflow_id, workflow_version, data, errors, created_at, started_at,
+    /// completed_at, duration_ms, attempts}` (absent values are `null`).
+    pub fn to_json(&self) -> Json {
+        let time = |t: Option<i64>| t.map_or(Json::Null, |t| rfc3339(t).into());
+        let mut m = Map::new();
+        m.insert("trace_id".into(), self.trace_id.clone().into());
+        m.insert("channel".into(), self.channel.clone().into());
+        m.insert("mode".into(), self.mode.clone().into());
+        m.insert("status".into(), self.status.as_str().into());
+        m.insert("workflow_id".into(), self.workflow_id.clone().into());
+        m.insert("workflow_version".into(), self.workflow_version.into());
+        m.insert("data".into(), self.data.clone().unwrap_or(Json::Null));
+        m.insert("errors".into(), self.errors.clone());
+        m.insert("created_at".into(), time(Some(self.created_at)));
+        m.insert("started_at".into(), time(self.started_at));
+        m.insert("completed_at".into(), time(self.completed_at));
+        m.insert("duration_ms".into(), self.duration_ms.into());
+        m.insert("attempts".into(), self.attempts.into());
+        Json::Object(m)
+    }
+}
+
+/// Filters and page of `list_traces`.
+#[derive(Debug, Clone)]
+pub struct TraceQuery {
+    pub status: Option<TraceStatus>,
+    pub channel: Option<String>,
+    pub mode: Option<String>,
+    pub limit: i64,
+    pub offset: i64,
+}
+
+impl Default for TraceQuery {
+    fn default() -> Self {
+        TraceQuery {
+            status: None,
+            channel: None,
+            mode: None,
+            limit: 50,
+            offset: 0,
+        }
+    }
+}
+
+/// Columns of a `Trace` in the order `trace_from_row` reads them.
+const TRACE: &str = "trace_id, channel, mode, status, workflow_id, workflow_version, data, errors, \
+                     created_at, started_at, completed_at, duration_ms, attempts";
+/// Columns of a `Claimed` in the order `claimed_from_row` reads them.
+const CLAIMED: &str = "trace_id, channel, attempts, bucket, payload, metadata";
+/// A trace a worker may take: waiting, or running under an expired lease.
+const CLAIMABLE: &str = "(status = 'pending' OR (status = 'running' AND lease_until < ?))";
+
+/// The statements of this module, built once per backend with the store's others.
+pub(crate) struct TraceSql {
+    insert: String,
+    claim: String,
+    next_claimable: String,
+    claimed_row: String,
+    complete: String,
+    fail: String,
+    release: String,
+    dlq_delete: String,
+    dlq_insert: String,
+    dlq_due: String,
+    requeue: String,
+    dlq_get: String,
+    get: String,
+    page: String,
+    count: String,
+    delete_older: String,
+    dlq_delete_older: String,
+}
+
+impl TraceSql {
+    pub(crate) fn new(b: Backend) -> TraceSql {
+        // Parallel sweepers skip rows another one holds instead of queueing on them.
+        let skip_locked = if b == Backend::Sqlite {
+            ""
+        } else {
+            " FOR UPDATE SKIP LOCKED"
+        };
+        let f = |s: &str| build(b, &s.replace("{claimable}", CLAIMABLE));
+        let filter = "WHERE (? IS NULL OR status = ?) AND (? IS NULL OR channel = ?) AND (? IS NULL OR mode = ?)";
+        TraceSql {
+            insert: f(
+                "INSERT INTO traces (trace_id, channel, mode, status, bucket, payload, metadata, errors, attempts, created_at) \
+                 VALUES (?, ?, ?, 'pending', ?, ?, ?, '[]', 0, ?)",
+            ),
+            claim: f(
+                "UPDATE traces SET status = 'running', attempts = attempts + 1, started_at = ?, lease_until = ?, \
+                 completed_at = NULL, duration_ms = NULL WHERE trace_id = ? AND {claimable}",
+            ),
+            next_claimable: f(&format!(
+                "SELECT trace_id FROM traces WHERE {{claimable}} ORDER BY created_at, trace_id LIMIT 1{skip_locked}"
+            )),
+            claimed_row: f(&format!("SELECT {CLAIMED} FROM traces WHERE trace_id = ?")),
+            complete: f(
+                "UPDATE traces SET status = 'completed', workflow_id = ?, workflow_version = ?, data = ?, errors = ?, \
+                 completed_at = ?, duration_ms = ?, lease_until = NULL \
+                 WHERE trace_id = ? AND status = 'running' AND attempts = ?",
+            ),
+            fail: f(
+                "UPDATE traces SET status = 'failed', workflow_id = ?, workflow_version = ?, data = ?, errors = ?, \
+                 completed_at = ?, duration_ms = ?, lease_until = NULL \
+                 WHERE trace_id = ? AND status = 'running' AND attempts = ?",
+            ),
+            // Shutdown hands an unfinished run back: it does not count as an attempt.
+            release: f(
+                "UPDATE traces SET status = 'pending', attempts = attempts - 1, started_at = NULL, lease_until = NULL \
+                 WHERE trace_id = ? AND status = 'running' AND attempts = ?",
+            ),
+            dlq_delete: f("DELETE FROM trace_dlq WHERE trace_id = ?"),
+            dlq_insert: f(
+                "INSERT INTO trace_dlq (trace_id, state, attempts, next_retry_at, last_error, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            ),
+            dlq_due: f(&format!(
+                "SELECT trace_id FROM trace_dlq WHERE state = 'waiting' AND next_retry_at <= ? \
+                 ORDER BY next_retry_at, trace_id LIMIT ?{skip_locked}"
+            )),
+            requeue: f(
+                "UPDATE traces SET status = 'pending', lease_until = NULL WHERE trace_id = ? AND status = 'failed'",
+            ),
+            dlq_get: f(
+                "SELECT trace_id, state, attempts, next_retry_at, last_error FROM trace_dlq WHERE trace_id = ?",
+            ),
+            get: f(&format!("SELECT {TRACE} FROM traces WHERE trace_id = ?")),
+            page: f(&format!(
+                "SELECT {TRACE} FROM traces {filter} ORDER BY created_at DESC, trace_id DESC LIMIT ? OFFSET ?"
+            )),
+            count: f(&format!("SELECT COUNT(*) FROM traces {filter}")),
+            delete_older: f("DELETE FROM traces WHERE created_at < ?"),
+            dlq_delete_older: f(
+                "DELETE FROM trace_dlq WHERE trace_id IN (SELECT trace_id FROM traces WHERE created_at < ?)",
+            ),
+        }
+    }
+}
+
+/// Reads the `TRACE` columns. Text is read unchecked: MariaDB flags
+/// utf8mb4_bin text as BINARY (see lifecycle.rs).
+fn trace_from_row<R: Row>(row: &R) -> Result<Trace, StorageError>
+where
+    usize: ColumnIndex<R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> f64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let text = |i: usize| {
+        row.try_get_unchecked::<String, usize>(i)
+            .map_err(super::db_err)
+    };
+    let opt_text = |i: usize| {
+        row.try_get_unchecked::<Option<String>, usize>(i)
+            .map_err(super::db_err)
+    };
+    let opt_int = |i: usize| row.try_get::<Option<i64>, usize>(i).map_err(super::db_err);
+    let status = text(3)?;
+    Ok(Trace {
+        trace_id: text(0)?,
+        channel: text(1)?,
+        mode: text(2)?,
+        status: TraceStatus::parse(&status)
+            .ok_or_else(|| StorageError::Database(format!("unknown trace status '{status}'")))?,
+        workflow_id: opt_text(4)?,
+        workflow_version: opt_int(5)?,
+        data: opt_text(6)?.map(|t| parse_json(&t)).transpose()?,
+        errors: parse_json(&text(7)?)?,
+        created_at: row.try_get(8).map_err(super::db_err)?,
+        started_at: opt_int(9)?,
+        completed_at: opt_int(10)?,
+        duration_ms: row
+            .try_get::<Option<f64>, usize>(11)
+            .map_err(super::db_err)?,
+        attempts: row.try_get(12).map_err(super::db_err)?,
+    })
+}
+
+/// Reads the `CLAIMED` columns.
+fn claimed_from_row<R: Row>(row: &R) -> Result<Claimed, StorageError>
+where
+    usize: ColumnIndex<R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let text = |i: usize| {
+        row.try_get_unchecked::<String, usize>(i)
+            .map_err(super::db_err)
+    };
+    let bucket: Option<i64> = row.try_get(3).map_err(super::db_err)?;
+    Ok(Claimed {
+        trace_id: text(0)?,
+        channel: text(1)?,
+        attempt: row.try_get(2).map_err(super::db_err)?,
+        bucket: bucket.and_then(|b| u8::try_from(b).ok()),
+        payload: text(4)?,
+        metadata: text(5)?,
+    })
+}
+
+fn error_summary(errors: &Json) -> String {
+    errors
+        .as_array()
+        .and_then(|e| e.last())
+        .map(|e| {
+            let code = e.get("code").and_then(Json::as_str).unwrap_or("ERROR");
+            let message = e.get("message").and_then(Json::as_str).unwrap_or("");
+            format!("{code}: {message}")
+        })
+        .unwrap_or_else(|| "failed".into())
+}
+
+impl Store {
+    /// Stores a submission as `pending` (the caller then hands the id to a worker).
+    pub async fn insert_pending(&self, t: &NewTrace) -> Result<(), StorageError> {
+        let s = &self.sql().traces;
+        let bucket = t.bucket.map(i64::from);
+        retry(|| async {
+            dispatch!(self, pool => {
+                execute!(pool, &s.insert, &t.trace_id, &t.channel, &t.mode, bucket, &t.payload, &t.metadata, t.created_at)?;
+            });
+            Ok(())
+        })
+        .await
+    }
+
+    /// Claims `trace_id` for a run if it is pending (or running under an expired
+    /// lease): `running`, `attempts + 1`, leased for `lease`. `None` when another
+    /// worker has it or it is finished or gone.
+    pub async fn claim_trace(
+        &self,
+        trace_id: &str,
+        lease: std::time::Duration,
+    ) -> Result<Option<Claimed>, StorageError> {
+        let s = &self.sql().traces;
+        retry(|| async {
+            let now = now_micros();
+            let until = lease_end(now, lease);
+            dispatch!(self, pool => {
+                let mut tx = pool.begin_write().await?;
+                if execute!(&mut *tx, &s.claim, now, until, trace_id, now)? != 1 {
+                    return Ok(None);
+                }
+                let claimed = claimed_from_row(&fetch_one!(&mut *tx, &s.claimed_row, trace_id)?)?;
+                tx.commit().await.map_err(super::db_err)?;
+                Ok(Some(claimed))
+            })
+        })
+        .await
+    }
+
+    /// Claims the oldest claimable trace, if any (the sweep after a restart or
+    /// a full queue). Rows another transaction holds are skipped.
+    pub async fn claim_next_trace(
+        &self,
+        lease: std::time::Duration,
+    ) -> Result<Option<Claimed>, StorageError> {
+        let s = &self.sql().traces;
+        retry(|| async {
+            let now = now_micros();
+            let until = lease_end(now, lease);
+            dispatch!(self, pool => {
+                let mut tx = pool.begin_write().await?;
+                let Some(row) = fetch_optional!(&mut *tx, &s.next_claimable, now)? else {
+                    return Ok(None);
+                };
+                let id: String = row.try_get_unchecked(0).map_err(super::db_err)?;
+                if execute!(&mut *tx, &s.claim, now, until, &id, now)? != 1 {
+                    return Ok(None);
+                }
+                let claimed = claimed_from_row(&fetch_one!(&mut *tx, &s.claimed_row, &id)?)?;
+                tx.commit().await.map_err(super::db_err)?;
+                Ok(Some(claimed))
+            })
+        })
+        .await
+    }
+
+    /// Records a successful run. `false` when the run no longer owns the trace
+    /// (its lease expired and another run took over); nothing is written then.
+    pub async fn complete_trace(&self, o: &Outcome) -> Result<bool, StorageError> {
+        let s = &self.sql().traces;
+        let errors = o.errors.to_string();
+        retry(|| async {
+            let now = now_micros();
+            dispatch!(self, pool => {
+                let mut tx = pool.begin_write().await?;
+                let n = execute!(&mut *tx, &s.complete, &o.workflow_id, o.workflow_version, &o.data, &errors,
+                    now, o.duration_ms, &o.trace_id, o.attempt)?;
+                if n == 1 {
+                    // A retry that succeeded leaves no dead letter behind.
+                    execute!(&mut *tx, &s.dlq_delete, &o.trace_id)?;
+                }
+                tx.commit().await.map_err(super::db_err)?;
+                Ok(n == 1)
+            })
+        })
+        .await
+    }
+
+    /// Records a failed run and its dead letter: `waiting` with `next_retry_at`
+    /// from `policy`, or `exhausted` once the retries are spent (the trace stays
+    /// `failed` with these errors). `false` when the run no longer owns the trace.
+    pub async fn fail_trace(&self, o: &Outcome, policy: RetryPolicy) -> Result<bool, StorageError> {
+        let s = &self.sql().traces;
+        let errors = o.errors.to_string();
+        let last_error = error_summary(&o.errors);
+        retry(|| async {
+            let now = now_micros();
+            let (state, next) = match policy.delay_after(o.attempt) {
+                Some(d) => ("waiting", Some(lease_end(now, d))),
+                None => ("exhausted", None),
+            };
+            dispatch!(self, pool => {
+                let mut tx = pool.begin_write().await?;
+                let n = execute!(&mut *tx, &s.fail, &o.workflow_id, o.workflow_version, &o.data, &errors,
+                    now, o.duration_ms, &o.trace_id, o.attempt)?;
+                if n == 1 {
+                    execute!(&mut *tx, &s.dlq_delete, &o.trace_id)?;
+                    execute!(&mut *tx, &s.dlq_insert, &o.trace_id, state, o.attempt, next, &last_error, now)?;
+                }
+                tx.commit().await.map_err(super::db_err)?;
+                Ok(n == 1)
+            })
+        })
+        .await
+    }
+
+    /// Hands an unfinished run back (shutdown): `pending` again, and the run
+    /// does not count as an attempt.
+    pub async fn release_trace(&self, trace_id: &str, attempt: i64) -> Result<(), StorageError> {
+        let s = &self.sql().traces;
+        retry(|| async {
+            dispatch!(self, pool => {
+                execute!(pool, &s.release, trace_id, attempt)?;
+            });
+            Ok(())
+        })
+        .await
+    }
+
+    /// Moves up to `limit` dead letters whose retry is due back to `pending` and
+    /// returns their ids (the entry is removed; a new failure writes a new one).
+    pub async fn requeue_due_traces(&self, limit: i64) -> Result<Vec<String>, StorageError> {
+        let s = &self.sql().traces;
+        retry(|| async {
+            let now = now_micros();
+            dispatch!(self, pool => {
+                let mut tx = pool.begin_write().await?;
+                let rows = fetch_all!(&mut *tx, &s.dlq_due, now, limit)?;
+                let mut ids = Vec::with_capacity(rows.len());
+                for row in &rows {
+                    let id: String = row.try_get_unchecked(0).map_err(super::db_err)?;
+                    execute!(&mut *tx, &s.dlq_delete, &id)?;
+                    if execute!(&mut *tx, &s.requeue, &id)? == 1 {
+                        ids.push(id);
+                    }
+                }
+                tx.commit().await.map_err(super::db_err)?;
+                Ok(ids)
+            })
+        })
+        .await
+    }
+
+    /// The dead-letter entry of a trace, if it has one.
+    pub async fn dlq_entry(&self, trace_id: &str) -> Result<Option<DlqEntry>, StorageError> {
+        let s = &self.sql().traces;
+        dispatch!(self, pool => {
+            let Some(row) = fetch_optional!(pool, &s.dlq_get, trace_id)? else {
+                return Ok(None);
+            };
+            let text = |i: usize| row.try_get_unchecked::<String, usize>(i).map_err(super::db_err);
+            Ok(Some(DlqEntry {
+                trace_id: text(0)?,
+                state: text(1)?,
+                attempts: row.try_get(2).map_err(super::db_err)?,
+                next_retry_at: row.try_get(3).map_err(super::db_err)?,
+                last_error: text(4)?,
+            }))
+        })
+    }
+
+    /// One trace; NotFound with the spec's message form.
+    pub async fn get_trace(&self, trace_id: &str) -> Result<Trace, StorageError> {
+        let s = &self.sql().traces;
+        dispatch!(self, pool => {
+            match fetch_optional!(pool, &s.get, trace_id)? {
+                Some(row) => trace_from_row(&row),
+                None => Err(StorageError::NotFound(format!("Trace with id '{trace_id}' not found"))),
+            }
+        })
+    }
+
+    /// A page of traces, newest first (created_at, then id), and the total.
+    pub async fn list_traces(&self, q: &TraceQuery) -> Result<(Vec<Trace>, i64), StorageError> {
+        let s = &self.sql().traces;
+        let status = q.status.map(TraceStatus::as_str);
+        let (channel, mode) = (q.channel.as_deref(), q.mode.as_deref());
+        dispatch!(self, pool => {
+            let total: i64 = fetch_one!(pool, &s.count, status, status, channel, channel, mode, mode)?
+                .try_get(0).map_err(super::db_err)?;
+            let rows = fetch_all!(pool, &s.page, status, status, channel, channel, mode, mode, q.limit, q.offset)?;
+            Ok((rows.iter().map(trace_from_row).collect::<Result<Vec<_>, _>>()?, total))
+        })
+    }
+
+    /// Deletes traces created before `cutoff` (microseconds), with their dead
+    /// letters; returns how many traces went.
+    pub async fn delete_traces_before(&self, cutoff: i64) -> Result<u64, StorageError> {
+        let s = &self.sql().traces;
+        retry(|| async {
+            dispatch!(self, pool => {
+                let mut tx = pool.begin_write().await?;
+                // Explicit rather than relying on ON DELETE CASCADE alone, which
+                // SQLite applies only while foreign keys are switched on.
+                execute!(&mut *tx, &s.dlq_delete_older, cutoff)?;
+                let n = execute!(&mut *tx, &s.delete_older, cutoff)?;
+                tx.commit().await.map_err(super::db_err)?;
+                Ok(n)
+            })
+        })
+        .await
+    }
+}
+
+fn lease_end(now: i64, d: std::time::Duration) -> i64 {
+    now.saturating_add(i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+#[cfg(test)]
+mod tests;

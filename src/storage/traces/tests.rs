@@ -1,0 +1,433 @@
+//! Trace storage against real databases (SQLite file, PostgreSQL, MariaDB), one
+//! fresh database per test and backend, like `storage::tests`.
+
+use super::super::tests::TestDb;
+use super::*;
+use serde_json::json;
+use std::collections::HashSet;
+use std::time::Duration;
+
+/// Runs `body` on a fresh store of `backend`, drops the database, re-raises a panic.
+async fn run<F, Fut>(backend: Backend, body: F)
+where
+    F: FnOnce(Store) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let db = TestDb::new(backend).await;
+    let outcome = tokio::spawn(body(db.store.clone())).await;
+    db.cleanup().await;
+    if let Err(e) = outcome {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
+macro_rules! backend_tests {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite { $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() { super::run(super::Backend::Sqlite, super::$name).await }
+        )* }
+        mod postgres { $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() { super::run(super::Backend::Postgres, super::$name).await }
+        )* }
+        mod mysql { $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() { super::run(super::Backend::MySql, super::$name).await }
+        )* }
+    };
+}
+
+backend_tests!(
+    submit_claim_complete_get_list,
+    parallel_claimers_never_share_a_trace,
+    failure_dead_letter_retry_and_exhaustion,
+    expired_lease_is_reclaimed_and_fences_the_old_run,
+    retention_deletes_old_traces_and_their_dead_letters,
+);
+
+const LEASE: Duration = Duration::from_secs(300);
+
+fn new_trace(id: &str, channel: &str, created_at: i64) -> NewTrace {
+    NewTrace {
+        trace_id: id.into(),
+        channel: channel.into(),
+        mode: "async".into(),
+        bucket: Some(42),
+        payload: json!({"n": 1}).to_string(),
+        metadata: json!({"headers": {"authorization": "******"}}).to_string(),
+        created_at,
+    }
+}
+
+fn outcome(c: &Claimed, data: Option<Json>, errors: Json) -> Outcome {
+    Outcome {
+        trace_id: c.trace_id.clone(),
+        attempt: c.attempt,
+        workflow_id: Some("wf".into()),
+        workflow_version: Some(3),
+        data: data.map(|d| d.to_string()),
+        errors,
+        duration_ms: 1.5,
+    }
+}
+
+async fn submit_claim_complete_get_list(s: Store) {
+    let now = now_micros();
+    s.insert_pending(&new_trace("t1", "orders", now))
+        .await
+        .unwrap();
+    s.insert_pending(&new_trace("t2", "billing", now + 1))
+        .await
+        .unwrap();
+    let t = s.get_trace("t1").await.unwrap();
+    assert_eq!(
+        (t.status, t.attempts, t.data.clone(), t.errors.clone()),
+        (TraceStatus::Pending, 0, None, json!([]))
+    );
+    let j = t.to_json();
+    assert_eq!(j["status"], "pending");
+    assert!(j["started_at"].is_null() && j["workflow_id"].is_null());
+
+    let c = s.claim_trace("t1", LEASE).await.unwrap().expect("claimed");
+    assert_eq!(
+        (c.attempt, c.bucket, c.channel.as_str()),
+        (1, Some(42), "orders")
+    );
+    assert_eq!(c.payload, r#"{"n":1}"#);
+    assert!(
+        s.claim_trace("t1", LEASE).await.unwrap().is_none(),
+        "running and leased"
+    );
+    assert_eq!(
+        s.get_trace("t1").await.unwrap().status,
+        TraceStatus::Running
+    );
+
+    // Key order of the result is kept byte for byte.
+    let data: Json = serde_json::from_str(r#"{"z":1,"a":{"y":2,"b":3}}"#).unwrap();
+    assert!(
+        s.complete_trace(&outcome(&c, Some(data.clone()), json!([])))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !s.complete_trace(&outcome(&c, None, json!([])))
+            .await
+            .unwrap(),
+        "finished once"
+    );
+    let t = s.get_trace("t1").await.unwrap();
+    assert_eq!(t.status, TraceStatus::Completed);
+    assert_eq!(t.data.as_ref().unwrap().to_string(), data.to_string());
+    assert_eq!(
+        (t.workflow_id.as_deref(), t.workflow_version, t.attempts),
+        (Some("wf"), Some(3), 1)
+    );
+    assert_eq!(t.duration_ms, Some(1.5));
+    assert!(t.started_at.is_some() && t.completed_at.is_some());
+    assert!(
+        s.claim_trace("t1", LEASE).await.unwrap().is_none(),
+        "completed"
+    );
+
+    // Lists: newest first, filters, paging, total.
+    let all = |q: TraceQuery| {
+        let s = s.clone();
+        async move {
+            let (rows, total) = s.list_traces(&q).await.unwrap();
+            (
+                rows.into_iter().map(|t| t.trace_id).collect::<Vec<_>>(),
+                total,
+            )
+        }
+    };
+    assert_eq!(
+        all(TraceQuery::default()).await,
+        (vec!["t2".into(), "t1".into()], 2)
+    );
+    let q = TraceQuery {
+        status: Some(TraceStatus::Completed),
+        ..Default::default()
+    };
+    assert_eq!(all(q).await, (vec!["t1".into()], 1));
+    let q = TraceQuery {
+        channel: Some("billing".into()),
+        ..Default::default()
+    };
+    assert_eq!(all(q).await, (vec!["t2".into()], 1));
+    let q = TraceQuery {
+        mode: Some("kafka".into()),
+        ..Default::default()
+    };
+    assert_eq!(all(q).await, (vec![], 0));
+    let q = TraceQuery {
+        limit: 1,
+        offset: 1,
+        ..Default::default()
+    };
+    assert_eq!(all(q).await, (vec!["t1".into()], 2));
+
+    match s.get_trace("nope").await {
+        Err(StorageError::NotFound(m)) => assert_eq!(m, "Trace with id 'nope' not found"),
+        other => panic!("{other:?}"),
+    }
+}
+
+async fn parallel_claimers_never_share_a_trace(s: Store) {
+    let now = now_micros();
+    for i in 0..30 {
+        s.insert_pending(&new_trace(&format!("p{i:02}"), "c", now + i))
+            .await
+            .unwrap();
+    }
+    // Eight sweepers drain the table concurrently: every trace is taken once.
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            while let Some(c) = s.claim_next_trace(LEASE).await.unwrap() {
+                mine.push((c.trace_id, c.attempt));
+            }
+            mine
+        }));
+    }
+    let mut seen = HashSet::new();
+    for t in tasks {
+        for (id, attempt) in t.await.unwrap() {
+            assert_eq!(attempt, 1);
+            assert!(seen.insert(id.clone()), "{id} claimed twice");
+        }
+    }
+    assert_eq!(seen.len(), 30);
+
+    // Eight workers race for one id: exactly one wins.
+    s.insert_pending(&new_trace("one", "c", now)).await.unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            s.claim_trace("one", LEASE).await.unwrap().is_some()
+        }));
+    }
+    let mut wins = 0;
+    for t in tasks {
+        wins += usize::from(t.await.unwrap());
+    }
+    assert_eq!(wins, 1);
+}
+
+async fn failure_dead_letter_retry_and_exhaustion(s: Store) {
+    let policy = RetryPolicy {
+        max_retries: 1,
+        base_delay_secs: 1,
+    };
+    s.insert_pending(&new_trace("f", "c", now_micros()))
+        .await
+        .unwrap();
+    let c = s.claim_trace("f", LEASE).await.unwrap().unwrap();
+    let errors = json!([{"code": "TASK_ERROR", "task_id": "boom", "message": "exploded"}]);
+    let before = now_micros();
+    assert!(
+        s.fail_trace(&outcome(&c, None, errors.clone()), policy)
+            .await
+            .unwrap()
+    );
+    let t = s.get_trace("f").await.unwrap();
+    assert_eq!(
+        (t.status, t.attempts, t.errors.clone()),
+        (TraceStatus::Failed, 1, errors.clone())
+    );
+    let d = s.dlq_entry("f").await.unwrap().expect("dead letter");
+    assert_eq!((d.state.as_str(), d.attempts), ("waiting", 1));
+    assert_eq!(d.last_error, "TASK_ERROR: exploded");
+    let next = d.next_retry_at.unwrap();
+    assert!(
+        next >= before + 1_000_000 && next <= now_micros() + 1_000_000,
+        "{next}"
+    );
+    // Not due yet.
+    assert!(s.requeue_due_traces(10).await.unwrap().is_empty());
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(
+        s.requeue_due_traces(10).await.unwrap(),
+        vec!["f".to_owned()]
+    );
+    assert_eq!(s.get_trace("f").await.unwrap().status, TraceStatus::Pending);
+    assert!(s.dlq_entry("f").await.unwrap().is_none());
+    // The retry fails too: the budget (one retry) is spent.
+    let c = s.claim_trace("f", LEASE).await.unwrap().unwrap();
+    assert_eq!(c.attempt, 2);
+    assert!(
+        s.fail_trace(&outcome(&c, None, errors.clone()), policy)
+            .await
+            .unwrap()
+    );
+    let d = s.dlq_entry("f").await.unwrap().unwrap();
+    assert_eq!(
+        (d.state.as_str(), d.attempts, d.next_retry_at),
+        ("exhausted", 2, None)
+    );
+    assert!(s.requeue_due_traces(10).await.unwrap().is_empty());
+    let t = s.get_trace("f").await.unwrap();
+    assert_eq!(
+        (t.status, t.attempts, t.errors),
+        (TraceStatus::Failed, 2, errors)
+    );
+
+    // A retry that succeeds clears its dead letter.
+    s.insert_pending(&new_trace("g", "c", now_micros()))
+        .await
+        .unwrap();
+    let c = s.claim_trace("g", LEASE).await.unwrap().unwrap();
+    let zero = RetryPolicy {
+        max_retries: 3,
+        base_delay_secs: 1,
+    };
+    s.fail_trace(&outcome(&c, None, json!([])), zero)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(
+        s.requeue_due_traces(10).await.unwrap(),
+        vec!["g".to_owned()]
+    );
+    let c = s.claim_trace("g", LEASE).await.unwrap().unwrap();
+    assert!(
+        s.complete_trace(&outcome(&c, Some(json!({})), json!([])))
+            .await
+            .unwrap()
+    );
+    assert!(s.dlq_entry("g").await.unwrap().is_none());
+    assert_eq!(s.get_trace("g").await.unwrap().attempts, 2);
+}
+
+async fn expired_lease_is_reclaimed_and_fences_the_old_run(s: Store) {
+    s.insert_pending(&new_trace("l", "c", now_micros()))
+        .await
+        .unwrap();
+    let old = s.claim_trace("l", Duration::ZERO).await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    // The lease ran out (a crashed worker): the sweep takes it again.
+    let new = s.claim_next_trace(LEASE).await.unwrap().expect("reclaimed");
+    assert_eq!((new.trace_id.as_str(), new.attempt), ("l", 2));
+    assert!(s.claim_next_trace(LEASE).await.unwrap().is_none());
+    // The old run finishing late changes nothing.
+    assert!(
+        !s.complete_trace(&outcome(&old, Some(json!({"old": true})), json!([])))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !s.fail_trace(
+            &outcome(&old, None, json!([])),
+            RetryPolicy {
+                max_retries: 5,
+                base_delay_secs: 1
+            }
+        )
+        .await
+        .unwrap()
+    );
+    assert!(
+        s.complete_trace(&outcome(&new, Some(json!({"new": true})), json!([])))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        s.get_trace("l").await.unwrap().data,
+        Some(json!({"new": true}))
+    );
+    assert!(s.dlq_entry("l").await.unwrap().is_none());
+
+    // Shutdown hands a run back without spending an attempt.
+    s.insert_pending(&new_trace("r", "c", now_micros()))
+        .await
+        .unwrap();
+    let c = s.claim_trace("r", LEASE).await.unwrap().unwrap();
+    s.release_trace("r", c.attempt).await.unwrap();
+    let t = s.get_trace("r").await.unwrap();
+    assert_eq!(
+        (t.status, t.attempts, t.started_at),
+        (TraceStatus::Pending, 0, None)
+    );
+    assert_eq!(s.claim_trace("r", LEASE).await.unwrap().unwrap().attempt, 1);
+}
+
+async fn retention_deletes_old_traces_and_their_dead_letters(s: Store) {
+    let now = now_micros();
+    let hour = 3_600_000_000;
+    s.insert_pending(&new_trace("old", "c", now - 2 * hour))
+        .await
+        .unwrap();
+    s.insert_pending(&new_trace("new", "c", now)).await.unwrap();
+    let c = s.claim_trace("old", LEASE).await.unwrap().unwrap();
+    s.fail_trace(
+        &outcome(&c, None, json!([])),
+        RetryPolicy {
+            max_retries: 5,
+            base_delay_secs: 1,
+        },
+    )
+    .await
+    .unwrap();
+    assert!(s.dlq_entry("old").await.unwrap().is_some());
+    assert_eq!(s.delete_traces_before(now - hour).await.unwrap(), 1);
+    assert!(matches!(
+        s.get_trace("old").await,
+        Err(StorageError::NotFound(_))
+    ));
+    assert!(s.dlq_entry("old").await.unwrap().is_none());
+    assert_eq!(
+        s.get_trace("new").await.unwrap().status,
+        TraceStatus::Pending
+    );
+    assert_eq!(s.delete_traces_before(now - hour).await.unwrap(), 0);
+}
+
+#[test]
+fn backoff_doubles_from_the_base_until_the_budget_is_spent() {
+    let p = RetryPolicy {
+        max_retries: 5,
+        base_delay_secs: 30,
+    };
+    let delays: Vec<_> = (1..=6)
+        .map(|a| p.delay_after(a).map(|d| d.as_secs()))
+        .collect();
+    assert_eq!(
+        delays,
+        vec![Some(30), Some(60), Some(120), Some(240), Some(480), None]
+    );
+    let capped = RetryPolicy {
+        max_retries: 40,
+        base_delay_secs: 30,
+    };
+    assert_eq!(
+        capped.delay_after(30),
+        Some(Duration::from_secs(MAX_RETRY_DELAY_SECS))
+    );
+    assert_eq!(
+        RetryPolicy {
+            max_retries: 0,
+            base_delay_secs: 1
+        }
+        .delay_after(1),
+        None
+    );
+}
+
+#[test]
+fn operation_labels_name_the_store_method() {
+    use super::super::op_name;
+    assert_eq!(
+        op_name(
+            "sluice::storage::traces::<impl sluice::storage::Store>::get_trace::{{closure}}::__op"
+        ),
+        "get_trace"
+    );
+    assert_eq!(
+        op_name("sluice::storage::Store::ping::{{closure}}::{{closure}}::__op"),
+        "ping"
+    );
+}

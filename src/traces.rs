@@ -1,0 +1,136 @@
+//! Data-plane async submission and trace reads: `POST .../async` (and channels
+//! of type async) store a pending trace and answer 202 at once;
+//! `GET /api/v1/data/traces[/{id}]` read the trace records. The run itself
+//! happens in `queue`.
+
+use crate::api::{self, ApiError, ApiResult, Code};
+use crate::app::App;
+use crate::engine::Channel;
+use crate::server::Req;
+use crate::storage::{NewTrace, TraceQuery, TraceStatus};
+use http::{Method, StatusCode};
+use serde_json::{Map, Value as Json, json};
+use sluice_runtime::exec::InputError;
+use sluice_runtime::rollout;
+use std::sync::Arc;
+
+/// `mode` of traces submitted over HTTP.
+pub const MODE_ASYNC: &str = "async";
+
+/// Stores the request as a pending trace and answers `202 {trace_id, status}`.
+/// The channel's input validation runs now, so a rejected request is a 400
+/// here rather than a failed trace later.
+pub async fn submit(
+    app: &Arc<App>,
+    req: &Req,
+    channel: &Arc<Channel>,
+    params: &[(String, String)],
+) -> ApiResult {
+    let headers = crate::data::header_pairs(req);
+    let query: Vec<(&str, &str)> = req
+        .query
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let path = crate::data::borrow_pairs(params);
+    if let Some(rule) = &channel.validation {
+        crate::data::check_input(rule, &req.body, &headers, &query, &path)?;
+    }
+    // The payload is the body's `data` member, as on the sync path; no body
+    // (a route-matched GET) is a null payload.
+    let payload = if req.body.iter().all(u8::is_ascii_whitespace) {
+        Json::Null
+    } else {
+        match serde_json::from_slice::<Json>(&req.body) {
+            Ok(Json::Object(mut body)) => body.remove("data").unwrap_or(Json::Null),
+            Ok(_) => return Err(ApiError::bad_request(InputError::NotObject.to_string())),
+            Err(e) => {
+                return Err(ApiError::bad_request(
+                    InputError::NotJson(e.to_string()).to_string(),
+                ));
+            }
+        }
+    };
+    let caller_id = req.caller_request_id.then_some(req.request_id.as_str());
+    // Fixed now: its inputs (authorization, client IP) are not stored.
+    let bucket = rollout::bucket_for(&headers, caller_id, Some(req.client_ip.as_str()));
+    let object = |pairs: &[(&str, &str)]| {
+        Json::Object(
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), Json::String((*v).to_owned())))
+                .collect::<Map<_, _>>(),
+        )
+    };
+    let mut metadata = json!({
+        "headers": object(&headers),
+        "query": object(&query),
+        "path": object(&path),
+        "method": req.method.as_str(),
+        "channel": channel.name,
+        "request_id": req.request_id,
+    });
+    // Header values named like credentials (and secret-named keys anywhere)
+    // are masked before they are stored: a trace never holds them.
+    sluice_compiler::validate::mask_secrets(&mut metadata);
+    let trace_id = uuid::Uuid::new_v4().to_string();
+    app.store
+        .insert_pending(&NewTrace {
+            trace_id: trace_id.clone(),
+            channel: channel.name.clone(),
+            mode: MODE_ASYNC.into(),
+            bucket,
+            payload: payload.to_string(),
+            metadata: metadata.to_string(),
+            created_at: now_micros(),
+        })
+        .await?;
+    app.queue.notify(trace_id.clone());
+    Ok(api::json_response(
+        StatusCode::ACCEPTED,
+        &json!({"trace_id": trace_id, "status": "pending"}),
+    ))
+}
+
+/// `GET /api/v1/data/traces` (`rest` empty) and `GET /api/v1/data/traces/{id}`.
+pub async fn read(app: &Arc<App>, req: &Req, rest: &[String]) -> ApiResult {
+    if req.method != Method::GET && req.method != Method::HEAD {
+        return Err(ApiError::new(
+            Code::MethodNotAllowed,
+            format!("method {} is not allowed on {}", req.method, req.path),
+        ));
+    }
+    if let [id] = rest {
+        return api::ok(&app.store.get_trace(id).await?.to_json());
+    }
+    let (limit, offset) = crate::admin::paging(req)?;
+    let status = match req.query("status") {
+        None => None,
+        Some(s) => Some(TraceStatus::parse(s).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "status must be one of pending, running, completed, failed, got '{s}'"
+            ))
+        })?),
+    };
+    let q = TraceQuery {
+        status,
+        channel: req.query("channel").map(str::to_owned),
+        mode: req.query("mode").map(str::to_owned),
+        limit,
+        offset,
+    };
+    let (traces, total) = app.store.list_traces(&q).await?;
+    api::page(
+        traces.iter().map(|t| t.to_json()).collect(),
+        total,
+        limit,
+        offset,
+    )
+}
+
+fn now_micros() -> i64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,427 @@
+//! Async submission and traces over HTTP: 202 and polling to the result, list
+//! filters, 404, masking of stored headers, no trace for sync requests, the
+//! dead-letter retry to completion and to exhaustion, the sweep, retention.
+
+use crate::on_every_backend;
+use crate::support::{Db, TestServer, start_with};
+use serde_json::{Value as Json, json};
+use std::time::{Duration, Instant};
+
+/// A server whose dead-letter poller runs every second.
+async fn server(db: Db, max_retries: u32) -> TestServer {
+    start_with(db, |c| {
+        c.queue.dlq_poll_interval_secs = 1;
+        c.queue.dlq_max_retries = max_retries;
+    })
+    .await
+}
+
+/// Greets `payload.name` and copies what the run saw of its metadata, so the
+/// test can tell what was stored (runs read the stored, masked metadata).
+fn greeter(id: &str) -> Json {
+    json!({
+        "workflow_id": id, "name": id,
+        "tasks": [
+            {"id": "parse", "name": "parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}},
+            {"id": "greet", "name": "greet", "function": {"name": "map", "input": {"mappings": [
+                {"path": "greeting", "logic": {"cat": ["hello ", {"var": "data.in.name"}]}},
+                {"path": "seen.authorization", "logic": {"var": "metadata.headers.authorization"}},
+                {"path": "seen.api_header", "logic": {"var": "metadata.headers.x-api-key"}},
+                {"path": "seen.tenant", "logic": {"var": "metadata.headers.x-tenant"}},
+                {"path": "seen.item", "logic": {"var": "metadata.path.item"}},
+                {"path": "seen.method", "logic": {"var": "metadata.method"}}
+            ]}}}
+        ]
+    })
+}
+
+/// Fails in task `boom` while `fail` is true.
+fn flaky(id: &str, fail: bool) -> Json {
+    json!({
+        "workflow_id": id, "name": id,
+        "tasks": [
+            {"id": "boom", "name": "boom", "function": {"name": "map", "input": {"mappings": [
+                {"path": "x", "logic": {"if": [fail, {"throw": "exploded"}, 1]}}
+            ]}}}
+        ]
+    })
+}
+
+fn rest_channel(name: &str, workflow: &str, channel_type: &str) -> Json {
+    json!({
+        "channel_id": name, "name": name, "channel_type": channel_type, "protocol": "rest",
+        "route_pattern": format!("/{name}/{{item}}"), "methods": ["POST"],
+        "workflow_id": workflow, "config_json": {"timeout_ms": 5000}
+    })
+}
+
+/// Polls a trace until `done` holds (10 s at most).
+async fn poll(s: &TestServer, id: &str, done: impl Fn(&Json) -> bool) -> Json {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = s.get(&format!("/api/v1/data/traces/{id}")).await;
+        let trace = r.ok(200).clone();
+        if done(&trace) {
+            return trace;
+        }
+        assert!(Instant::now() < deadline, "trace never got there: {trace}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn submit(s: &TestServer, path: &str, body: Json, headers: &[(&str, &str)]) -> String {
+    let r = s.send("POST", path, Some(body), headers).await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    assert_eq!(r.body["status"], "pending");
+    let id = r.body["trace_id"].as_str().unwrap().to_owned();
+    assert!(uuid::Uuid::parse_str(&id).is_ok(), "{id}");
+    id
+}
+
+fn ids(page: &Json) -> Vec<String> {
+    page["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["trace_id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+on_every_backend!(submit_poll_list_and_mask, submit_poll_list_and_mask_body);
+async fn submit_poll_list_and_mask_body(db: Db) {
+    let s = server(db, 5).await;
+    s.deploy(greeter("greet"), rest_channel("greet", "greet", "sync"))
+        .await;
+    s.deploy(greeter("bg"), rest_channel("bg", "greet", "async"))
+        .await;
+
+    // By name, with credentials in the headers.
+    let headers = [
+        ("authorization", "Bearer top-secret"),
+        ("x-api-key", "k-123"),
+        ("x-tenant", "acme"),
+    ];
+    let first = submit(
+        &s,
+        "/api/v1/data/greet/async",
+        json!({"data": {"name": "ada"}}),
+        &headers,
+    )
+    .await;
+    let t = poll(&s, &first, |t| t["status"] == "completed").await;
+    assert_eq!(t["data"]["greeting"], "hello ada");
+    assert_eq!(
+        (t["channel"].as_str(), t["mode"].as_str()),
+        (Some("greet"), Some("async"))
+    );
+    assert_eq!(
+        (t["workflow_id"].as_str(), t["workflow_version"].as_i64()),
+        (Some("greet"), Some(1))
+    );
+    assert_eq!(
+        (t["attempts"].as_i64(), t["errors"].clone()),
+        (Some(1), json!([]))
+    );
+    assert!(t["created_at"].as_str().unwrap().ends_with('Z'));
+    assert!(t["started_at"].is_string() && t["completed_at"].is_string());
+    assert!(t["duration_ms"].as_f64().unwrap() >= 0.0);
+    // Stored headers are masked; the run saw only the stored values.
+    assert_eq!(t["data"]["seen"]["authorization"], "******");
+    assert_eq!(t["data"]["seen"]["api_header"], "******");
+    assert_eq!(t["data"]["seen"]["tenant"], "acme");
+    assert!(!t.to_string().contains("top-secret") && !t.to_string().contains("k-123"));
+    let keys: Vec<&str> = t.as_object().unwrap().keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        [
+            "trace_id",
+            "channel",
+            "mode",
+            "status",
+            "workflow_id",
+            "workflow_version",
+            "data",
+            "errors",
+            "created_at",
+            "started_at",
+            "completed_at",
+            "duration_ms",
+            "attempts"
+        ]
+    );
+
+    // By route, with a path parameter; and a channel of type async without `/async`.
+    let routed = submit(
+        &s,
+        "/api/v1/data/greet/7/async",
+        json!({"data": {"name": "bo"}}),
+        &[],
+    )
+    .await;
+    let t = poll(&s, &routed, |t| t["status"] == "completed").await;
+    assert_eq!(
+        (
+            t["data"]["seen"]["item"].as_str(),
+            t["data"]["seen"]["method"].as_str()
+        ),
+        (Some("7"), Some("POST"))
+    );
+    let background = submit(&s, "/api/v1/data/bg", json!({"data": {"name": "cy"}}), &[]).await;
+    let t = poll(&s, &background, |t| t["status"] == "completed").await;
+    assert_eq!(
+        (t["channel"].as_str(), t["data"]["greeting"].as_str()),
+        (Some("bg"), Some("hello cy"))
+    );
+
+    // Sync requests write no trace.
+    let r = s
+        .post("/api/v1/data/greet/9", json!({"data": {"name": "dee"}}))
+        .await;
+    assert_eq!(
+        (r.status, r.body["data"]["greeting"].as_str()),
+        (200, Some("hello dee"))
+    );
+    let all = s.get("/api/v1/data/traces").await;
+    assert_eq!(all.status, 200, "{}", all.text);
+    assert_eq!(
+        (
+            all.body["total"].as_i64(),
+            all.body["limit"].as_i64(),
+            all.body["offset"].as_i64()
+        ),
+        (Some(3), Some(50), Some(0))
+    );
+    // Newest first.
+    assert_eq!(
+        ids(&all.body),
+        vec![background.clone(), routed.clone(), first.clone()]
+    );
+
+    // Filters and paging.
+    let page = s.get("/api/v1/data/traces?channel=greet").await.body;
+    assert_eq!(
+        (ids(&page), page["total"].as_i64()),
+        (vec![routed.clone(), first.clone()], Some(2))
+    );
+    let page = s
+        .get("/api/v1/data/traces?status=completed&mode=async&limit=1&offset=2")
+        .await
+        .body;
+    assert_eq!(
+        (ids(&page), page["total"].as_i64()),
+        (vec![first.clone()], Some(3))
+    );
+    let page = s.get("/api/v1/data/traces?status=failed").await.body;
+    assert_eq!((ids(&page).len(), page["total"].as_i64()), (0, Some(0)));
+    let page = s.get("/api/v1/data/traces?mode=kafka").await.body;
+    assert_eq!(page["total"], 0);
+    s.get("/api/v1/data/traces?status=done")
+        .await
+        .error(400, "BAD_REQUEST");
+    s.get("/api/v1/data/traces?limit=0")
+        .await
+        .error(400, "BAD_REQUEST");
+
+    // Unknown trace, wrong method, bad bodies, unknown channel.
+    let missing = s.get("/api/v1/data/traces/nope").await;
+    assert_eq!(
+        missing.error(404, "NOT_FOUND")["message"],
+        "Trace with id 'nope' not found"
+    );
+    s.post("/api/v1/data/traces", json!({}))
+        .await
+        .error(405, "METHOD_NOT_ALLOWED");
+    let bad = s
+        .raw(
+            "POST",
+            "/api/v1/data/greet/async",
+            b"[1]".to_vec(),
+            Some("application/json"),
+        )
+        .await;
+    bad.error(400, "BAD_REQUEST");
+    let bad = s
+        .raw(
+            "POST",
+            "/api/v1/data/greet/async",
+            b"{nope".to_vec(),
+            Some("application/json"),
+        )
+        .await;
+    bad.error(400, "BAD_REQUEST");
+    s.post("/api/v1/data/nobody/async", json!({"data": {}}))
+        .await
+        .error(404, "NOT_FOUND");
+    assert_eq!(s.get("/api/v1/data/traces").await.body["total"], 3);
+}
+
+on_every_backend!(
+    dead_letter_retry_completes,
+    dead_letter_retry_completes_body
+);
+async fn dead_letter_retry_completes_body(db: Db) {
+    let s = server(db, 5).await;
+    s.deploy(flaky("flaky", true), rest_channel("flaky", "flaky", "sync"))
+        .await;
+    let id = submit(&s, "/api/v1/data/flaky/async", json!({"data": {}}), &[]).await;
+    let t = poll(&s, &id, |t| t["status"] == "failed").await;
+    assert_eq!(t["attempts"], 1);
+    assert_eq!(t["errors"][0]["code"], "TASK_ERROR");
+    assert_eq!(t["errors"][0]["task_id"], "boom");
+    assert!(
+        t["errors"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("exploded"),
+        "{t}"
+    );
+    let dead = s
+        .app
+        .store
+        .dlq_entry(&id)
+        .await
+        .unwrap()
+        .expect("dead letter");
+    assert_eq!(dead.state, "waiting");
+
+    // The poller retries it (after 1 s, then 2 s): it fails a second time...
+    let t = poll(&s, &id, |t| t["status"] == "failed" && t["attempts"] == 2).await;
+    assert_eq!(t["errors"][0]["task_id"], "boom");
+    // ...then the workflow is fixed (a new active version), and the next retry
+    // runs on the reloaded engine and completes.
+    s.admin("POST", "/workflows/flaky/versions", None)
+        .await
+        .ok(201);
+    s.admin("PUT", "/workflows/flaky", Some(flaky("flaky", false)))
+        .await
+        .ok(200);
+    s.admin(
+        "PATCH",
+        "/workflows/flaky/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    let t = poll(&s, &id, |t| t["status"] == "completed").await;
+    // At least the two observed failures; a third only if the fix landed late.
+    assert!(t["attempts"].as_i64().unwrap() >= 3, "{t}");
+    assert_eq!(
+        (
+            t["workflow_version"].as_i64(),
+            t["data"].clone(),
+            t["errors"].clone()
+        ),
+        (Some(2), json!({"x": 1}), json!([]))
+    );
+    assert!(s.app.store.dlq_entry(&id).await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_retries_run_out() {
+    let s = server(Db::Sqlite, 1).await;
+    s.deploy(
+        flaky("doomed", true),
+        rest_channel("doomed", "doomed", "sync"),
+    )
+    .await;
+    let id = submit(&s, "/api/v1/data/doomed/async", json!({"data": {}}), &[]).await;
+    poll(&s, &id, |t| t["status"] == "failed" && t["attempts"] == 2).await;
+    // One retry was allowed: nothing more happens after it.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let t = s
+        .get(&format!("/api/v1/data/traces/{id}"))
+        .await
+        .ok(200)
+        .clone();
+    assert_eq!(
+        (t["status"].as_str(), t["attempts"].as_i64()),
+        (Some("failed"), Some(2))
+    );
+    assert_eq!(t["errors"][0]["code"], "TASK_ERROR");
+    let dead = s.app.store.dlq_entry(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (dead.state.as_str(), dead.attempts, dead.next_retry_at),
+        ("exhausted", 2, None)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_runs_traces_nobody_handed_to_a_worker() {
+    use sluice::storage::NewTrace;
+    let s = server(Db::Sqlite, 5).await;
+    s.deploy(greeter("greet"), rest_channel("greet", "greet", "sync"))
+        .await;
+    // As if left pending by a restart: stored, never offered to a worker.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64;
+    s.app
+        .store
+        .insert_pending(&NewTrace {
+            trace_id: "left-over".into(),
+            channel: "greet".into(),
+            mode: "async".into(),
+            bucket: None,
+            payload: json!({"name": "eve"}).to_string(),
+            metadata: json!({"headers": {}, "method": "POST"}).to_string(),
+            created_at: now,
+        })
+        .await
+        .unwrap();
+    let t = poll(&s, "left-over", |t| t["status"] == "completed").await;
+    assert_eq!(t["data"]["greeting"], "hello eve");
+
+    // The storage layer's query timings are exported per operation.
+    let metrics = s.get("/metrics").await.text;
+    assert!(
+        metrics.contains("db_query_duration_seconds")
+            && metrics.contains("operation=\"insert_pending\""),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_traces_past_their_hours() {
+    use sluice::storage::NewTrace;
+    let s = server(Db::Sqlite, 5).await;
+    s.deploy(greeter("greet"), rest_channel("greet", "greet", "sync"))
+        .await;
+    let fresh = submit(
+        &s,
+        "/api/v1/data/greet/async",
+        json!({"data": {"name": "fay"}}),
+        &[],
+    )
+    .await;
+    poll(&s, &fresh, |t| t["status"] == "completed").await;
+    let hours_ago = |h: i64| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as i64
+            - h * 3_600_000_000
+    };
+    // Older than the default 72 hours (whatever state the sweep leaves it in).
+    s.app
+        .store
+        .insert_pending(&NewTrace {
+            trace_id: "ancient".into(),
+            channel: "gone".into(),
+            mode: "async".into(),
+            bucket: None,
+            payload: "null".into(),
+            metadata: "{}".into(),
+            created_at: hours_ago(73),
+        })
+        .await
+        .unwrap();
+    let deleted = sluice::queue::delete_expired(&s.app.store, &s.app.config.queue)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    s.get("/api/v1/data/traces/ancient")
+        .await
+        .error(404, "NOT_FOUND");
+    s.get(&format!("/api/v1/data/traces/{fresh}")).await.ok(200);
+}
