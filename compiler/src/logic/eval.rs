@@ -715,16 +715,15 @@ impl<'a> Ev<'a, '_> {
         scope: &Scope<'_, 'a>,
     ) -> R<'a> {
         let rel = match op {
-            Op::Add | Op::Sub | Op::Mul | Op::Div => {
-                let x =
-                    to_number(&self.eval(a, scope)?).ok_or_else(|| self.fail(EvalError::NaN))?;
-                let y =
-                    to_number(&self.eval(b, scope)?).ok_or_else(|| self.fail(EvalError::NaN))?;
+            Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod => {
+                let x = self.num_operand(a, scope)?;
+                let y = self.num_operand(b, scope)?;
                 return self.number(match op {
                     Op::Add => x + y,
                     Op::Sub => x - y,
                     Op::Mul => x * y,
-                    _ => x / y,
+                    Op::Div => x / y,
+                    _ => x % y,
                 });
             }
             Op::Lt => Rel::Lt,
@@ -732,14 +731,70 @@ impl<'a> Ev<'a, '_> {
             Op::Gt => Rel::Gt,
             Op::Ge => Rel::Ge,
             Op::StrictEq | Op::StrictNe => {
-                let (x, y) = (self.eval(a, scope)?, self.eval(b, scope)?);
+                let (x, y) = (self.operand(a, scope)?, self.operand(b, scope)?);
                 return Ok(Value::Bool(strict_eq(&x, &y) == (op == Op::StrictEq)));
+            }
+            Op::Eq | Op::Ne => {
+                let (x, y) = (self.operand(a, scope)?, self.operand(b, scope)?);
+                let eq = match (x, y) {
+                    (Value::Str(p), Value::Str(q)) => key_eq(p, q),
+                    (Value::Int(p), Value::Int(q)) => p == q,
+                    _ => loose_eq_checked(&x, &y).map_err(|()| self.fail(EvalError::NaN))?,
+                };
+                return Ok(Value::Bool(eq == (op == Op::Eq)));
             }
             _ => return self.op(op, Args::Nodes(args), scope),
         };
-        let (x, y) = (self.eval(a, scope)?, self.eval(b, scope)?);
-        let holds = relate(&x, &y, rel).map_err(|()| self.fail(EvalError::NaN))?;
+        let (x, y) = (self.operand(a, scope)?, self.operand(b, scope)?);
+        let holds = match (x, y) {
+            (Value::Int(p), Value::Int(q)) => match rel {
+                Rel::Lt => p < q,
+                Rel::Le => p <= q,
+                Rel::Gt => p > q,
+                Rel::Ge => p >= q,
+            },
+            _ => relate(&x, &y, rel).map_err(|()| self.fail(EvalError::NaN))?,
+        };
         Ok(Value::Bool(holds))
+    }
+
+    /// An operand of a hot operator: `var` reads and scalar constants are
+    /// handled here, without a call into the interpreter.
+    #[inline(always)]
+    fn operand(&self, id: NodeId, scope: &Scope<'_, 'a>) -> R<'a> {
+        match &self.prog.nodes[id as usize] {
+            Node::Var {
+                level: 0,
+                path,
+                default: None,
+                slot,
+            } => Ok(self.lookup_slot(scope, *slot, path).unwrap_or(Value::Null)),
+            Node::Int(i) => Ok(Value::Int(*i)),
+            Node::Float(f) => Ok(Value::Float(*f)),
+            Node::Str(s) => Ok(Value::Str(s)),
+            _ => self.eval(id, scope),
+        }
+    }
+
+    /// [`Self::operand`] coerced to a number (NaN error when it is not one).
+    #[inline(always)]
+    fn num_operand(&self, id: NodeId, scope: &Scope<'_, 'a>) -> Result<f64, Fail> {
+        let v = match &self.prog.nodes[id as usize] {
+            Node::Int(i) => return Ok(*i as f64),
+            Node::Float(f) => return Ok(*f),
+            Node::Var {
+                level: 0,
+                path,
+                default: None,
+                slot,
+            } => self.lookup_slot(scope, *slot, path).unwrap_or(Value::Null),
+            _ => self.eval(id, scope)?,
+        };
+        match v {
+            Value::Int(i) => Ok(i as f64),
+            Value::Float(f) => Ok(f),
+            other => to_number(&other).ok_or_else(|| self.fail(EvalError::NaN)),
+        }
     }
 
     fn compare(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
