@@ -883,19 +883,33 @@ impl<'a> Ev<'a, '_> {
             _ => &[],
         };
         let item_scope = |i: usize, item: Value<'a>| Scope::child(item, Some(i), scope);
+        // A two-argument operator body (the usual `{">": [{"var": "x"}, 1]}`)
+        // is called directly per element, skipping the node dispatch.
+        let prog: &'a Program = self.prog;
+        let direct = match &prog.nodes[body as usize] {
+            Node::Op { op, start, len: 2 } => {
+                let args = &prog.args[*start as usize..*start as usize + 2];
+                Some((*op, args[0], args[1], args))
+            }
+            _ => None,
+        };
+        let run = |s: &Scope<'_, 'a>| match direct {
+            Some((op, a, b, args)) => self.binary(op, a, b, args, s),
+            None => self.eval(body, s),
+        };
         match op {
             Op::Map => {
                 self.charge(size_of_val(items))?;
                 let mut out = BVec::with_capacity_in(items.len(), self.arena);
                 for (i, item) in items.iter().enumerate() {
-                    out.push(self.eval(body, &item_scope(i, *item))?);
+                    out.push(run(&item_scope(i, *item))?);
                 }
                 Ok(Value::Array(out.into_bump_slice()))
             }
             Op::Filter => {
                 let mut out = BVec::new_in(self.arena);
                 for (i, item) in items.iter().enumerate() {
-                    if truthy(&self.eval(body, &item_scope(i, *item))?) {
+                    if truthy(&run(&item_scope(i, *item))?) {
                         out.push(*item);
                     }
                 }
@@ -915,7 +929,7 @@ impl<'a> Ev<'a, '_> {
                         index: Some(i),
                         parent: Some(scope),
                     };
-                    acc = self.eval(body, &s)?;
+                    acc = run(&s)?;
                 }
                 Ok(acc)
             }
@@ -924,7 +938,7 @@ impl<'a> Ev<'a, '_> {
                     return Ok(Value::Bool(false));
                 }
                 for (i, item) in items.iter().enumerate() {
-                    if !truthy(&self.eval(body, &item_scope(i, *item))?) {
+                    if !truthy(&run(&item_scope(i, *item))?) {
                         return Ok(Value::Bool(false));
                     }
                 }
@@ -934,7 +948,7 @@ impl<'a> Ev<'a, '_> {
                 // some / none
                 let mut any = false;
                 for (i, item) in items.iter().enumerate() {
-                    if truthy(&self.eval(body, &item_scope(i, *item))?) {
+                    if truthy(&run(&item_scope(i, *item))?) {
                         any = true;
                         break;
                     }
