@@ -53,6 +53,8 @@ const OPERATIONS: &[(&str, &str, &str, &str, bool, u16)] = &[
     ("get", "/api/v1/admin/backups", "engine", "List backups", false, 200),
     ("post", "/api/v1/data/{channel}", "data", "Process a request on a channel by name", true, 200),
     ("post", "/api/v1/data/{channel}/async", "data", "Submit a request asynchronously (returns a trace id)", true, 202),
+    ("get", "/api/v1/data/traces", "data", "List traces (filters: status, channel, mode; limit, offset)", false, 200),
+    ("get", "/api/v1/data/traces/{id}", "data", "Poll one trace", false, 200),
     ("get", "/api/v1/data/{path}", "data", "Process a request via REST route matching (a route-matched GET has no body)", false, 200),
     ("post", "/api/v1/data/{path}", "data", "Process a request via REST route matching", true, 200),
     ("put", "/api/v1/data/{path}", "data", "Process a request via REST route matching", true, 200),

@@ -180,6 +180,14 @@ async fn metrics_are_served_in_prometheus_format() {
     ] {
         assert!(r.text.contains(needle), "missing {needle} in\n{}", r.text);
     }
+    // Every metric the spec lists is exported once there has been traffic.
+    for (name, _) in sluice::telemetry::names::ALL {
+        assert!(
+            r.text.lines().any(|l| l.starts_with(name)),
+            "metric {name} missing"
+        );
+    }
+    assert_eq!(sluice::telemetry::names::ALL.len(), 13);
 }
 
 #[tokio::test]
