@@ -111,7 +111,8 @@ fn main() {
     for _ in 0..100 {
         black_box(run_once(&plan, &body, &services, &scope, &options));
     }
-    let runs = 10_000u64;
+    let full = std::env::args().any(|a| a == "--bench");
+    let runs = if full { 10_000u64 } else { 100 };
     let before = ALLOCATIONS.load(Ordering::Relaxed);
     for _ in 0..runs {
         black_box(run_once(&plan, &body, &services, &scope, &options));
