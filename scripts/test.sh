@@ -9,4 +9,6 @@ cd "$(dirname "$0")/.."
 bash ../shared/services/postgres.sh
 bash ../shared/services/mariadb.sh
 cargo test --workspace --all-targets
+# The JSONLogic conformance counts, printed (they are asserted above too).
+cargo test -q -p sluice-compiler --test jsonlogic_conformance -- --nocapture --test-threads 1 2>&1 | grep -E "passed$"
 cargo test --workspace --doc
