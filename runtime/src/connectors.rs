@@ -30,14 +30,25 @@ pub enum ConnectorErrorKind {
 pub struct ConnectorError {
     pub kind: ConnectorErrorKind,
     pub message: String,
+    /// Whether trying again may succeed (network errors, timeouts, 5xx, 429,
+    /// 408). Only retryable failures are retried.
+    pub retryable: bool,
 }
 
 impl ConnectorError {
+    /// A failure of `kind`; timeouts are retryable by default, others not.
     pub fn new(kind: ConnectorErrorKind, message: impl Into<String>) -> Self {
         ConnectorError {
             kind,
             message: message.into(),
+            retryable: kind == ConnectorErrorKind::Timeout,
         }
+    }
+
+    /// Marks the failure as retryable (or not).
+    pub fn retryable(mut self, retryable: bool) -> Self {
+        self.retryable = retryable;
+        self
     }
 
     pub fn other(message: impl Into<String>) -> Self {
