@@ -11,6 +11,7 @@ pub mod app;
 pub mod auth;
 pub mod cli;
 pub mod config;
+pub mod connectors;
 pub mod data;
 pub mod engine;
 pub mod openapi;
