@@ -164,7 +164,7 @@ impl<'a> Value<'a> {
     }
 }
 
-fn number_from_json(n: &serde_json::Number) -> Value<'static> {
+pub(crate) fn number_from_json(n: &serde_json::Number) -> Value<'static> {
     if let Some(i) = n.as_i64() {
         Value::Int(i)
     } else {

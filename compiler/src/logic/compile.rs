@@ -2,6 +2,7 @@
 //! compile-time path splitting, constant folding and the nesting limit.
 
 use super::eval::{self, index_of, key_text};
+use super::lit::Lit;
 use super::{CompileError, Logic, MAX_DEPTH, MissingKey, Node, NodeId, Op, Program, Slot};
 use crate::path::{Path, Segment};
 use crate::value::Value;
@@ -175,7 +176,7 @@ impl Compiler {
             },
             Json::String(s) => Node::Str(s.as_str().into()),
             Json::Array(_) | Json::Object(_) => {
-                self.prog.consts.push(v.clone());
+                self.prog.consts.push(Lit::new(v.clone()));
                 Node::Json((self.prog.consts.len() - 1) as u32)
             }
         };
@@ -189,7 +190,7 @@ impl Compiler {
             Node::Int(i) => Json::from(*i),
             Node::Float(f) => crate::value::float_to_json(*f),
             Node::Str(s) => Json::String(s.to_string()),
-            Node::Json(i) => self.prog.consts[*i as usize].clone(),
+            Node::Json(i) => self.prog.consts[*i as usize].json().clone(),
             _ => Json::Null,
         }
     }
@@ -344,9 +345,9 @@ impl Compiler {
 
     /// The constant value of argument nodes, as arena values (so path
     /// interpretation is shared with evaluation).
-    fn const_values<'a>(&'a self, ids: &[NodeId], arena: &'a Bump) -> Vec<Value<'a>> {
+    fn const_values(&self, ids: &[NodeId]) -> Vec<Value<'_>> {
         ids.iter()
-            .map(|&id| eval::const_value(&self.prog, id, arena))
+            .map(|&id| eval::const_value(&self.prog, id))
             .collect()
     }
 
@@ -359,7 +360,7 @@ impl Compiler {
                 if !self.is_const(path_id) {
                     return None;
                 }
-                let path = eval::const_value(&self.prog, path_id, &arena);
+                let path = eval::const_value(&self.prog, path_id);
                 let segments: Box<[Segment]> = match path {
                     Value::Null => Box::default(),
                     other => Path::parse(key_text(other, &arena)).segments().into(),
@@ -375,7 +376,7 @@ impl Compiler {
                 if !ids.iter().all(|&id| self.is_const(id)) {
                     return None;
                 }
-                let values = self.const_values(ids, &arena);
+                let values = self.const_values(ids);
                 let (level, rest) = match values.as_slice() {
                     [Value::Array(marker), rest @ ..] if op == Op::Val => {
                         (eval::level_of(marker), rest)

@@ -68,13 +68,13 @@ pub(super) fn fold(prog: &Program, id: NodeId) -> Option<serde_json::Value> {
 }
 
 /// The value of a constant node.
-pub(super) fn const_value<'a>(prog: &'a Program, id: NodeId, arena: &'a Bump) -> Value<'a> {
+pub(super) fn const_value(prog: &Program, id: NodeId) -> Value<'_> {
     match &prog.nodes[id as usize] {
         Node::Bool(b) => Value::Bool(*b),
         Node::Int(i) => Value::Int(*i),
         Node::Float(f) => Value::Float(*f),
         Node::Str(s) => Value::Str(s),
-        Node::Json(i) => Value::from_json(&prog.consts[*i as usize], arena),
+        Node::Json(i) => prog.consts[*i as usize].value(),
         _ => Value::Null,
     }
 }
@@ -401,7 +401,7 @@ impl<'a> Ev<'a, '_> {
             Node::Int(i) => Ok(Value::Int(*i)),
             Node::Float(f) => Ok(Value::Float(*f)),
             Node::Str(s) => Ok(Value::Str(s)),
-            Node::Json(i) => Ok(Value::from_json(&prog.consts[*i as usize], self.arena)),
+            Node::Json(i) => Ok(prog.consts[*i as usize].value()),
             Node::Spread { op, arg } => {
                 let values = match self.eval(*arg, scope)? {
                     Value::Array(items) => items,

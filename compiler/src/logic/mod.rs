@@ -15,6 +15,7 @@
 
 mod compile;
 mod eval;
+mod lit;
 mod ops;
 #[cfg(test)]
 mod tests;
@@ -68,6 +69,7 @@ impl Logic {
             Node::Str(s) => Ok(Value::Str(s)),
             Node::Null => Ok(Value::Null),
             Node::Int(i) => Ok(Value::Int(*i)),
+            Node::Json(i) => Ok(self.prog.consts[*i as usize].value()),
             _ => {
                 let error = std::cell::Cell::new(None);
                 match eval::run_raw(&self.prog, self.root, data, arena, &error) {
@@ -171,8 +173,8 @@ pub(crate) struct Program {
     pub(crate) nodes: Vec<Node>,
     /// Argument lists of `Node::Op`, as node ids.
     pub(crate) args: Vec<NodeId>,
-    /// Array and object constants, copied into the arena when evaluated.
-    pub(crate) consts: Vec<serde_json::Value>,
+    /// Array and object constants, prebuilt so evaluation borrows them.
+    pub(crate) consts: Vec<lit::Lit>,
 }
 
 /// The operators, a closed set: dispatch is a `match`, never a name lookup.
