@@ -326,6 +326,41 @@ impl Args<'_> {
     }
 }
 
+/// An iterator body that needs no scope: a read of the element (or, in
+/// `reduce`, of `current` / `accumulator`) or a scalar constant, alone or
+/// as both operands of a two-argument operator.
+#[derive(Clone, Copy)]
+enum Body<'a> {
+    One(Opd<'a>),
+    Two(Op, Opd<'a>, Opd<'a>),
+    General,
+}
+
+/// An operand of a [`Body`].
+#[derive(Clone, Copy)]
+enum Opd<'a> {
+    /// A path into the element (`reduce`: into `current`).
+    Item(&'a [Segment]),
+    /// A path into `reduce`'s accumulator.
+    Acc(&'a [Segment]),
+    Const(Value<'a>),
+}
+
+impl<'a> Opd<'a> {
+    #[inline(always)]
+    fn read(self, item: Value<'a>, acc: Value<'a>) -> Value<'a> {
+        let (base, path) = match self {
+            Opd::Item(path) => (item, path),
+            Opd::Acc(path) => (acc, path),
+            Opd::Const(v) => return v,
+        };
+        if path.is_empty() {
+            return base;
+        }
+        get_path(base, path).unwrap_or(Value::Null)
+    }
+}
+
 struct Ev<'a, 'e> {
     prog: &'a Program,
     arena: &'a Bump,
@@ -882,10 +917,13 @@ impl<'a> Ev<'a, '_> {
             }
             _ => &[],
         };
-        let item_scope = |i: usize, item: Value<'a>| Scope::child(item, Some(i), scope);
         // A two-argument operator body (the usual `{">": [{"var": "x"}, 1]}`)
-        // is called directly per element, skipping the node dispatch.
+        // is called directly per element, skipping the node dispatch; a body
+        // whose operands are item/accumulator reads and scalar constants
+        // runs without building a scope at all.
+        let reduce = op == Op::Reduce;
         let prog: &'a Program = self.prog;
+        let shape = self.body_shape(body, reduce);
         let direct = match &prog.nodes[body as usize] {
             Node::Op { op, start, len: 2 } => {
                 let args = &prog.args[*start as usize..*start as usize + 2];
@@ -893,23 +931,38 @@ impl<'a> Ev<'a, '_> {
             }
             _ => None,
         };
-        let run = |s: &Scope<'_, 'a>| match direct {
-            Some((op, a, b, args)) => self.binary(op, a, b, args, s),
-            None => self.eval(body, s),
+        let run = |i: usize, item: Value<'a>, acc: Value<'a>| -> R<'a> {
+            match shape {
+                Body::One(o) => Ok(o.read(item, acc)),
+                Body::Two(op, a, b) => self.apply(op, a.read(item, acc), b.read(item, acc)),
+                Body::General => {
+                    let s = Scope {
+                        data: item,
+                        acc,
+                        reduce,
+                        index: Some(i),
+                        parent: Some(scope),
+                    };
+                    match direct {
+                        Some((op, a, b, args)) => self.binary(op, a, b, args, &s),
+                        None => self.eval(body, &s),
+                    }
+                }
+            }
         };
         match op {
             Op::Map => {
                 self.charge(size_of_val(items))?;
                 let mut out = BVec::with_capacity_in(items.len(), self.arena);
                 for (i, item) in items.iter().enumerate() {
-                    out.push(run(&item_scope(i, *item))?);
+                    out.push(run(i, *item, Value::Null)?);
                 }
                 Ok(Value::Array(out.into_bump_slice()))
             }
             Op::Filter => {
                 let mut out = BVec::new_in(self.arena);
                 for (i, item) in items.iter().enumerate() {
-                    if truthy(&run(&item_scope(i, *item))?) {
+                    if truthy(&run(i, *item, Value::Null)?) {
                         out.push(*item);
                     }
                 }
@@ -922,14 +975,7 @@ impl<'a> Ev<'a, '_> {
                     None => Value::Null,
                 };
                 for (i, item) in items.iter().enumerate() {
-                    let s = Scope {
-                        data: *item,
-                        acc,
-                        reduce: true,
-                        index: Some(i),
-                        parent: Some(scope),
-                    };
-                    acc = run(&s)?;
+                    acc = run(i, *item, acc)?;
                 }
                 Ok(acc)
             }
@@ -938,7 +984,7 @@ impl<'a> Ev<'a, '_> {
                     return Ok(Value::Bool(false));
                 }
                 for (i, item) in items.iter().enumerate() {
-                    if !truthy(&run(&item_scope(i, *item))?) {
+                    if !truthy(&run(i, *item, Value::Null)?) {
                         return Ok(Value::Bool(false));
                     }
                 }
@@ -948,7 +994,7 @@ impl<'a> Ev<'a, '_> {
                 // some / none
                 let mut any = false;
                 for (i, item) in items.iter().enumerate() {
-                    if truthy(&run(&item_scope(i, *item))?) {
+                    if truthy(&run(i, *item, Value::Null)?) {
                         any = true;
                         break;
                     }
@@ -956,6 +1002,119 @@ impl<'a> Ev<'a, '_> {
                 Ok(Value::Bool(if op == Op::Some { any } else { !any }))
             }
         }
+    }
+
+    /// How an iterator body reads its element (see [`Body`]).
+    fn body_shape(&self, body: NodeId, reduce: bool) -> Body<'a> {
+        let prog: &'a Program = self.prog;
+        match &prog.nodes[body as usize] {
+            Node::Op {
+                op:
+                    op @ (Op::Add
+                    | Op::Sub
+                    | Op::Mul
+                    | Op::Div
+                    | Op::Mod
+                    | Op::Lt
+                    | Op::Le
+                    | Op::Gt
+                    | Op::Ge
+                    | Op::Eq
+                    | Op::Ne
+                    | Op::StrictEq
+                    | Op::StrictNe),
+                start,
+                len: 2,
+            } => {
+                let args = &prog.args[*start as usize..*start as usize + 2];
+                match (
+                    self.operand_shape(args[0], reduce),
+                    self.operand_shape(args[1], reduce),
+                ) {
+                    (Some(a), Some(b)) => Body::Two(*op, a, b),
+                    _ => Body::General,
+                }
+            }
+            Node::Var { .. } => self
+                .operand_shape(body, reduce)
+                .map_or(Body::General, Body::One),
+            _ => Body::General,
+        }
+    }
+
+    fn operand_shape(&self, id: NodeId, reduce: bool) -> Option<Opd<'a>> {
+        let prog: &'a Program = self.prog;
+        Some(match &prog.nodes[id as usize] {
+            Node::Var {
+                level: 0,
+                path,
+                default: None,
+                slot,
+            } => match (reduce, slot) {
+                (false, _) => Opd::Item(path),
+                (true, Slot::Current) => Opd::Item(&path[1..]),
+                (true, Slot::Accumulator) => Opd::Acc(&path[1..]),
+                (true, Slot::Other) => Opd::Const(Value::Null),
+                (true, Slot::Whole) => return None,
+            },
+            Node::Null => Opd::Const(Value::Null),
+            Node::Bool(b) => Opd::Const(Value::Bool(*b)),
+            Node::Int(i) => Opd::Const(Value::Int(*i)),
+            Node::Float(f) => Opd::Const(Value::Float(*f)),
+            Node::Str(s) => Opd::Const(Value::Str(s)),
+            _ => return None,
+        })
+    }
+
+    #[inline(always)]
+    fn num_value(&self, v: Value<'a>) -> Result<f64, Fail> {
+        match v {
+            Value::Int(i) => Ok(i as f64),
+            Value::Float(f) => Ok(f),
+            other => to_number(&other).ok_or_else(|| self.fail(EvalError::NaN)),
+        }
+    }
+
+    /// A two-argument operator of [`Body::Two`] on evaluated operands (the
+    /// same semantics as [`Self::binary`]).
+    #[inline(always)]
+    fn apply(&self, op: Op, x: Value<'a>, y: Value<'a>) -> R<'a> {
+        let rel = match op {
+            Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod => {
+                let (p, q) = (self.num_value(x)?, self.num_value(y)?);
+                return self.number(match op {
+                    Op::Add => p + q,
+                    Op::Sub => p - q,
+                    Op::Mul => p * q,
+                    Op::Div => p / q,
+                    _ => p % q,
+                });
+            }
+            Op::StrictEq => return Ok(Value::Bool(strict_eq(&x, &y))),
+            Op::StrictNe => return Ok(Value::Bool(!strict_eq(&x, &y))),
+            Op::Eq | Op::Ne => {
+                let eq = match (x, y) {
+                    (Value::Str(p), Value::Str(q)) => key_eq(p, q),
+                    (Value::Int(p), Value::Int(q)) => p == q,
+                    _ => loose_eq_checked(&x, &y).map_err(|()| self.fail(EvalError::NaN))?,
+                };
+                return Ok(Value::Bool(eq == (op == Op::Eq)));
+            }
+            Op::Lt => Rel::Lt,
+            Op::Le => Rel::Le,
+            Op::Gt => Rel::Gt,
+            _ => Rel::Ge,
+        };
+        let holds = match (x, y) {
+            (Value::Int(p), Value::Int(q)) => match rel {
+                Rel::Lt => p < q,
+                Rel::Le => p <= q,
+                Rel::Gt => p > q,
+                Rel::Ge => p >= q,
+            },
+            _ => relate(&x, &y, rel).map_err(|()| self.fail(EvalError::NaN))?,
+        };
+        Ok(Value::Bool(holds))
     }
 
     /// `var` with a path computed at evaluation time: `[path, default]`.
