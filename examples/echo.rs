@@ -3,7 +3,6 @@
 //! side by side with Sluice by `benches/load/run.sh` (same hyper version, same
 //! runtime settings).
 
-use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Response;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -27,7 +26,7 @@ async fn main() -> std::io::Result<()> {
                         .await
                         .map(|b| b.to_bytes())
                         .unwrap_or_default();
-                    let mut response = Response::new(Full::new(Bytes::from(body)));
+                    let mut response = Response::new(Full::new(body));
                     response.headers_mut().insert(
                         http::header::CONTENT_TYPE,
                         http::HeaderValue::from_static("application/json"),

@@ -62,16 +62,230 @@ const OPERATIONS: &[(&str, &str, &str, &str, bool, u16)] = &[
     ("delete", "/api/v1/data/{path}", "data", "Process a request via REST route matching", false, 200),
 ];
 
+fn schema_ref(name: &str) -> Json {
+    json!({"$ref": format!("#/components/schemas/{name}")})
+}
+
+/// `{data: <schema>}`
+fn data_of(schema: Json) -> Json {
+    json!({"type": "object", "required": ["data"], "properties": {"data": schema}})
+}
+
+/// `{data: [<schema>], total, limit, offset}`
+fn page_of(item: Json) -> Json {
+    json!({"type": "object", "required": ["data", "total", "limit", "offset"], "properties": {
+        "data": {"type": "array", "items": item},
+        "total": {"type": "integer"}, "limit": {"type": "integer"}, "offset": {"type": "integer"},
+    }})
+}
+
+/// Request and success-response schemas of one operation, derived from its
+/// method and path so that every route gets them from one place.
+fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
+    let seg: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let def = |kind: &str| match kind {
+        "workflows" => schema_ref("WorkflowDef"),
+        "channels" => schema_ref("ChannelDef"),
+        _ => schema_ref("ConnectorDef"),
+    };
+    match (method, seg.as_slice()) {
+        ("get", ["health"]) => (None, schema_ref("Health")),
+        ("get", ["healthz" | "readyz"]) => (
+            None,
+            json!({"type": "object", "properties": {"status": {"type": "string"}}}),
+        ),
+        ("get", ["metrics" | "docs"]) => (None, json!({"type": "string"})),
+        ("get", ["api", "v1", "openapi.json"]) => (None, json!({"type": "object"})),
+        (_, ["api", "v1", "admin", "connectors", "circuit-breakers", ..]) => (
+            None,
+            data_of(json!({"type": "array", "items": schema_ref("CircuitBreaker")})),
+        ),
+        ("post", ["api", "v1", "admin", "connectors", "reload"]) => {
+            (None, data_of(json!({"type": "object"})))
+        }
+        ("post", ["api", "v1", "admin", kind, "import"]) => (
+            Some(json!({"type": "array", "items": def(kind)})),
+            data_of(schema_ref("ImportResult")),
+        ),
+        ("get", ["api", "v1", "admin", kind, "export"]) => {
+            (None, data_of(json!({"type": "array", "items": def(kind)})))
+        }
+        ("post", ["api", "v1", "admin", kind, "validate"]) => {
+            (Some(def(kind)), data_of(schema_ref("ValidateResult")))
+        }
+        ("post", ["api", "v1", "admin", _, _, "test"]) => (
+            Some(schema_ref("DryRunRequest")),
+            data_of(schema_ref("DryRunResult")),
+        ),
+        ("patch", ["api", "v1", "admin", kind, _, "status"]) => {
+            (Some(schema_ref("StatusChange")), data_of(def(kind)))
+        }
+        ("patch", ["api", "v1", "admin", kind, _, "rollout"]) => {
+            (Some(schema_ref("RolloutChange")), data_of(def(kind)))
+        }
+        ("get", ["api", "v1", "admin", kind, _, "versions"]) => (None, page_of(def(kind))),
+        ("post", ["api", "v1", "admin", kind, _, "versions"]) => (None, data_of(def(kind))),
+        (
+            "get",
+            [
+                "api",
+                "v1",
+                "admin",
+                kind @ ("workflows" | "channels" | "connectors"),
+            ],
+        ) => (None, page_of(def(kind))),
+        (
+            "post",
+            [
+                "api",
+                "v1",
+                "admin",
+                kind @ ("workflows" | "channels" | "connectors"),
+            ],
+        ) => (Some(def(kind)), data_of(def(kind))),
+        (
+            "get",
+            [
+                "api",
+                "v1",
+                "admin",
+                kind @ ("workflows" | "channels" | "connectors"),
+                _,
+            ],
+        ) => (None, data_of(def(kind))),
+        ("put", ["api", "v1", "admin", kind, _]) => (Some(def(kind)), data_of(def(kind))),
+        ("delete", _) if seg.get(2) == Some(&"admin") => (None, json!({})),
+        ("get", ["api", "v1", "admin", "engine", "status"]) => {
+            (None, data_of(schema_ref("EngineStatus")))
+        }
+        ("post", ["api", "v1", "admin", "engine", "reload"]) => {
+            (None, data_of(schema_ref("ReloadReport")))
+        }
+        ("get", ["api", "v1", "admin", "functions"]) => (
+            None,
+            data_of(json!({"type": "array", "items": schema_ref("FunctionSchema")})),
+        ),
+        ("get", ["api", "v1", "admin", "audit-logs"]) => (None, page_of(schema_ref("AuditEntry"))),
+        ("post", ["api", "v1", "admin", "backups"]) => (None, data_of(schema_ref("Backup"))),
+        ("get", ["api", "v1", "admin", "backups"]) => (
+            None,
+            data_of(json!({"type": "array", "items": schema_ref("Backup")})),
+        ),
+        ("get", ["api", "v1", "data", "traces"]) => (None, page_of(schema_ref("Trace"))),
+        ("get", ["api", "v1", "data", "traces", _]) => (None, schema_ref("Trace")),
+        ("post", ["api", "v1", "data", _, "async"]) => {
+            (Some(schema_ref("DataRequest")), schema_ref("TraceAccepted"))
+        }
+        ("get" | "delete", ["api", "v1", "data", ..]) => (None, schema_ref("DataResponse")),
+        (_, ["api", "v1", "data", ..]) => {
+            (Some(schema_ref("DataRequest")), schema_ref("DataResponse"))
+        }
+        _ => (None, json!({"type": "object"})),
+    }
+}
+
+/// Hand-written component schemas (the definitions come from the compiler's
+/// types through schemars).
+fn fixed_schemas() -> Json {
+    let string = json!({"type": "string"});
+    let integer = json!({"type": "integer"});
+    let diagnostic = json!({"type": "object", "required": ["field", "message"], "properties": {"field": string, "message": string}});
+    let task_error = json!({"type": "object", "required": ["code", "task_id", "message"], "properties": {"code": string, "task_id": string, "message": string}});
+    json!({
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["code", "message"],
+            "properties": {"code": string, "message": string, "task_id": string, "details": {"type": "array", "items": diagnostic}},
+        }}},
+        "Diagnostic": diagnostic,
+        "Health": {"type": "object", "required": ["status", "version", "uptime_seconds", "workflows_loaded", "components"], "properties": {
+            "status": {"type": "string", "enum": ["ok", "degraded"]}, "version": string, "uptime_seconds": integer,
+            "workflows_loaded": integer,
+            "components": {"type": "object", "properties": {"database": string, "engine": string}},
+        }},
+        "EngineStatus": {"type": "object", "required": ["version", "uptime_seconds", "workflows_count", "active_workflows", "channels"], "properties": {
+            "version": string, "uptime_seconds": integer, "workflows_count": integer, "active_workflows": integer,
+            "channels": {"type": "array", "items": string}, "generation": integer,
+        }},
+        "ReloadReport": {"type": "object", "properties": {
+            "generation": integer, "workflows": integer, "active_workflows": integer, "channels": integer,
+            "routes": integer, "duration_ms": {"type": "number"},
+        }},
+        "StatusChange": {"type": "object", "required": ["status"], "properties": {
+            "status": {"type": "string", "enum": ["active", "archived", "paused"]},
+            "rollout_percentage": {"type": "integer", "minimum": 1, "maximum": 100},
+            "version": {"type": "integer", "minimum": 1},
+        }},
+        "RolloutChange": {"type": "object", "required": ["rollout_percentage"], "properties": {
+            "rollout_percentage": {"type": "integer", "minimum": 1, "maximum": 100},
+        }},
+        "ImportResult": {"type": "object", "properties": {
+            "created": {"type": "array", "items": string},
+            "failed": {"type": "array", "items": {"type": "object", "properties": {"index": integer, "details": {"type": "array", "items": diagnostic}}}},
+            "dry_run": {"type": "boolean"},
+        }},
+        "ValidateResult": {"type": "object", "properties": {"valid": {"type": "boolean"}, "warnings": {"type": "array", "items": diagnostic}}},
+        "DryRunRequest": {"type": "object", "properties": {
+            "data": {"description": "The payload (what parse_json reads as `payload`)."},
+            "metadata": {"type": "object", "properties": {"headers": {"type": "object"}, "query": {"type": "object"}, "path": {"type": "object"}}},
+        }},
+        "DryRunResult": {"type": "object", "properties": {
+            "matched": {"type": "boolean"}, "status": {"type": "string", "enum": ["completed", "filtered", "failed"]},
+            "data": {}, "errors": {"type": "array", "items": task_error},
+            "tasks": {"type": "array", "items": {"type": "object", "properties": {
+                "id": string, "status": {"type": "string", "enum": ["executed", "skipped", "failed"]}, "ms": {"type": "number"},
+            }}},
+            "ms": {"type": "number"},
+        }},
+        "FunctionSchema": {"type": "object", "properties": {"name": string, "kind": string, "fields": {"type": "array", "items": {"type": "object", "properties": {
+            "name": string, "type": string, "required": {"type": "boolean"}, "description": string, "category": string,
+        }}}}},
+        "AuditEntry": {"type": "object", "properties": {
+            "id": integer, "principal": string, "action": string, "resource_type": string, "resource_id": string,
+            "version": integer, "details": {"type": "object"}, "created_at": string,
+        }},
+        "Backup": {"type": "object", "properties": {"filename": string, "size_bytes": integer, "created_at": string}},
+        "CircuitBreaker": {"type": "object", "properties": {"key": string, "state": {"type": "string", "enum": ["closed", "open", "half_open"]}}},
+        "DataRequest": {"type": "object", "properties": {"data": {"description": "The payload."}}},
+        "DataResponse": {"type": "object", "required": ["status", "data", "errors"], "properties": {
+            "status": {"type": "string", "enum": ["ok"]}, "data": {}, "errors": {"type": "array", "items": task_error},
+            "_service": {"type": "object", "description": "Debug output (profile), only when requested."},
+        }},
+        "TraceAccepted": {"type": "object", "required": ["trace_id", "status"], "properties": {"trace_id": string, "status": {"type": "string", "enum": ["pending"]}}},
+        "Trace": {"type": "object", "properties": {
+            "trace_id": string, "channel": string, "mode": string,
+            "status": {"type": "string", "enum": ["pending", "running", "completed", "failed"]},
+            "workflow_id": string, "workflow_version": integer, "data": {}, "errors": {"type": "array", "items": task_error},
+            "created_at": string, "started_at": string, "completed_at": string, "duration_ms": {"type": "number"}, "attempts": integer,
+        }},
+    })
+}
+
 /// The OpenAPI document.
 pub fn document() -> Json {
+    use sluice_compiler::def::{ChannelDef, ConnectorDef, WorkflowDef};
+    let mut generator = schemars::generate::SchemaSettings::openapi3().into_generator();
+    generator.subschema_for::<WorkflowDef>();
+    generator.subschema_for::<ChannelDef>();
+    generator.subschema_for::<ConnectorDef>();
+    let mut schemas: Map<String, Json> = generator.take_definitions(true).into_iter().collect();
+    if let Json::Object(fixed) = fixed_schemas() {
+        schemas.extend(fixed);
+    }
     let mut paths = Map::new();
-    for (method, path, tag, summary, body, status) in OPERATIONS {
+    for (method, path, tag, summary, _, status) in OPERATIONS {
+        let (request, response) = schemas_for(method, path);
+        let content_type = match *path {
+            "/metrics" => "text/plain",
+            "/docs" => "text/html",
+            _ => "application/json",
+        };
         let mut op = json!({
             "tags": [tag],
             "summary": summary,
+            "operationId": format!("{method}{}", path.replace(['/', '{', '}', '.', '-'], "_")),
             "responses": {
-                status.to_string(): {"description": "Success", "content": {"application/json": {"schema": {"type": "object"}}}},
-                "default": {"description": "Error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+                status.to_string(): {"description": "Success", "content": {content_type: {"schema": response}}},
+                "default": {"description": "Error", "content": {"application/json": {"schema": schema_ref("Error")}}},
             },
         });
         if *status == 204 {
@@ -85,8 +299,9 @@ pub fn document() -> Json {
         if !params.is_empty() {
             op["parameters"] = Json::Array(params);
         }
-        if *body {
-            op["requestBody"] = json!({"required": true, "content": {"application/json": {"schema": {"type": "object"}}}});
+        if let Some(request) = request {
+            op["requestBody"] =
+                json!({"required": true, "content": {"application/json": {"schema": request}}});
         }
         let entry = paths.entry(path.to_string()).or_insert_with(|| json!({}));
         entry[*method] = op;
@@ -101,24 +316,7 @@ pub fn document() -> Json {
         "servers": [{"url": "/"}],
         "paths": paths,
         "components": {
-            "schemas": {
-                "Error": {
-                    "type": "object",
-                    "required": ["error"],
-                    "properties": {"error": {
-                        "type": "object",
-                        "required": ["code", "message"],
-                        "properties": {
-                            "code": {"type": "string"},
-                            "message": {"type": "string"},
-                            "details": {"type": "array", "items": {
-                                "type": "object",
-                                "properties": {"field": {"type": "string"}, "message": {"type": "string"}},
-                            }},
-                        },
-                    }},
-                },
-            },
+            "schemas": schemas,
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},

@@ -61,13 +61,17 @@ fn get_only(req: &Req) -> Result<(), ApiError> {
 
 /// A low-cardinality label for a request path: identifiers become `{id}`,
 /// data-plane paths one label, unknown paths `unmatched`.
-pub fn route_label(path: &str) -> String {
+pub fn route_label(path: &str) -> std::borrow::Cow<'static, str> {
     let seg: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     match seg.as_slice() {
-        ["health" | "healthz" | "readyz" | "metrics" | "docs"] => path.to_owned(),
-        ["api", "v1", "openapi.json"] => path.to_owned(),
-        ["api", "v1", "data", "traces", ..] => "/api/v1/data/traces".to_owned(),
-        ["api", "v1", "data", ..] => "/api/v1/data/{path}".to_owned(),
+        ["health"] => "/health".into(),
+        ["healthz"] => "/healthz".into(),
+        ["readyz"] => "/readyz".into(),
+        ["metrics"] => "/metrics".into(),
+        ["docs", ..] => "/docs".into(),
+        ["api", "v1", "openapi.json"] => "/api/v1/openapi.json".into(),
+        ["api", "v1", "data", "traces", ..] => "/api/v1/data/traces".into(),
+        ["api", "v1", "data", ..] => DATA_PLANE_ROUTE.into(),
         ["api", "v1", "admin", rest @ ..] => {
             const WORDS: &[&str] = &[
                 "workflows",
@@ -92,11 +96,14 @@ pub fn route_label(path: &str) -> String {
                 out.push('/');
                 out.push_str(if WORDS.contains(s) { s } else { "{id}" });
             }
-            out
+            out.into()
         }
-        _ => "unmatched".to_owned(),
+        _ => "unmatched".into(),
     }
 }
+
+/// The one route label of every data-plane request.
+pub const DATA_PLANE_ROUTE: &str = "/api/v1/data/{path}";
 
 #[cfg(test)]
 mod tests {

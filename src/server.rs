@@ -154,18 +154,12 @@ async fn handle(
     if counted {
         app.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
-    let status = response.status().as_str().to_owned();
-    let labels = [
-        ("method", method.as_str().to_owned()),
-        ("path", route),
-        ("status", status),
-    ];
-    metrics::counter!(crate::telemetry::names::HTTP_REQUESTS_TOTAL, &labels).increment(1);
-    metrics::histogram!(
-        crate::telemetry::names::HTTP_REQUEST_DURATION_SECONDS,
-        &labels
-    )
-    .record(started.elapsed().as_secs_f64());
+    crate::telemetry::record_http(
+        &method,
+        route,
+        response.status(),
+        started.elapsed().as_secs_f64(),
+    );
     Ok(finish(response, &request_id))
 }
 

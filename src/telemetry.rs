@@ -139,3 +139,61 @@ pub fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::Promethe
         })
         .as_ref()
 }
+
+/// Status codes the data plane answers; their metric handles are registered
+/// once, so recording a data-plane request takes no registry lookup (and no
+/// lock). Other routes and statuses go through the registry.
+const DATA_STATUSES: [u16; 14] = [
+    200, 202, 204, 400, 404, 405, 409, 413, 415, 429, 500, 502, 503, 504,
+];
+const DATA_METHODS: [&str; 5] = ["GET", "POST", "PUT", "PATCH", "DELETE"];
+
+type HttpHandles = (metrics::Counter, metrics::Histogram);
+
+static DATA_PLANE_HANDLES: std::sync::OnceLock<Vec<HttpHandles>> = std::sync::OnceLock::new();
+
+fn data_plane_handles() -> &'static [HttpHandles] {
+    DATA_PLANE_HANDLES.get_or_init(|| {
+        let mut out = Vec::with_capacity(DATA_METHODS.len() * DATA_STATUSES.len());
+        for method in DATA_METHODS {
+            for status in DATA_STATUSES {
+                let labels = [
+                    ("method", method.to_owned()),
+                    ("path", crate::router::DATA_PLANE_ROUTE.to_owned()),
+                    ("status", status.to_string()),
+                ];
+                out.push((
+                    metrics::counter!(names::HTTP_REQUESTS_TOTAL, &labels),
+                    metrics::histogram!(names::HTTP_REQUEST_DURATION_SECONDS, &labels),
+                ));
+            }
+        }
+        out
+    })
+}
+
+/// Records one HTTP request in `http_requests_total` and
+/// `http_request_duration_seconds`.
+pub fn record_http(
+    method: &http::Method,
+    route: std::borrow::Cow<'static, str>,
+    status: http::StatusCode,
+    secs: f64,
+) {
+    if route == crate::router::DATA_PLANE_ROUTE
+        && let Some(m) = DATA_METHODS.iter().position(|m| *m == method.as_str())
+        && let Some(s) = DATA_STATUSES.iter().position(|s| *s == status.as_u16())
+    {
+        let (counter, histogram) = &data_plane_handles()[m * DATA_STATUSES.len() + s];
+        counter.increment(1);
+        histogram.record(secs);
+        return;
+    }
+    let labels = [
+        ("method", method.as_str().to_owned()),
+        ("path", route.into_owned()),
+        ("status", status.as_str().to_owned()),
+    ];
+    metrics::counter!(names::HTTP_REQUESTS_TOTAL, &labels).increment(1);
+    metrics::histogram!(names::HTTP_REQUEST_DURATION_SECONDS, &labels).record(secs);
+}

@@ -259,3 +259,63 @@ async fn openapi_lists_exactly_the_routes_the_router_serves() {
         }
     }
 }
+
+#[tokio::test]
+async fn openapi_schemas_are_complete_and_resolve() {
+    let s = start(Db::Sqlite).await;
+    let spec = s.get("/api/v1/openapi.json").await.body;
+    let schemas = spec["components"]["schemas"].as_object().unwrap();
+    // The definition schemas come from the compiler's types.
+    assert!(schemas["WorkflowDef"]["properties"].get("tasks").is_some());
+    assert!(
+        schemas["ChannelDef"]["properties"]
+            .get("config_json")
+            .is_some()
+    );
+    assert!(
+        schemas["ConnectorDef"]["properties"]
+            .get("connector_type")
+            .is_some()
+    );
+    let create = &spec["paths"]["/api/v1/admin/workflows"]["post"];
+    assert_eq!(
+        create["requestBody"]["content"]["application/json"]["schema"]["$ref"],
+        "#/components/schemas/WorkflowDef"
+    );
+    // Every operation has a success schema, and every $ref resolves.
+    fn refs(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, x) in m {
+                    if k == "$ref" {
+                        out.push(x.as_str().unwrap().to_owned());
+                    } else {
+                        refs(x, out);
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|x| refs(x, out)),
+            _ => {}
+        }
+    }
+    let mut all = Vec::new();
+    refs(&spec, &mut all);
+    assert!(all.len() > 50);
+    for r in all {
+        let name = r
+            .strip_prefix("#/components/schemas/")
+            .unwrap_or_else(|| panic!("odd ref {r}"));
+        assert!(schemas.contains_key(name), "unresolved {r}");
+    }
+    for (path, ops) in spec["paths"].as_object().unwrap() {
+        for (method, op) in ops.as_object().unwrap() {
+            let success = op["responses"]
+                .as_object()
+                .unwrap()
+                .keys()
+                .any(|k| k.starts_with('2'));
+            assert!(success, "{method} {path} has no success response");
+            assert!(op["operationId"].is_string());
+        }
+    }
+}
