@@ -1,0 +1,1096 @@
+//! The `db` connector client: one lazily connecting sqlx pool over SQLite,
+//! PostgreSQL or MariaDB/MySQL (chosen by the URL scheme) that runs the user's
+//! query as written, binds JSON parameters in order and turns rows into JSON
+//! objects by each column's type.
+//!
+//! Type mapping (a cell whose type cannot be rendered is an error naming the
+//! column, never a panic):
+//!
+//! | database type | JSON |
+//! |---|---|
+//! | integers (any width, signed/unsigned, `YEAR`, `OID`) | number |
+//! | `REAL`/`FLOAT`/`DOUBLE` | number; NaN and ±Infinity as the strings `"NaN"`, `"Infinity"`, `"-Infinity"` |
+//! | `NUMERIC`/`DECIMAL` | number: an integral value that fits `i64` exactly, otherwise the nearest `f64` (about 15–17 significant digits; JSON numbers here are `f64`, so cast to text in the query when every digit matters); NaN as `"NaN"` |
+//! | text types, `ENUM`, `SET`, PostgreSQL enums, `UUID` | string |
+//! | `BOOL`, MySQL `TINYINT(1)`/`BOOLEAN`, SQLite columns declared `BOOLEAN` | boolean |
+//! | `TIMESTAMPTZ`, MySQL `TIMESTAMP` | RFC 3339 string in UTC (`2026-11-22T10:15:00Z`, fraction only when non-zero) |
+//! | `TIMESTAMP` (PostgreSQL), `DATETIME` | RFC 3339 string, the zone-less value taken as UTC |
+//! | `DATE` / `TIME` | `YYYY-MM-DD` / `HH:MM:SS[.fraction]` (RFC 3339 full-date / partial-time) |
+//! | `JSON`/`JSONB` (PostgreSQL, MySQL) | the JSON value itself |
+//! | `BYTEA`, SQLite `BLOB` values, MySQL `GEOMETRY` | standard base64 string |
+//! | MySQL `BINARY`/`VARBINARY`/`BLOB` | string when the bytes are valid UTF-8, else base64 (see below) |
+//! | MySQL `BIT(n)` | number |
+//! | `NULL` | null |
+//!
+//! SQLite is dynamically typed: a cell is rendered by the value's storage class
+//! (INTEGER, REAL, TEXT, BLOB, NULL), so dates stored as text come back as
+//! stored. MariaDB's `JSON` is an alias for `LONGTEXT`, and the server does not
+//! tell a client without MariaDB's extended metadata that it holds JSON, so it
+//! comes back as a string. MySQL marks binary strings and text columns with a
+//! binary (`_bin`) collation the same way, and sqlx does not expose the
+//! collation that tells them apart, so MySQL binary columns holding valid
+//! UTF-8 come back as strings and only other bytes as base64 (cast with
+//! `TO_BASE64(col)` or `HEX(col)` in the query for a fixed form). Other PostgreSQL types (arrays, intervals, ranges,
+//! geometric, network types) are an error that suggests casting in the query
+//! (`col::text`, `to_jsonb(col)`).
+//!
+//! Parameters: JSON null, booleans, integers (`i64`; larger `u64` values as
+//! `f64` except on MySQL, which takes `u64`), floats and strings bind as the
+//! matching SQL type; arrays and objects bind as their JSON text (on
+//! PostgreSQL write `CAST($1 AS JSONB)` to store them in a JSONB column). A
+//! PostgreSQL null is sent untyped so the server infers its type from context.
+//!
+//! Timeouts: `connect_timeout_ms` bounds waiting for a pooled connection
+//! (including connecting); `query_timeout_ms` bounds each query. A query that
+//! runs out of time fails with `Timeout`, and its connection is closed rather
+//! than returned to the pool, so the next query never waits behind it;
+//! PostgreSQL also gets `statement_timeout` so the server stops the statement.
+
+use base64::Engine as _;
+use serde_json::{Map, Number, Value as Json};
+use sluice_compiler::def::DbConnector;
+use sluice_runtime::connectors::{ConnectorError, ConnectorErrorKind};
+use sqlx::mysql::{MySqlArguments, MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::postgres::{
+    PgArguments, PgConnectOptions, PgPool, PgPoolOptions, PgRow, PgTypeInfo, PgTypeKind,
+};
+use sqlx::query::Query;
+use sqlx::sqlite::{
+    SqliteArguments, SqliteConnectOptions, SqlitePool, SqlitePoolOptions, SqliteRow,
+};
+use sqlx::{Column as _, Row as _, TypeInfo as _, ValueRef as _};
+use std::str::FromStr;
+use std::time::Duration;
+
+/// Pool size when the connector does not say.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 10;
+/// Per-query limit when the connector does not say (the spec's default for
+/// connector calls, as for `http_call`).
+pub const DEFAULT_QUERY_TIMEOUT_MS: u64 = 30_000;
+/// How long a query waits for a pooled connection (and so for connecting)
+/// when the connector does not say.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 5_000;
+
+enum Pools {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+    MySql(MySqlPool),
+}
+
+/// A pool for one `db` connector; cheap to share behind an `Arc`.
+pub struct SqlPool {
+    pools: Pools,
+    query_timeout: Duration,
+}
+
+impl std::fmt::Debug for SqlPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the connection string: it may hold a password.
+        let backend = match self.pools {
+            Pools::Sqlite(_) => "sqlite",
+            Pools::Postgres(_) => "postgres",
+            Pools::MySql(_) => "mysql",
+        };
+        f.debug_struct("SqlPool")
+            .field("backend", &backend)
+            .field("query_timeout", &self.query_timeout)
+            .finish()
+    }
+}
+
+/// Runs `$body` once per backend with `$pool` bound to the concrete pool, so
+/// the body is written once and type-checked against each driver (as
+/// `storage::dispatch!` does for the store).
+macro_rules! dispatch {
+    ($self:expr, $pool:ident => $body:expr) => {
+        match &$self.pools {
+            Pools::Sqlite($pool) => $body,
+            Pools::Postgres($pool) => $body,
+            Pools::MySql($pool) => $body,
+        }
+    };
+}
+
+/// Acquires a connection, runs `$run` on it under the query timeout, and on a
+/// timeout closes that connection instead of pooling it: the server may still
+/// be busy with the statement, and a pooled connection would make the next
+/// query wait for it.
+macro_rules! timed {
+    ($self:expr, $pool:expr, $conn:ident => $run:expr) => {{
+        let mut $conn = $pool
+            .acquire()
+            .await
+            .map_err(|e| acquire_err(e, $pool.size()))?;
+        match tokio::time::timeout($self.query_timeout, $run).await {
+            Ok(result) => result.map_err(sql_err),
+            Err(_) => {
+                drop($conn.detach());
+                Err(timeout_err($self.query_timeout))
+            }
+        }
+    }};
+}
+
+impl SqlPool {
+    /// Builds the pool without connecting: a database that is down when the
+    /// connector is loaded fails the calls (retryably), not the load.
+    pub async fn connect(cfg: &DbConnector) -> Result<SqlPool, ConnectorError> {
+        let url = cfg.connection_string.trim();
+        let scheme = url
+            .split_once(':')
+            .map(|(s, _)| s.to_ascii_lowercase())
+            .unwrap_or_default();
+        let max = cfg
+            .max_connections
+            .unwrap_or(DEFAULT_MAX_CONNECTIONS)
+            .max(1);
+        let acquire = Duration::from_millis(
+            cfg.connect_timeout_ms
+                .unwrap_or(DEFAULT_CONNECT_TIMEOUT_MS)
+                .max(1),
+        );
+        let query_timeout_ms = cfg
+            .query_timeout_ms
+            .unwrap_or(DEFAULT_QUERY_TIMEOUT_MS)
+            .max(1);
+        // sqlx's parse errors do not echo the URL; keep it that way.
+        let bad_url = |e: sqlx::Error| {
+            ConnectorError::other(format!("invalid connection_string for {scheme}: {e}"))
+        };
+        let pools = match scheme.as_str() {
+            "sqlite" => {
+                // No create_if_missing: a typo in the path must not silently
+                // create an empty database (`?mode=rwc` asks for creation).
+                let opts = SqliteConnectOptions::from_str(url)
+                    .map_err(bad_url)?
+                    .busy_timeout(acquire);
+                let memory = url.contains(":memory:") || url.contains("mode=memory");
+                let mut pool = SqlitePoolOptions::new().acquire_timeout(acquire);
+                // Every connection to `:memory:` is its own database: keep one, forever.
+                pool = if memory {
+                    pool.max_connections(1)
+                        .min_connections(1)
+                        .idle_timeout(None)
+                        .max_lifetime(None)
+                } else {
+                    pool.max_connections(max)
+                };
+                Pools::Sqlite(pool.connect_lazy_with(opts))
+            }
+            "postgres" | "postgresql" => {
+                // The server stops a statement that outlives the timeout too,
+                // rather than running on after the client gave up.
+                let opts = PgConnectOptions::from_str(url)
+                    .map_err(bad_url)?
+                    .options([("statement_timeout", query_timeout_ms.to_string())]);
+                Pools::Postgres(
+                    PgPoolOptions::new()
+                        .max_connections(max)
+                        .acquire_timeout(acquire)
+                        .connect_lazy_with(opts),
+                )
+            }
+            "mysql" | "mariadb" => {
+                // sqlx only knows mysql://; MariaDB speaks the same protocol.
+                let url = format!("mysql:{}", &url[scheme.len() + 1..]);
+                let opts = MySqlConnectOptions::from_str(&url)
+                    .map_err(bad_url)?
+                    .charset("utf8mb4");
+                Pools::MySql(
+                    MySqlPoolOptions::new()
+                        .max_connections(max)
+                        .acquire_timeout(acquire)
+                        .connect_lazy_with(opts),
+                )
+            }
+            other => {
+                return Err(ConnectorError::other(format!(
+                    "unsupported connection_string scheme '{other}' (expected sqlite:, postgres:, postgresql:, mysql: or mariadb:)"
+                )));
+            }
+        };
+        Ok(SqlPool {
+            pools,
+            query_timeout: Duration::from_millis(query_timeout_ms),
+        })
+    }
+
+    /// Runs a query and returns its rows as JSON objects keyed by column name
+    /// (a repeated name keeps the last column's value at the first position).
+    pub async fn read(&self, query: &str, params: &[Json]) -> Result<Vec<Json>, ConnectorError> {
+        match &self.pools {
+            Pools::Sqlite(pool) => {
+                let q = params.iter().fold(sqlx::query(query), bind_sqlite);
+                let rows = timed!(self, pool, conn => q.fetch_all(&mut *conn))?;
+                rows.iter().map(|r| row_json(r, sqlite_cell)).collect()
+            }
+            Pools::Postgres(pool) => {
+                let q = params.iter().fold(sqlx::query(query), bind_pg);
+                let rows = timed!(self, pool, conn => q.fetch_all(&mut *conn))?;
+                rows.iter().map(|r| row_json(r, pg_cell)).collect()
+            }
+            Pools::MySql(pool) => {
+                let q = params.iter().fold(sqlx::query(query), bind_mysql);
+                let rows = timed!(self, pool, conn => q.fetch_all(&mut *conn))?;
+                rows.iter().map(|r| row_json(r, mysql_cell)).collect()
+            }
+        }
+    }
+
+    /// Runs a statement and returns the rows it affected.
+    pub async fn write(&self, query: &str, params: &[Json]) -> Result<u64, ConnectorError> {
+        match &self.pools {
+            Pools::Sqlite(pool) => {
+                let q = params.iter().fold(sqlx::query(query), bind_sqlite);
+                timed!(self, pool, conn => q.execute(&mut *conn)).map(|r| r.rows_affected())
+            }
+            Pools::Postgres(pool) => {
+                let q = params.iter().fold(sqlx::query(query), bind_pg);
+                timed!(self, pool, conn => q.execute(&mut *conn)).map(|r| r.rows_affected())
+            }
+            Pools::MySql(pool) => {
+                let q = params.iter().fold(sqlx::query(query), bind_mysql);
+                timed!(self, pool, conn => q.execute(&mut *conn)).map(|r| r.rows_affected())
+            }
+        }
+    }
+
+    /// Closes the pool, waiting for connections in use to come back (for a
+    /// connector that is replaced or deleted, and tests).
+    pub async fn close(&self) {
+        dispatch!(self, pool => pool.close().await)
+    }
+}
+
+// ---- parameters -------------------------------------------------------------
+
+type SqliteQuery<'q> = Query<'q, sqlx::Sqlite, SqliteArguments<'q>>;
+type PgQuery<'q> = Query<'q, sqlx::Postgres, PgArguments>;
+type MySqlQuery<'q> = Query<'q, sqlx::MySql, MySqlArguments>;
+
+fn bind_sqlite<'q>(q: SqliteQuery<'q>, v: &Json) -> SqliteQuery<'q> {
+    match v {
+        Json::Null => q.bind(None::<i64>),
+        Json::Bool(b) => q.bind(*b),
+        Json::Number(n) => match n.as_i64() {
+            Some(i) => q.bind(i),
+            None => q.bind(n.as_f64()),
+        },
+        Json::String(s) => q.bind(s.clone()),
+        other => q.bind(other.to_string()),
+    }
+}
+
+fn bind_pg<'q>(q: PgQuery<'q>, v: &Json) -> PgQuery<'q> {
+    match v {
+        Json::Null => q.bind(UntypedNull),
+        Json::Bool(b) => q.bind(*b),
+        Json::Number(n) => match n.as_i64() {
+            Some(i) => q.bind(i),
+            None => q.bind(n.as_f64()),
+        },
+        Json::String(s) => q.bind(s.clone()),
+        other => q.bind(other.to_string()),
+    }
+}
+
+fn bind_mysql<'q>(q: MySqlQuery<'q>, v: &Json) -> MySqlQuery<'q> {
+    match v {
+        Json::Null => q.bind(None::<i64>),
+        Json::Bool(b) => q.bind(*b),
+        Json::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                q.bind(i)
+            } else if let Some(u) = n.as_u64() {
+                q.bind(u)
+            } else {
+                q.bind(n.as_f64())
+            }
+        }
+        Json::String(s) => q.bind(s.clone()),
+        other => q.bind(other.to_string()),
+    }
+}
+
+/// A PostgreSQL NULL parameter of unspecified type (OID 0): the server infers
+/// the type from where `$n` is used, so `INSERT INTO t (int_col) VALUES ($1)`
+/// works, where a NULL typed as TEXT would be rejected.
+struct UntypedNull;
+
+impl sqlx::Type<sqlx::Postgres> for UntypedNull {
+    fn type_info() -> PgTypeInfo {
+        PgTypeInfo::with_oid(sqlx::postgres::types::Oid(0))
+    }
+}
+
+impl sqlx::Encode<'_, sqlx::Postgres> for UntypedNull {
+    fn encode_by_ref(
+        &self,
+        _buf: &mut sqlx::postgres::PgArgumentBuffer,
+    ) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
+        Ok(sqlx::encode::IsNull::Yes)
+    }
+}
+
+// ---- rows -------------------------------------------------------------------
+
+type CellResult = Result<Json, String>;
+
+/// One row as a JSON object; a cell that cannot be decoded fails the read with
+/// the column's name and type.
+fn row_json<R: sqlx::Row>(
+    row: &R,
+    cell: fn(&R, usize, &str) -> CellResult,
+) -> Result<Json, ConnectorError> {
+    let mut obj = Map::with_capacity(row.len());
+    for (i, col) in row.columns().iter().enumerate() {
+        let ty = col.type_info().name().to_owned();
+        let v = cell(row, i, &ty).map_err(|e| {
+            ConnectorError::new(
+                ConnectorErrorKind::Upstream,
+                format!("column '{}' (type {ty}): {e}", col.name()),
+            )
+        })?;
+        obj.insert(col.name().to_owned(), v);
+    }
+    Ok(Json::Object(obj))
+}
+
+fn de<T>(r: Result<T, sqlx::Error>) -> Result<T, String> {
+    r.map_err(|e| e.to_string())
+}
+
+fn sqlite_cell(row: &SqliteRow, i: usize, declared: &str) -> CellResult {
+    let raw = de(row.try_get_raw(i))?;
+    if raw.is_null() {
+        return Ok(Json::Null);
+    }
+    // The value's storage class decides; the declared type only adds booleans.
+    let class = raw.type_info().name().to_owned();
+    Ok(match class.as_str() {
+        "INTEGER" | "BOOLEAN" if declared.eq_ignore_ascii_case("BOOLEAN") => {
+            Json::Bool(de(row.try_get_unchecked::<i64, _>(i))? != 0)
+        }
+        "INTEGER" | "BOOLEAN" => Json::from(de(row.try_get_unchecked::<i64, _>(i))?),
+        "REAL" => float(de(row.try_get_unchecked::<f64, _>(i))?),
+        "BLOB" => base64_json(&de(row.try_get_unchecked::<Vec<u8>, _>(i))?),
+        // TEXT, and whatever else SQLite reports (DATETIME, NUMERIC ...)
+        // for a value it stored as text.
+        _ => match row.try_get_unchecked::<String, _>(i) {
+            Ok(s) => Json::String(s),
+            Err(_) => base64_json(&de(row.try_get_unchecked::<Vec<u8>, _>(i))?),
+        },
+    })
+}
+
+fn pg_cell(row: &PgRow, i: usize, _name: &str) -> CellResult {
+    let raw = de(row.try_get_raw(i))?;
+    if raw.is_null() {
+        return Ok(Json::Null);
+    }
+    let info = raw.type_info().into_owned();
+    // A domain decodes as its base type.
+    let base = match info.kind() {
+        PgTypeKind::Domain(b) => b.clone(),
+        _ => info.clone(),
+    };
+    let text = || de(row.try_get_unchecked::<String, _>(i)).map(Json::String);
+    Ok(match base.name() {
+        "BOOL" => Json::Bool(de(row.try_get::<bool, _>(i))?),
+        "INT2" => Json::from(de(row.try_get_unchecked::<i16, _>(i))?),
+        "INT4" => Json::from(de(row.try_get_unchecked::<i32, _>(i))?),
+        "INT8" => Json::from(de(row.try_get_unchecked::<i64, _>(i))?),
+        "OID" => Json::from(de(row.try_get_unchecked::<sqlx::postgres::types::Oid, _>(i))?.0),
+        "FLOAT4" => float32(de(row.try_get_unchecked::<f32, _>(i))?),
+        "FLOAT8" => float(de(row.try_get_unchecked::<f64, _>(i))?),
+        "NUMERIC" => {
+            let bytes = de(row.try_get_unchecked::<&[u8], _>(i))?;
+            match pg_numeric_text(bytes)? {
+                Some(t) => decimal_json(&t)?,
+                None => Json::String("NaN".into()),
+            }
+        }
+        "TEXT" | "VARCHAR" | "BPCHAR" | "NAME" | "CHAR" | "CITEXT" | "UNKNOWN" | "XML" => text()?,
+        "UUID" => {
+            let bytes = de(row.try_get_unchecked::<&[u8], _>(i))?;
+            let id = uuid::Uuid::from_slice(bytes).map_err(|e| e.to_string())?;
+            Json::String(id.to_string())
+        }
+        "JSON" | "JSONB" => de(row.try_get::<sqlx::types::Json<Json>, _>(i))?.0,
+        "BYTEA" => base64_json(de(row.try_get_unchecked::<&[u8], _>(i))?),
+        "TIMESTAMPTZ" => offset_dt(de(row.try_get::<time::OffsetDateTime, _>(i))?)?,
+        "TIMESTAMP" => offset_dt(de(row.try_get::<time::PrimitiveDateTime, _>(i))?.assume_utc())?,
+        "DATE" => date(de(row.try_get::<time::Date, _>(i))?)?,
+        "TIME" => time_of_day(de(row.try_get::<time::Time, _>(i))?)?,
+        "VOID" => Json::Null,
+        _ if matches!(base.kind(), PgTypeKind::Enum(_)) => text()?,
+        other => {
+            return Err(format!(
+                "PostgreSQL type {other} has no JSON mapping; cast it in the query (for example CAST(col AS TEXT) or to_jsonb(col))"
+            ));
+        }
+    })
+}
+
+fn mysql_cell(row: &MySqlRow, i: usize, name: &str) -> CellResult {
+    let raw = de(row.try_get_raw(i))?;
+    if raw.is_null() {
+        return Ok(Json::Null);
+    }
+    // The type checks sqlx does on `try_get` do not know every MySQL column
+    // type (SET, BIT, binary-collated text); the name decides instead.
+    let text = || de(row.try_get_unchecked::<String, _>(i));
+    let bytes = || de(row.try_get_unchecked::<Vec<u8>, _>(i));
+    Ok(match name {
+        "BOOLEAN" => Json::Bool(de(row.try_get_unchecked::<i64, _>(i))? != 0),
+        "TINYINT" | "SMALLINT" | "INT" | "MEDIUMINT" | "BIGINT" | "YEAR" => {
+            Json::from(de(row.try_get_unchecked::<i64, _>(i))?)
+        }
+        "TINYINT UNSIGNED" | "SMALLINT UNSIGNED" | "INT UNSIGNED" | "MEDIUMINT UNSIGNED"
+        | "BIGINT UNSIGNED" => Json::from(de(row.try_get_unchecked::<u64, _>(i))?),
+        "FLOAT" => float32(de(row.try_get_unchecked::<f32, _>(i))?),
+        "DOUBLE" => float(de(row.try_get_unchecked::<f64, _>(i))?),
+        "DECIMAL" => decimal_json(&text()?)?,
+        "JSON" => {
+            let s = text()?;
+            serde_json::from_str(&s).map_err(|e| format!("invalid JSON from the server: {e}"))?
+        }
+        "TIMESTAMP" => offset_dt(de(row.try_get::<time::OffsetDateTime, _>(i))?)?,
+        "DATETIME" => offset_dt(de(row.try_get::<time::PrimitiveDateTime, _>(i))?.assume_utc())?,
+        "DATE" => date(de(row.try_get::<time::Date, _>(i))?)?,
+        // TIME spans -838:59:59..838:59:59 in MySQL; what `time::Time`
+        // cannot hold is an error naming the column.
+        "TIME" => time_of_day(de(row.try_get::<time::Time, _>(i))?)?,
+        "BIT" => {
+            let b = bytes()?;
+            if b.len() > 8 {
+                return Err("BIT value wider than 64 bits".into());
+            }
+            Json::from(b.iter().fold(0u64, |acc, x| (acc << 8) | u64::from(*x)))
+        }
+        "NULL" => Json::Null,
+        "GEOMETRY" => base64_json(&bytes()?),
+        // MySQL flags binary strings and text with a `_bin` collation (and
+        // MariaDB's JSON, which is utf8mb4_bin LONGTEXT) alike, and sqlx does
+        // not expose the collation that tells them apart: valid UTF-8 reads
+        // as text, anything else as base64.
+        "BINARY" | "VARBINARY" | "TINYBLOB" | "BLOB" | "MEDIUMBLOB" | "LONGBLOB" => {
+            let b = bytes()?;
+            match String::from_utf8(b) {
+                Ok(s) => Json::String(s),
+                Err(e) => base64_json(e.as_bytes()),
+            }
+        }
+        // CHAR, VARCHAR, the TEXT family, ENUM, SET and anything newer.
+        _ => match text() {
+            Ok(s) => Json::String(s),
+            Err(_) => base64_json(&bytes()?),
+        },
+    })
+}
+
+fn float(f: f64) -> Json {
+    match Number::from_f64(f) {
+        Some(n) => Json::Number(n),
+        None if f.is_nan() => Json::String("NaN".into()),
+        None if f > 0.0 => Json::String("Infinity".into()),
+        None => Json::String("-Infinity".into()),
+    }
+}
+
+/// Through the shortest decimal text, so a REAL 0.1 reads 0.1, not
+/// 0.10000000149011612.
+fn float32(f: f32) -> Json {
+    float(f.to_string().parse::<f64>().unwrap_or(f64::from(f)))
+}
+
+/// Decimal text (`-12.50`, `42`) → an exact integer when it is integral and
+/// fits `i64`, otherwise the nearest `f64`.
+fn decimal_json(text: &str) -> CellResult {
+    let t = text.trim();
+    let integral = match t.split_once('.') {
+        None => Some(t),
+        Some((int, frac)) if frac.bytes().all(|b| b == b'0') => Some(int),
+        Some(_) => None,
+    };
+    if let Some(int) = integral
+        && let Ok(i) = int.parse::<i64>()
+    {
+        return Ok(Json::from(i));
+    }
+    let f: f64 = t
+        .parse()
+        .map_err(|_| format!("cannot read decimal '{t}'"))?;
+    Ok(float(f))
+}
+
+/// PostgreSQL's binary NUMERIC (base-10000 digit groups) as decimal text;
+/// `None` for NaN. Written here because sqlx only decodes NUMERIC into the
+/// optional bigdecimal/rust_decimal types, and text keeps every digit until
+/// the caller decides on the JSON number.
+fn pg_numeric_text(b: &[u8]) -> Result<Option<String>, String> {
+    let word = |at: usize| -> Result<u16, String> {
+        b.get(at..at + 2)
+            .map(|w| u16::from_be_bytes([w[0], w[1]]))
+            .ok_or_else(|| "truncated NUMERIC".to_owned())
+    };
+    let ndigits = usize::from(word(0)?);
+    let weight = i32::from(word(2)? as i16);
+    let sign = word(4)?;
+    let dscale = usize::from(word(6)?);
+    match sign {
+        0x0000 | 0x4000 => {}
+        0xC000 => return Ok(None),
+        0xD000 => return Ok(Some("inf".into())),
+        0xF000 => return Ok(Some("-inf".into())),
+        other => return Err(format!("invalid NUMERIC sign {other:#06x}")),
+    }
+    let digits: Vec<u16> = (0..ndigits)
+        .map(|k| word(8 + 2 * k))
+        .collect::<Result<_, _>>()?;
+    // Digit group `k` is worth 10000^(weight - k).
+    let group = |k: i32| -> u16 {
+        if k < 0 {
+            0
+        } else {
+            digits.get(k as usize).copied().unwrap_or(0)
+        }
+    };
+    let mut out = String::new();
+    if sign == 0x4000 {
+        out.push('-');
+    }
+    if weight < 0 {
+        out.push('0');
+    } else {
+        out.push_str(&group(0).to_string());
+        for k in 1..=weight {
+            out.push_str(&format!("{:04}", group(k)));
+        }
+    }
+    if dscale > 0 {
+        let mut frac = String::new();
+        let mut k = weight + 1;
+        while frac.len() < dscale {
+            frac.push_str(&format!("{:04}", group(k)));
+            k += 1;
+        }
+        frac.truncate(dscale);
+        out.push('.');
+        out.push_str(&frac);
+    }
+    Ok(Some(out))
+}
+
+fn base64_json(b: &[u8]) -> Json {
+    Json::String(base64::engine::general_purpose::STANDARD.encode(b))
+}
+
+fn offset_dt(t: time::OffsetDateTime) -> CellResult {
+    t.to_offset(time::UtcOffset::UTC)
+        .format(&time::format_description::well_known::Rfc3339)
+        .map(Json::String)
+        .map_err(|e| format!("timestamp out of RFC 3339 range: {e}"))
+}
+
+fn date(d: time::Date) -> CellResult {
+    d.format(time::macros::format_description!("[year]-[month]-[day]"))
+        .map(Json::String)
+        .map_err(|e| format!("date out of range: {e}"))
+}
+
+fn time_of_day(t: time::Time) -> CellResult {
+    let r = if t.nanosecond() == 0 {
+        t.format(time::macros::format_description!(
+            "[hour]:[minute]:[second]"
+        ))
+    } else {
+        t.format(time::macros::format_description!(
+            "[hour]:[minute]:[second].[subsecond]"
+        ))
+    };
+    r.map(Json::String).map_err(|e| e.to_string())
+}
+
+// ---- errors -----------------------------------------------------------------
+
+/// A pool wait that ran out with no connection open means the database could
+/// not be reached at all (sqlx keeps retrying a refused connect until the
+/// acquire timeout): an upstream failure, retryable. With connections open,
+/// they were all busy: a timeout.
+fn acquire_err(e: sqlx::Error, open: u32) -> ConnectorError {
+    match e {
+        sqlx::Error::PoolTimedOut if open == 0 => ConnectorError::new(
+            ConnectorErrorKind::Upstream,
+            "cannot connect to the database (no connection within connect_timeout_ms)",
+        )
+        .retryable(true),
+        e => sql_err(e),
+    }
+}
+
+fn timeout_err(d: Duration) -> ConnectorError {
+    ConnectorError::new(
+        ConnectorErrorKind::Timeout,
+        format!("query timed out after {} ms", d.as_millis()),
+    )
+}
+
+/// Classifies a driver error. Network and connect failures, pool waits,
+/// lost races (deadlock, serialization failure, lock wait, busy) and server
+/// overload are retryable; a server-side statement timeout is a `Timeout`;
+/// a query the database rejects (syntax, constraint, type) is not retryable
+/// and keeps the database's own message. Messages never carry the URL.
+fn sql_err(e: sqlx::Error) -> ConnectorError {
+    use ConnectorErrorKind::{Other, Timeout, Upstream};
+    match e {
+        sqlx::Error::Database(d) => {
+            let code = d.code().map(|c| c.into_owned()).unwrap_or_default();
+            let mysql_number = d
+                .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                .map(|m| m.number());
+            let msg = format!("database error: {}", d.message());
+            // 57014 query_canceled (statement_timeout); MariaDB 1969
+            // max_statement_time; MySQL 3024 max_execution_time.
+            if code == "57014" || matches!(mysql_number, Some(1969 | 3024)) {
+                return ConnectorError::new(Timeout, msg);
+            }
+            let retryable = match mysql_number {
+                // Lock wait, deadlock, too many connections, server gone/shutting down.
+                Some(n) => matches!(n, 1205 | 1213 | 1040 | 1053 | 2006 | 2013),
+                None => {
+                    // SQLSTATE classes 08 connection, 53 resources, 57P0x
+                    // shutdown/cannot connect now; 40001/40P01 lost races;
+                    // SQLite busy/locked (with extended codes).
+                    code.starts_with("08")
+                        || code.starts_with("53")
+                        || matches!(
+                            code.as_str(),
+                            "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03"
+                        )
+                        || matches!(code.as_str(), "5" | "6" | "261" | "262" | "517" | "773")
+                }
+            };
+            ConnectorError::new(Upstream, msg).retryable(retryable)
+        }
+        sqlx::Error::PoolTimedOut => ConnectorError::new(
+            Timeout,
+            "timed out waiting for a database connection (connect_timeout_ms)",
+        ),
+        e @ (sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::PoolClosed) => {
+            ConnectorError::new(Upstream, format!("database unreachable: {e}")).retryable(true)
+        }
+        e @ sqlx::Error::Configuration(_) => {
+            ConnectorError::new(Other, format!("database configuration: {e}"))
+        }
+        e => ConnectorError::new(Upstream, format!("database error: {e}")),
+    }
+}
+
+/// Against real databases: a SQLite temp file, and a fresh database on the
+/// PostgreSQL and MariaDB servers of `../shared/services` (started by
+/// `scripts/test.sh`). A server that is not reachable fails the test.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use sqlx::Connection as _;
+
+    const PG_ADMIN: &str = "postgres://postgres@127.0.0.1:5432/test";
+    const MY_ADMIN: &str = "mysql://root@127.0.0.1:3306/test";
+
+    fn cfg(url: &str) -> DbConnector {
+        DbConnector {
+            connection_string: url.to_owned(),
+            max_connections: Some(4),
+            query_timeout_ms: Some(5_000),
+            connect_timeout_ms: Some(2_000),
+            retry: Default::default(),
+        }
+    }
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum Server {
+        Postgres,
+        MySql,
+    }
+
+    /// Creates a fresh database, runs `body` with a pool on it, drops the
+    /// database, then re-raises the body's panic.
+    async fn with_db<F, Fut>(server: Server, query_timeout_ms: u64, body: F)
+    where
+        F: FnOnce(SqlPool) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let name = format!("sluice_c_{}", uuid::Uuid::new_v4().simple());
+        let url = match server {
+            Server::Postgres => {
+                let mut c = sqlx::PgConnection::connect(PG_ADMIN).await.unwrap_or_else(|e| {
+                    panic!("PostgreSQL at {PG_ADMIN} is not reachable ({e}); run bash ../shared/services/postgres.sh")
+                });
+                sqlx::query(&format!("CREATE DATABASE {name}"))
+                    .execute(&mut c)
+                    .await
+                    .unwrap();
+                c.close().await.ok();
+                format!("postgres://postgres@127.0.0.1:5432/{name}")
+            }
+            Server::MySql => {
+                let mut c = sqlx::MySqlConnection::connect(MY_ADMIN).await.unwrap_or_else(|e| {
+                    panic!("MariaDB at {MY_ADMIN} is not reachable ({e}); run bash ../shared/services/mariadb.sh")
+                });
+                sqlx::query(&format!("CREATE DATABASE {name} CHARACTER SET utf8mb4"))
+                    .execute(&mut c)
+                    .await
+                    .unwrap();
+                c.close().await.ok();
+                // mariadb: exercises the scheme rewrite.
+                format!("mariadb://root@127.0.0.1:3306/{name}")
+            }
+        };
+        let mut c = cfg(&url);
+        c.query_timeout_ms = Some(query_timeout_ms);
+        let pool = SqlPool::connect(&c).await.expect("connect");
+        let outcome = tokio::spawn(body(pool)).await;
+        match server {
+            Server::Postgres => {
+                if let Ok(mut c) = sqlx::PgConnection::connect(PG_ADMIN).await {
+                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .execute(&mut c)
+                        .await;
+                }
+            }
+            Server::MySql => {
+                if let Ok(mut c) = sqlx::MySqlConnection::connect(MY_ADMIN).await {
+                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name}"))
+                        .execute(&mut c)
+                        .await;
+                }
+            }
+        }
+        if let Err(e) = outcome {
+            std::panic::resume_unwind(e.into_panic());
+        }
+    }
+
+    fn sqlite_url() -> (std::path::PathBuf, String) {
+        let dir = std::env::temp_dir().join(format!("sluice_c_{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = format!("sqlite://{}?mode=rwc", dir.join("c.db").display());
+        (dir, url)
+    }
+
+    #[tokio::test]
+    async fn sqlite_types_params_and_rows_affected() {
+        let (dir, url) = sqlite_url();
+        let pool = SqlPool::connect(&cfg(&url)).await.unwrap();
+        pool.write(
+            "CREATE TABLE t (id INTEGER PRIMARY KEY, f REAL, d NUMERIC, s TEXT, n TEXT, b BOOLEAN, ts DATETIME, j TEXT, bin BLOB)",
+            &[],
+        )
+        .await
+        .unwrap();
+        let n = pool
+            .write(
+                "INSERT INTO t (id, f, d, s, n, b, ts, j, bin) VALUES (?, ?, ?, ?, ?, ?, ?, ?, X'00FF10')",
+                &[
+                    json!(1),
+                    json!(1.5),
+                    json!(12.25),
+                    json!("héllo"),
+                    Json::Null,
+                    json!(true),
+                    json!("2026-11-22T10:15:00Z"),
+                    json!({"a": [1, 2]}),
+                ],
+            )
+            .await
+            .unwrap();
+        assert_eq!(n, 1);
+        pool.write(
+            "INSERT INTO t (id, s, b) VALUES (2, 'x', 0), (3, 'x', 1)",
+            &[],
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            pool.write("UPDATE t SET f = ? WHERE s = ?", &[json!(0.5), json!("x")])
+                .await
+                .unwrap(),
+            2
+        );
+
+        let rows = pool
+            .read("SELECT * FROM t WHERE id = ?", &[json!(1)])
+            .await
+            .unwrap();
+        assert_eq!(
+            rows,
+            vec![json!({
+                "id": 1, "f": 1.5, "d": 12.25, "s": "héllo", "n": null, "b": true,
+                "ts": "2026-11-22T10:15:00Z", "j": "{\"a\":[1,2]}", "bin": "AP8Q"
+            })]
+        );
+        // Parameters bind in order: the second `?` is the string.
+        let rows = pool
+            .read(
+                "SELECT id, b FROM t WHERE id >= ? AND s = ? ORDER BY id",
+                &[json!(3), json!("x")],
+            )
+            .await
+            .unwrap();
+        assert_eq!(rows, vec![json!({"id": 3, "b": true})]);
+        let rows = pool
+            .read(
+                "SELECT 1 + 1 AS two, 'a' || ? AS s, ? IS NULL AS is_null",
+                &[json!("b"), Json::Null],
+            )
+            .await
+            .unwrap();
+        assert_eq!(rows, vec![json!({"two": 2, "s": "ab", "is_null": 1})]);
+
+        let e = pool.read("SELEC 1", &[]).await.unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::Upstream);
+        assert!(!e.retryable);
+        assert!(e.message.contains("syntax error"), "{}", e.message);
+        let e = pool
+            .write("INSERT INTO t (id) VALUES (1)", &[])
+            .await
+            .unwrap_err();
+        assert!(!e.retryable);
+        assert!(e.message.contains("UNIQUE"), "{}", e.message);
+        pool.close().await;
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn sqlite_missing_file_and_bad_scheme_fail_cleanly() {
+        let dir = std::env::temp_dir().join(format!("sluice_c_{}", uuid::Uuid::new_v4().simple()));
+        // No `mode=rwc`: a missing file is an error, not a new empty database.
+        let pool = SqlPool::connect(&cfg(&format!("sqlite://{}/none.db", dir.display())))
+            .await
+            .unwrap();
+        assert!(pool.read("SELECT 1", &[]).await.is_err());
+        let e = SqlPool::connect(&cfg("oracle://x")).await.unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::Other);
+        assert!(e.message.contains("oracle"), "{}", e.message);
+    }
+
+    #[tokio::test]
+    async fn postgres_types_params_and_rows_affected() {
+        with_db(Server::Postgres, 5_000, |pool| async move {
+            pool.write(
+                "CREATE TABLE t (id INT4 PRIMARY KEY, big INT8, small INT2, f FLOAT8, r REAL, d NUMERIC(12,2), s TEXT,
+                 n INT4, b BOOL, tz TIMESTAMPTZ, ts TIMESTAMP, day DATE, j JSONB, js JSON, bin BYTEA, u UUID)",
+                &[],
+            )
+            .await
+            .unwrap();
+            let n = pool
+                .write(
+                    "INSERT INTO t VALUES ($1, $2, 7, $3, 0.1, $4, $5, $6, $7, $8::timestamptz, '2026-11-22 10:15:00.5', '2026-11-22',
+                     CAST($9 AS JSONB), '[1,\"x\"]', '\\x00ff10', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11')",
+                    &[
+                        json!(1),
+                        json!(9_007_199_254_740_993_i64),
+                        json!(2.5),
+                        json!(1234.5),
+                        json!("héllo"),
+                        Json::Null,
+                        json!(true),
+                        json!("2026-11-22T12:15:00+02:00"),
+                        json!({"k": [1, null]}),
+                    ],
+                )
+                .await
+                .unwrap();
+            assert_eq!(n, 1);
+            let rows = pool.read("SELECT * FROM t", &[]).await.unwrap();
+            assert_eq!(
+                rows,
+                vec![json!({
+                    "id": 1, "big": 9_007_199_254_740_993_i64, "small": 7, "f": 2.5, "r": 0.1, "d": 1234.5,
+                    "s": "héllo", "n": null, "b": true, "tz": "2026-11-22T10:15:00Z",
+                    "ts": "2026-11-22T10:15:00.5Z", "day": "2026-11-22", "j": {"k": [1, null]},
+                    "js": [1, "x"], "bin": "AP8Q", "u": "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
+                })]
+            );
+            // NUMERIC precision: integral values exact, others the nearest f64.
+            let rows = pool
+                .read(
+                    "SELECT 12345678901234567.00::numeric AS i, 0.001::numeric AS small, -1.50::numeric AS neg,
+                     123456789012345678901234567890.5::numeric AS huge, 'NaN'::numeric AS nan, 0::numeric AS zero,
+                     10000.0001::numeric AS mixed, '12:30:01.25'::time AS t, pg_sleep(0) AS v",
+                    &[],
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                rows,
+                vec![json!({
+                    "i": 12345678901234567_i64, "small": 0.001, "neg": -1.5, "huge": 1.2345678901234568e29,
+                    "nan": "NaN", "zero": 0, "mixed": 10000.0001, "t": "12:30:01.25", "v": null
+                })]
+            );
+            // Order of parameters, and a text-typed equality.
+            pool.write("INSERT INTO t (id, s) VALUES (2, 'x'), (3, 'x'), (4, 'y')", &[]).await.unwrap();
+            let rows = pool
+                .read("SELECT id FROM t WHERE s = $2 AND id > $1 ORDER BY id", &[json!(2), json!("x")])
+                .await
+                .unwrap();
+            assert_eq!(rows, vec![json!({"id": 3})]);
+            assert_eq!(pool.write("UPDATE t SET n = $1 WHERE s = $2", &[json!(5), json!("x")]).await.unwrap(), 2);
+            assert_eq!(pool.write("DELETE FROM t WHERE id > 100", &[]).await.unwrap(), 0);
+            // Unsupported types are an error naming the column, not a panic.
+            let e = pool.read("SELECT ARRAY[1,2] AS arr", &[]).await.unwrap_err();
+            assert!(e.message.contains("'arr'"), "{}", e.message);
+            assert!(!e.retryable);
+
+            let e = pool.read("SELEC 1", &[]).await.unwrap_err();
+            assert_eq!(e.kind, ConnectorErrorKind::Upstream);
+            assert!(!e.retryable);
+            assert!(e.message.contains("syntax error"), "{}", e.message);
+            let e = pool.write("INSERT INTO t (id) VALUES ($1)", &[json!(1)]).await.unwrap_err();
+            assert!(!e.retryable);
+            assert!(e.message.contains("duplicate key"), "{}", e.message);
+            pool.close().await;
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn postgres_query_timeout_then_pool_still_serves() {
+        with_db(Server::Postgres, 100, |pool| async move {
+            let started = std::time::Instant::now();
+            let e = pool.read("SELECT pg_sleep(2)", &[]).await.unwrap_err();
+            assert_eq!(e.kind, ConnectorErrorKind::Timeout, "{e:?}");
+            assert!(e.retryable);
+            assert!(
+                started.elapsed() < Duration::from_millis(1500),
+                "{:?}",
+                started.elapsed()
+            );
+            assert_eq!(
+                pool.read("SELECT 1 AS one", &[]).await.unwrap(),
+                vec![json!({"one": 1})]
+            );
+            pool.close().await;
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn mysql_types_params_and_rows_affected() {
+        with_db(Server::MySql, 5_000, |pool| async move {
+            pool.write(
+                "CREATE TABLE t (id INT PRIMARY KEY, flag TINYINT(1), tiny TINYINT, big BIGINT UNSIGNED, f DOUBLE, r FLOAT,
+                 d DECIMAL(12,2), s VARCHAR(20), sb VARCHAR(20) COLLATE utf8mb4_bin, txt TEXT, n INT, dt DATETIME(3),
+                 ts TIMESTAMP NULL, day DATE, j JSON, bin VARBINARY(8), e ENUM('a','b'), bits BIT(10))",
+                &[],
+            )
+            .await
+            .unwrap();
+            let n = pool
+                .write(
+                    "INSERT INTO t VALUES (?, ?, -3, ?, ?, 0.1, ?, ?, ?, 'long text', ?, '2026-11-22 10:15:00.250',
+                     '2026-11-22 10:15:00', '2026-11-22', ?, X'00FF10', 'b', b'1000000001')",
+                    &[
+                        json!(1),
+                        json!(true),
+                        json!(u64::MAX),
+                        json!(2.5),
+                        json!(1234.5),
+                        json!("héllo"),
+                        json!("Bin"),
+                        Json::Null,
+                        json!({"k": [1, null]}),
+                    ],
+                )
+                .await
+                .unwrap();
+            assert_eq!(n, 1);
+            let rows = pool.read("SELECT * FROM t", &[]).await.unwrap();
+            assert_eq!(
+                rows,
+                vec![json!({
+                    "id": 1, "flag": true, "tiny": -3, "big": u64::MAX, "f": 2.5, "r": 0.1, "d": 1234.5,
+                    "s": "héllo", "sb": "Bin", "txt": "long text", "n": null, "dt": "2026-11-22T10:15:00.25Z",
+                    "ts": "2026-11-22T10:15:00Z", "day": "2026-11-22",
+                    // MariaDB's JSON is LONGTEXT on the wire: the text comes back.
+                    "j": "{\"k\":[1,null]}", "bin": "AP8Q", "e": "b", "bits": 513
+                })]
+            );
+            // Binary that is valid UTF-8 cannot be told from `_bin` text.
+            let rows = pool.read("SELECT X'616263' AS ascii, X'FF' AS raw", &[]).await.unwrap();
+            assert_eq!(rows, vec![json!({"ascii": "abc", "raw": "/w=="})]);
+            let rows = pool
+                .read("SELECT 12345678901234567.00 AS i, CAST(0.001 AS DECIMAL(5,3)) AS small, NULL AS nothing, 1 = 1 AS yes", &[])
+                .await
+                .unwrap();
+            assert_eq!(rows, vec![json!({"i": 12345678901234567_i64, "small": 0.001, "nothing": null, "yes": 1})]);
+            pool.write("INSERT INTO t (id, s) VALUES (2, 'x'), (3, 'x'), (4, 'y')", &[]).await.unwrap();
+            let rows = pool
+                .read("SELECT id FROM t WHERE id > ? AND s = ? ORDER BY id", &[json!(2), json!("x")])
+                .await
+                .unwrap();
+            assert_eq!(rows, vec![json!({"id": 3})]);
+            assert_eq!(pool.write("UPDATE t SET n = ? WHERE s = ?", &[json!(5), json!("x")]).await.unwrap(), 2);
+
+            let e = pool.read("SELEC 1", &[]).await.unwrap_err();
+            assert_eq!(e.kind, ConnectorErrorKind::Upstream);
+            assert!(!e.retryable);
+            assert!(e.message.contains("SQL syntax"), "{}", e.message);
+            let e = pool.write("INSERT INTO t (id) VALUES (?)", &[json!(1)]).await.unwrap_err();
+            assert!(!e.retryable);
+            assert!(e.message.contains("Duplicate entry"), "{}", e.message);
+            pool.close().await;
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn mysql_query_timeout_then_pool_still_serves() {
+        with_db(Server::MySql, 100, |pool| async move {
+            let started = std::time::Instant::now();
+            let e = pool.read("SELECT SLEEP(2)", &[]).await.unwrap_err();
+            assert_eq!(e.kind, ConnectorErrorKind::Timeout, "{e:?}");
+            assert!(e.retryable);
+            assert!(
+                started.elapsed() < Duration::from_millis(1500),
+                "{:?}",
+                started.elapsed()
+            );
+            assert_eq!(
+                pool.read("SELECT 1 AS one", &[]).await.unwrap(),
+                vec![json!({"one": 1})]
+            );
+            pool.close().await;
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn connection_refused_is_retryable() {
+        // Port 1 on loopback: nothing listens there.
+        for url in [
+            "postgres://postgres@127.0.0.1:1/test",
+            "mysql://root@127.0.0.1:1/test",
+        ] {
+            let mut c = cfg(url);
+            c.connect_timeout_ms = Some(300);
+            let pool = SqlPool::connect(&c).await.expect("lazy: no connection yet");
+            let e = pool.read("SELECT 1", &[]).await.unwrap_err();
+            assert!(e.retryable, "{url}: {e:?}");
+            assert_eq!(e.kind, ConnectorErrorKind::Upstream, "{url}: {e:?}");
+            assert!(
+                !e.message.contains("127.0.0.1:1"),
+                "no URL in messages: {}",
+                e.message
+            );
+        }
+    }
+}
