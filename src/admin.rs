@@ -88,17 +88,12 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[String], who: Princ
         ["connectors", "reload"] => only(m, Method::POST)?.then(reload_connectors(app)).await,
         ["connectors", "circuit-breakers"] => {
             only(m, Method::GET)?
-                .then(async { api::ok(&Vec::<Json>::new()) })
+                .then(async { api::ok(&app.connectors.policy.breakers.list()) })
                 .await
         }
         ["connectors", "circuit-breakers", key] => {
-            let key = (*key).to_owned();
             only(m, Method::POST)?
-                .then(async move {
-                    Err(ApiError::not_found(format!(
-                        "Circuit breaker with key '{key}' not found"
-                    )))
-                })
+                .then(reset_breaker(app, key, who))
                 .await
         }
         ["connectors", id] => match *m {
@@ -614,6 +609,7 @@ async fn create_connector(app: &App, req: &Req, who: Principal) -> ApiResult {
         .store
         .create_connector(&def, audit(who, "create"))
         .await?;
+    connectors_changed(app).await;
     api::created(&masked(record.to_connector_json()))
 }
 
@@ -629,6 +625,7 @@ async fn update_connector(app: &App, req: &Req, name: &str, who: Principal) -> A
         .store
         .update_connector(name, &def, audit(who, "update"))
         .await?;
+    connectors_changed(app).await;
     api::ok(&masked(record.to_connector_json()))
 }
 
@@ -636,6 +633,7 @@ async fn delete_connector(app: &App, name: &str, who: Principal) -> ApiResult {
     app.store
         .delete_connector(name, audit(who, "delete"))
         .await?;
+    connectors_changed(app).await;
     api::no_content()
 }
 
@@ -669,12 +667,37 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
             }
         }
     }
+    if !dry_run && !created.is_empty() {
+        connectors_changed(app).await;
+    }
     api::ok(&json!({"created": created, "failed": failed, "dry_run": dry_run}))
 }
 
 async fn reload_connectors(app: &App) -> ApiResult {
-    let all = app.store.all_connectors().await?;
-    api::ok(&json!({"connectors": all.len()}))
+    let n = app.connectors.reload(&app.store).await?;
+    api::ok(&json!({"connectors": n}))
+}
+
+/// After a connector change: the registry picks it up (a changed connector
+/// gets a new client on its next call). A failure leaves the previous
+/// registry serving.
+async fn connectors_changed(app: &App) {
+    if let Err(e) = app.connectors.reload(&app.store).await {
+        tracing::warn!(error = %e, "connector reload after a change failed");
+    }
+}
+
+async fn reset_breaker(app: &App, key: &str, who: Principal) -> ApiResult {
+    let Some(breaker) = app.connectors.policy.breakers.reset(key) else {
+        return Err(ApiError::not_found(format!(
+            "Circuit breaker with key '{key}' not found"
+        )));
+    };
+    let mut entry = audit(who, "breaker_reset");
+    entry.resource_type = "circuit_breaker".into();
+    entry.resource_id = key.to_owned();
+    app.store.audit(entry).await?;
+    api::ok(&breaker)
 }
 
 // ---------------------------------------------------------------- engine, audit, backups

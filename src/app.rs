@@ -20,6 +20,8 @@ pub struct App {
     pub engine: ArcSwap<Snapshot>,
     /// Connector implementations; kept across reloads.
     pub services: Services,
+    /// The connector registry, clients and circuit breakers behind `services`.
+    pub connectors: Arc<crate::connectors::Connectors>,
     pub started: Instant,
     /// Set once start-up (migrations, first reload) has completed.
     pub ready: AtomicBool,
@@ -48,7 +50,10 @@ impl App {
         if config.metrics.enabled {
             crate::telemetry::metrics_handle();
         }
+        let connectors = Arc::new(crate::connectors::Connectors::new(&config));
+        let services = connectors.fill(services);
         App {
+            connectors,
             queue: crate::queue::Queue::new(&config.queue),
             config,
             store,

@@ -40,6 +40,9 @@ pub async fn open_store(config: &config::Config) -> Result<storage::Store, Strin
 pub async fn start(config: config::Config) -> Result<Arc<app::App>, String> {
     let store = open_store(&config).await?;
     let app = Arc::new(app::App::new(config, store, Default::default()));
+    if let Err(e) = app.connectors.reload(&app.store).await {
+        tracing::error!(error = %e, "cannot load the connectors; connector calls fail until a reload");
+    }
     match app.reload(None).await {
         Ok(report) => tracing::info!(
             workflows = report.workflows,

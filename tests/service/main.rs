@@ -3,6 +3,7 @@
 
 mod admin;
 mod cli;
+mod connectors_http;
 mod data;
 mod edge;
 mod support;

@@ -1,0 +1,541 @@
+//! `http_call`'s client: one reqwest client per HTTP connector version
+//! (rustls with the ring provider), with the connector's headers and auth
+//! prepared once, the SSRF guard wired into DNS resolution and redirects, and
+//! one attempt per [`HttpConn::send`] (the retries and the breaker are the
+//! caller's, in `policy`).
+
+use super::ssrf;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use serde_json::Value as Json;
+use sluice_compiler::def::{HttpAuth, HttpConnector};
+use sluice_runtime::connectors::{CallScope, ConnectorError, ConnectorErrorKind, HttpRequest};
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+/// Process-wide settings of HTTP connectors (from the service config).
+#[derive(Debug, Clone, Copy)]
+pub struct HttpSettings {
+    /// `security.allow_private_networks`: switches the SSRF guard off.
+    pub allow_private_networks: bool,
+    /// `engine.global_http_timeout_secs`: a connector's default call timeout.
+    pub default_timeout: Duration,
+}
+
+/// An HTTP connector ready to call: built from a config whose `env://`
+/// strings are already resolved. Secrets live only in marked-sensitive
+/// header values and are never formatted into messages.
+pub struct HttpConn {
+    name: String,
+    client: reqwest::Client,
+    base: String,
+    headers: HeaderMap,
+    timeout: Duration,
+    guarded: bool,
+}
+
+/// rustls needs one process-wide crypto provider; ring is the one sqlx
+/// already links, so no second (aws-lc) implementation is built. Called at
+/// start-up too: any reqwest client in the process (tests' included) panics
+/// on build without a provider, since reqwest is built without its own.
+pub fn install_crypto_provider() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // Err means another provider was installed first, which is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+fn config_error(connector: &str, what: impl std::fmt::Display) -> ConnectorError {
+    ConnectorError::other(format!("connector '{connector}': {what}"))
+}
+
+fn header_name(connector: &str, name: &str) -> Result<HeaderName, ConnectorError> {
+    HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| config_error(connector, format!("'{name}' is not a valid header name")))
+}
+
+/// A header value that may hold a secret: marked sensitive (kept out of
+/// debug output and HPACK tables) and never echoed in an error.
+fn secret_value(connector: &str, header: &str, v: &str) -> Result<HeaderValue, ConnectorError> {
+    let mut value = HeaderValue::from_str(v).map_err(|_| {
+        config_error(
+            connector,
+            format!("the value of header '{header}' is not a valid header value"),
+        )
+    })?;
+    value.set_sensitive(true);
+    Ok(value)
+}
+
+impl HttpConn {
+    pub fn build(
+        name: &str,
+        cfg: &HttpConnector,
+        settings: &HttpSettings,
+    ) -> Result<HttpConn, ConnectorError> {
+        install_crypto_provider();
+        let url = reqwest::Url::parse(&cfg.url)
+            .map_err(|e| config_error(name, format!("url is not a valid URL ({e})")))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(config_error(name, "url must be http:// or https://"));
+        }
+        let mut headers = HeaderMap::new();
+        for (k, v) in &cfg.headers {
+            headers.insert(header_name(name, k)?, secret_value(name, k, v)?);
+        }
+        match &cfg.auth {
+            None => {}
+            Some(HttpAuth::Bearer { token }) => {
+                let v = secret_value(name, "authorization", &format!("Bearer {token}"))?;
+                headers.insert(reqwest::header::AUTHORIZATION, v);
+            }
+            Some(HttpAuth::Basic { username, password }) => {
+                let v = secret_value(
+                    name,
+                    "authorization",
+                    &format!(
+                        "Basic {}",
+                        base64(format!("{username}:{password}").as_bytes())
+                    ),
+                )?;
+                headers.insert(reqwest::header::AUTHORIZATION, v);
+            }
+            Some(HttpAuth::ApiKey { header, key }) => {
+                headers.insert(header_name(name, header)?, secret_value(name, header, key)?);
+            }
+        }
+        let timeout = cfg
+            .timeout_ms
+            .map_or(settings.default_timeout, Duration::from_millis);
+        let guarded = !settings.allow_private_networks;
+        // No proxy: a proxy would resolve the target itself, past the guard.
+        let mut builder = reqwest::Client::builder()
+            .no_proxy()
+            .connect_timeout(timeout)
+            .timeout(timeout)
+            .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")));
+        builder = if guarded {
+            builder
+                .dns_resolver(Arc::new(ssrf::GuardedResolver))
+                .redirect(ssrf::redirect_policy())
+        } else {
+            builder.redirect(reqwest::redirect::Policy::limited(10))
+        };
+        let client = builder
+            .build()
+            .map_err(|e| config_error(name, format!("cannot build an HTTP client ({e})")))?;
+        Ok(HttpConn {
+            name: name.to_owned(),
+            client,
+            base: cfg.url.trim_end_matches('/').to_owned(),
+            headers,
+            timeout,
+            guarded,
+        })
+    }
+
+    /// The URL of a call: `path` appended to the base URL with exactly one
+    /// slash between them.
+    fn url(&self, path: Option<&str>) -> String {
+        match path {
+            None | Some("") => self.base.clone(),
+            Some(p) if p.starts_with('?') => format!("{}{p}", self.base),
+            Some(p) => format!("{}/{}", self.base, p.trim_start_matches('/')),
+        }
+    }
+
+    /// One attempt of `req`.
+    pub async fn send(&self, scope: &CallScope, req: &HttpRequest) -> Result<Json, ConnectorError> {
+        let method = req.method.as_str();
+        // Messages name the connector, method and the task's path, never the
+        // (possibly env-resolved, credential-bearing) base URL.
+        let what = format!(
+            "connector '{}': {method} {}",
+            self.name,
+            req.path.as_deref().unwrap_or("/")
+        );
+        let url = reqwest::Url::parse(&self.url(req.path.as_deref()))
+            .map_err(|e| ConnectorError::other(format!("{what}: not a valid URL ({e})")))?;
+        if self.guarded {
+            ssrf::check_url(&url).map_err(|r| ConnectorError::other(format!("{what}: {r}")))?;
+        }
+        // Connector headers (and auth) first, then the task's; a task header
+        // replaces a connector header of the same name.
+        let mut headers = self.headers.clone();
+        for (k, v) in &req.headers {
+            let name = HeaderName::from_bytes(k.as_bytes()).map_err(|_| {
+                ConnectorError::other(format!("{what}: '{k}' is not a valid header name"))
+            })?;
+            let value = HeaderValue::from_str(v).map_err(|_| {
+                ConnectorError::other(format!("{what}: header '{k}' has an invalid value"))
+            })?;
+            headers.insert(name, value);
+        }
+        inject_trace_context(&mut headers, scope);
+        // The tighter of the task's timeout_ms and the connector's timeout.
+        let timeout = self
+            .timeout
+            .min(Duration::from_millis(req.timeout_ms.max(1)));
+        let method = reqwest::Method::from_bytes(method.as_bytes())
+            .map_err(|_| ConnectorError::other(format!("{what}: invalid method")))?;
+        let mut builder = self
+            .client
+            .request(method, url)
+            .headers(headers)
+            .timeout(timeout);
+        if let Some(body) = &req.body {
+            builder = builder.json(body);
+        }
+        let response = builder
+            .send()
+            .await
+            .map_err(|e| transport_error(&what, timeout, &e))?;
+        let status = response.status();
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|e| transport_error(&what, timeout, &e))?;
+        if status.is_success() {
+            return Ok(parse_body(&bytes));
+        }
+        let code = status.as_u16();
+        // Retryable: the server is overloaded or failing (5xx), asks us to
+        // slow down (429), or timed out reading our request (408). Any other
+        // 4xx will fail the same way again.
+        let retryable = status.is_server_error() || code == 429 || code == 408;
+        Err(ConnectorError::new(
+            ConnectorErrorKind::Upstream,
+            format!("{what} answered HTTP {code}{}", snippet(&bytes)),
+        )
+        .retryable(retryable))
+    }
+}
+
+/// Standard base64 with padding (RFC 4648), for Basic auth; a dozen lines
+/// rather than a dependency for one header built once per connector.
+fn base64(input: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
+    for chunk in input.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// The response body as JSON when it parses, else as a string; an empty body
+/// is `null`.
+fn parse_body(bytes: &[u8]) -> Json {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Json::Null;
+    }
+    serde_json::from_slice(bytes)
+        .unwrap_or_else(|_| Json::String(String::from_utf8_lossy(bytes).into_owned()))
+}
+
+/// The start of an error body, for the task error message.
+fn snippet(bytes: &[u8]) -> String {
+    const MAX: usize = 200;
+    let text = String::from_utf8_lossy(bytes);
+    let text = text.trim();
+    if text.is_empty() {
+        return String::new();
+    }
+    let cut: String = text.chars().take(MAX).collect();
+    let more = if cut.len() < text.len() { "…" } else { "" };
+    format!(": {cut}{more}")
+}
+
+/// Maps a reqwest failure: the SSRF guard's refusal is final; a timeout is
+/// `Timeout`; everything else on the wire (connect, reset, truncated body)
+/// is an upstream failure worth retrying.
+fn transport_error(what: &str, timeout: Duration, e: &reqwest::Error) -> ConnectorError {
+    if let Some(refused) = ssrf::find_refused(e) {
+        return ConnectorError::other(format!("{what}: {refused}"));
+    }
+    if e.is_timeout() {
+        return ConnectorError::new(
+            ConnectorErrorKind::Timeout,
+            format!("{what} timed out after {} ms", timeout.as_millis()),
+        );
+    }
+    if e.is_builder() {
+        return ConnectorError::other(format!("{what}: {e}"));
+    }
+    if e.is_redirect() {
+        return ConnectorError::new(
+            ConnectorErrorKind::Upstream,
+            format!("{what}: {}", chain(e)),
+        );
+    }
+    let kind = if e.is_connect() {
+        "cannot connect"
+    } else {
+        "request failed"
+    };
+    ConnectorError::new(
+        ConnectorErrorKind::Upstream,
+        format!("{what}: {kind} ({})", chain(e)),
+    )
+    .retryable(true)
+}
+
+/// An error and its sources on one line (reqwest's own message is terse).
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cur = s.source();
+    }
+    out
+}
+
+/// W3C trace context: the caller's `traceparent`/`tracestate` when the scope
+/// has one, else a fresh sampled `traceparent` so the upstream can still
+/// correlate its logs with this call.
+fn inject_trace_context(headers: &mut HeaderMap, scope: &CallScope) {
+    let traceparent = scope
+        .traceparent
+        .as_deref()
+        .filter(|t| valid_traceparent(t))
+        .map_or_else(new_traceparent, str::to_owned);
+    if let Ok(v) = HeaderValue::from_str(&traceparent) {
+        headers.insert("traceparent", v);
+    }
+    if scope.traceparent.is_some()
+        && let Some(state) = &scope.tracestate
+        && let Ok(v) = HeaderValue::from_str(state)
+    {
+        headers.insert("tracestate", v);
+    }
+}
+
+/// `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>`, ids not all zero.
+fn valid_traceparent(t: &str) -> bool {
+    let parts: Vec<&str> = t.split('-').collect();
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    parts.len() == 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && hex(parts[1], 32)
+        && hex(parts[2], 16)
+        && hex(parts[3], 2)
+        && parts[1].bytes().any(|b| b != b'0')
+        && parts[2].bytes().any(|b| b != b'0')
+}
+
+fn new_traceparent() -> String {
+    let trace = uuid::Uuid::new_v4().simple().to_string();
+    let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
+    format!("00-{trace}-{span}-01")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_compiler::plan::HttpMethod;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn settings(allow: bool) -> HttpSettings {
+        HttpSettings {
+            allow_private_networks: allow,
+            default_timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn conn(url: &str, allow: bool) -> HttpConn {
+        let cfg: HttpConnector = serde_json::from_value(serde_json::json!({"url": url})).unwrap();
+        HttpConn::build("api", &cfg, &settings(allow)).unwrap()
+    }
+
+    fn get(path: &str) -> HttpRequest {
+        HttpRequest {
+            connector: "api".into(),
+            method: HttpMethod::Get,
+            path: Some(path.into()),
+            headers: vec![],
+            body: None,
+            timeout_ms: 2000,
+        }
+    }
+
+    /// Answers one request with `reply` and hands back what it received.
+    async fn one_shot(reply: &'static str) -> (String, tokio::task::JoinHandle<String>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 8192];
+            let n = sock.read(&mut buf).await.unwrap();
+            sock.write_all(reply.as_bytes()).await.unwrap();
+            String::from_utf8_lossy(&buf[..n]).into_owned()
+        });
+        (format!("http://{addr}"), task)
+    }
+
+    #[test]
+    fn paths_join_the_base_url_with_one_slash() {
+        let c = conn("http://example.com/api/", true);
+        assert_eq!(c.url(None), "http://example.com/api");
+        assert_eq!(c.url(Some("/x")), "http://example.com/api/x");
+        assert_eq!(c.url(Some("x?a=1")), "http://example.com/api/x?a=1");
+        assert_eq!(c.url(Some("?a=1")), "http://example.com/api?a=1");
+    }
+
+    #[test]
+    fn base64_matches_rfc_4648() {
+        for (plain, encoded) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("user:pa ss", "dXNlcjpwYSBzcw=="),
+        ] {
+            assert_eq!(base64(plain.as_bytes()), encoded);
+        }
+    }
+
+    #[test]
+    fn bodies_parse_as_json_else_string() {
+        assert_eq!(parse_body(b"{\"a\":1}"), serde_json::json!({"a": 1}));
+        assert_eq!(parse_body(b"plain"), Json::String("plain".into()));
+        assert_eq!(parse_body(b""), Json::Null);
+    }
+
+    #[test]
+    fn traceparents_are_validated() {
+        assert!(valid_traceparent(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        ));
+        assert!(!valid_traceparent(
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01"
+        ));
+        assert!(!valid_traceparent("garbage"));
+        assert!(valid_traceparent(&new_traceparent()));
+    }
+
+    #[tokio::test]
+    async fn the_scope_trace_context_is_forwarded() {
+        let (base, server) = one_shot("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+        let c = conn(&base, true);
+        let scope = CallScope {
+            channel: "ch".into(),
+            traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+            tracestate: Some("vendor=1".into()),
+            chain: vec![],
+        };
+        let body = c.send(&scope, &get("/t")).await.unwrap();
+        assert_eq!(body, Json::String("ok".into()));
+        let seen = server.await.unwrap().to_ascii_lowercase();
+        assert!(seen.starts_with("get /t http/1.1"), "{seen}");
+        assert!(
+            seen.contains("traceparent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            "{seen}"
+        );
+        assert!(seen.contains("tracestate: vendor=1"), "{seen}");
+    }
+
+    #[tokio::test]
+    async fn statuses_map_to_kinds_and_retryability() {
+        for (status, retryable) in [
+            (500, true),
+            (503, true),
+            (429, true),
+            (408, true),
+            (400, false),
+            (404, false),
+        ] {
+            let reply: &'static str = Box::leak(
+                format!("HTTP/1.1 {status} X\r\ncontent-length: 4\r\n\r\nnope").into_boxed_str(),
+            );
+            let (base, _server) = one_shot(reply).await;
+            let e = conn(&base, true)
+                .send(&CallScope::default(), &get("/s"))
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind, ConnectorErrorKind::Upstream, "{status}");
+            assert_eq!(e.retryable, retryable, "{status}");
+            assert!(
+                e.message.contains(&format!("HTTP {status}: nope")),
+                "{}",
+                e.message
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn guarded_calls_to_private_addresses_are_refused() {
+        let (base, _server) = one_shot("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+        let e = conn(&base, false)
+            .send(&CallScope::default(), &get("/x"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::Other);
+        assert!(!e.retryable);
+        assert!(e.message.contains("loopback"), "{}", e.message);
+        let port = base.rsplit(':').next().unwrap();
+        let e = conn(&format!("http://localhost:{port}"), false)
+            .send(&CallScope::default(), &get("/x"))
+            .await
+            .unwrap_err();
+        assert!(!e.retryable);
+        assert!(e.message.contains("host 'localhost'"), "{}", e.message);
+    }
+
+    #[tokio::test]
+    async fn guarded_redirects_to_private_addresses_are_refused() {
+        // The first hop is allowed here (the guard's URL check would refuse
+        // 127.0.0.1 before any request); the redirect policy refuses the hop
+        // to a private address before it is requested.
+        let (base, _server) = one_shot(
+            "HTTP/1.1 302 Found\r\nlocation: http://10.0.0.1/inner\r\ncontent-length: 0\r\n\r\n",
+        )
+        .await;
+        let mut c = conn(&base, true);
+        c.client = reqwest::Client::builder()
+            .no_proxy()
+            .redirect(ssrf::redirect_policy())
+            .build()
+            .unwrap();
+        let e = c.send(&CallScope::default(), &get("/r")).await.unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::Other);
+        assert!(!e.retryable);
+        assert!(
+            e.message.contains("address 10.0.0.1: private (RFC 1918)"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[tokio::test]
+    async fn connect_failures_are_retryable_upstream_errors() {
+        // Bind then drop: nothing listens on the port any more.
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let e = conn(&format!("http://127.0.0.1:{port}"), true)
+            .send(&CallScope::default(), &get("/x"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::Upstream);
+        assert!(e.retryable, "{}", e.message);
+    }
+}

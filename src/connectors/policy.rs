@@ -1,0 +1,521 @@
+//! The one call policy every connector call goes through: the circuit breaker
+//! of `<channel>:<connector>` and retries of retryable failures with
+//! exponential backoff.
+//!
+//! Breakers live here, outside the engine snapshot, so a reload neither
+//! resets nor duplicates them. Each breaker is a small atomic state machine:
+//! the request path reads one atomic to be admitted and never takes a lock
+//! of its own; the bounded (LRU) map of breakers is a concurrent cache.
+
+use crate::config;
+use crate::telemetry::names;
+use serde_json::{Value as Json, json};
+use sluice_compiler::def::RetryPolicy;
+use sluice_runtime::connectors::{CallScope, ConnectorError, ConnectorErrorKind};
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const CLOSED: u8 = 0;
+const OPEN: u8 = 1;
+const HALF_OPEN: u8 = 2;
+
+fn state_name(state: u8) -> &'static str {
+    match state {
+        OPEN => "open",
+        HALF_OPEN => "half_open",
+        _ => "closed",
+    }
+}
+
+/// The delay before retry number `retry` (0-based): `retry_delay_ms`
+/// doubled per retry, capped at 60 s.
+pub fn backoff(policy: &RetryPolicy, retry: u32) -> Duration {
+    let factor = 1u64.checked_shl(retry.min(63)).unwrap_or(u64::MAX);
+    let ms = policy
+        .retry_delay_ms
+        .saturating_mul(factor)
+        .min(RetryPolicy::MAX_DELAY_MS);
+    Duration::from_millis(ms)
+}
+
+/// One breaker. `opened_at` is kept twice: monotonic (for the cooldown, immune
+/// to clock changes) and wall-clock (for the admin listing).
+pub struct Breaker {
+    key: String,
+    channel: String,
+    connector: String,
+    state: AtomicU8,
+    failures: AtomicU32,
+    /// Milliseconds since [`Breakers::base`] when the breaker last opened.
+    opened_mono_ms: AtomicU64,
+    /// Unix milliseconds when the breaker last opened (0: never).
+    opened_wall_ms: AtomicU64,
+}
+
+impl Breaker {
+    fn new(channel: &str, connector: &str) -> Breaker {
+        Breaker {
+            key: format!("{channel}:{connector}"),
+            channel: channel.to_owned(),
+            connector: connector.to_owned(),
+            state: AtomicU8::new(CLOSED),
+            failures: AtomicU32::new(0),
+            opened_mono_ms: AtomicU64::new(0),
+            opened_wall_ms: AtomicU64::new(0),
+        }
+    }
+
+    pub fn state(&self) -> &'static str {
+        state_name(self.state.load(Ordering::Acquire))
+    }
+
+    /// The admin view: `{key, channel, connector, state, consecutive_failures, opened_at?}`.
+    pub fn to_json(&self) -> Json {
+        let state = self.state.load(Ordering::Acquire);
+        let mut v = json!({
+            "key": self.key,
+            "channel": self.channel,
+            "connector": self.connector,
+            "state": state_name(state),
+            "consecutive_failures": self.failures.load(Ordering::Relaxed),
+        });
+        let wall = self.opened_wall_ms.load(Ordering::Relaxed);
+        if state != CLOSED && wall > 0 {
+            v["opened_at"] = Json::String(rfc3339_ms(wall));
+        }
+        v
+    }
+}
+
+fn rfc3339_ms(unix_ms: u64) -> String {
+    let nanos = i128::from(unix_ms) * 1_000_000;
+    time::OffsetDateTime::from_unix_timestamp_nanos(nanos)
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_default()
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The breakers of the process, LRU-bounded by `engine.circuit_breaker.max_breakers`.
+pub struct Breakers {
+    enabled: bool,
+    threshold: u32,
+    recovery: Duration,
+    base: Instant,
+    map: moka::sync::Cache<String, Arc<Breaker>>,
+}
+
+impl Breakers {
+    pub fn new(cfg: &config::CircuitBreaker) -> Breakers {
+        Breakers {
+            enabled: cfg.enabled,
+            // 0 would open on success; treat it as "the first failure opens".
+            threshold: cfg.failure_threshold.max(1),
+            recovery: Duration::from_secs(cfg.recovery_timeout_secs),
+            base: Instant::now(),
+            map: moka::sync::Cache::builder()
+                .max_capacity(cfg.max_breakers.max(1))
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
+                .build(),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.base.elapsed().as_millis() as u64
+    }
+
+    /// The breaker of `channel:connector`, created closed on first use; `None`
+    /// when breakers are disabled.
+    fn breaker(&self, channel: &str, connector: &str) -> Option<Arc<Breaker>> {
+        if !self.enabled {
+            return None;
+        }
+        let key = format!("{channel}:{connector}");
+        Some(
+            self.map
+                .get_with(key, || Arc::new(Breaker::new(channel, connector))),
+        )
+    }
+
+    /// Every breaker, sorted by key.
+    pub fn list(&self) -> Vec<Json> {
+        let mut all: Vec<Arc<Breaker>> = self.map.iter().map(|(_, b)| b).collect();
+        all.sort_by(|a, b| a.key.cmp(&b.key));
+        all.iter().map(|b| b.to_json()).collect()
+    }
+
+    /// Resets one breaker to closed; its admin view, or `None` for an unknown key.
+    pub fn reset(&self, key: &str) -> Option<Json> {
+        let b = self.map.get(key)?;
+        b.failures.store(0, Ordering::Relaxed);
+        b.opened_wall_ms.store(0, Ordering::Relaxed);
+        b.state.store(CLOSED, Ordering::Release);
+        Some(b.to_json())
+    }
+
+    /// Admits a call, or rejects it (counted) while the breaker is open or
+    /// its one half-open probe is in flight.
+    fn admit<'a>(&'a self, b: &Arc<Breaker>) -> Result<Permit<'a>, ConnectorError> {
+        loop {
+            match b.state.load(Ordering::Acquire) {
+                CLOSED => return Ok(self.permit(b, false)),
+                OPEN => {
+                    let opened = b.opened_mono_ms.load(Ordering::Acquire);
+                    let cooled =
+                        self.now_ms().saturating_sub(opened) >= self.recovery.as_millis() as u64;
+                    // Exactly one caller wins the OPEN → HALF_OPEN exchange and
+                    // becomes the probe; the others see HALF_OPEN and are rejected.
+                    if cooled
+                        && b.state
+                            .compare_exchange(OPEN, HALF_OPEN, Ordering::AcqRel, Ordering::Acquire)
+                            .is_ok()
+                    {
+                        return Ok(self.permit(b, true));
+                    }
+                    if !cooled {
+                        return Err(self.reject(b));
+                    }
+                    // Lost the race: look again (the winner made it half-open).
+                }
+                _ => return Err(self.reject(b)),
+            }
+        }
+    }
+
+    fn permit<'a>(&'a self, b: &Arc<Breaker>, probe: bool) -> Permit<'a> {
+        Permit {
+            breakers: self,
+            breaker: b.clone(),
+            probe,
+            done: false,
+        }
+    }
+
+    fn reject(&self, b: &Breaker) -> ConnectorError {
+        metrics::counter!(names::CIRCUIT_BREAKER_REJECTIONS_TOTAL,
+            "connector" => b.connector.clone(), "channel" => b.channel.clone())
+        .increment(1);
+        ConnectorError::new(
+            ConnectorErrorKind::CircuitOpen,
+            format!(
+                "the circuit breaker '{}' is open; connector '{}' is not called until it recovers",
+                b.key, b.connector
+            ),
+        )
+    }
+
+    /// Opens `b` with a fresh cooldown and counts the trip. The timestamps
+    /// are written before the state so no reader sees OPEN with a stale time.
+    fn open(&self, b: &Breaker) {
+        b.opened_mono_ms.store(self.now_ms(), Ordering::Release);
+        b.opened_wall_ms.store(unix_ms(), Ordering::Relaxed);
+        b.state.store(OPEN, Ordering::Release);
+        metrics::counter!(names::CIRCUIT_BREAKER_TRIPS_TOTAL,
+            "connector" => b.connector.clone(), "channel" => b.channel.clone())
+        .increment(1);
+        tracing::warn!(breaker = %b.key, "circuit breaker opened");
+    }
+}
+
+/// One admitted call. Dropping it without an outcome (the call's future was
+/// cancelled, e.g. by the channel deadline) counts as a failure for a probe,
+/// so a half-open breaker can never stay stuck waiting for a lost probe.
+struct Permit<'a> {
+    breakers: &'a Breakers,
+    breaker: Arc<Breaker>,
+    probe: bool,
+    done: bool,
+}
+
+impl Permit<'_> {
+    /// Records the outcome: only failures that say something about the remote
+    /// system's health (the retryable ones) count against the breaker; a 4xx
+    /// or a misconfiguration means the remote answered or was never asked.
+    fn finish(mut self, failed: bool) {
+        self.done = true;
+        let (breakers, b) = (self.breakers, &self.breaker);
+        if !failed {
+            b.failures.store(0, Ordering::Relaxed);
+            if self.probe {
+                b.state.store(CLOSED, Ordering::Release);
+                tracing::info!(breaker = %b.key, "circuit breaker closed after a successful probe");
+            }
+            return;
+        }
+        let n = b.failures.fetch_add(1, Ordering::AcqRel).saturating_add(1);
+        if self.probe {
+            breakers.open(b);
+        } else if n >= breakers.threshold
+            && b.state.load(Ordering::Acquire) == CLOSED
+            && b.state
+                .compare_exchange(CLOSED, HALF_OPEN, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            // Parked in HALF_OPEN (which rejects) while the timestamps are
+            // written; `open` then publishes OPEN. One thread trips, once.
+            breakers.open(b);
+        }
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if !self.done && self.probe {
+            self.breakers.open(&self.breaker);
+        }
+    }
+}
+
+/// The shared machinery: breakers plus the retry loop.
+pub struct Policy {
+    pub breakers: Breakers,
+}
+
+impl Policy {
+    pub fn new(cfg: &config::CircuitBreaker) -> Policy {
+        Policy {
+            breakers: Breakers::new(cfg),
+        }
+    }
+
+    /// Runs `op` under the breaker of `<scope.channel>:<connector>`, retrying
+    /// retryable failures up to `retry.max_retries` times with exponential
+    /// backoff. Each attempt asks the breaker for admission and reports to it,
+    /// so a breaker that opens during the retries stops them.
+    pub async fn call<T, F, Fut>(
+        &self,
+        scope: &CallScope,
+        connector: &str,
+        retry: &RetryPolicy,
+        mut op: F,
+    ) -> Result<T, ConnectorError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, ConnectorError>>,
+    {
+        let breaker = self.breakers.breaker(&scope.channel, connector);
+        let mut retries = 0u32;
+        loop {
+            let permit = match &breaker {
+                Some(b) => Some(self.breakers.admit(b)?),
+                None => None,
+            };
+            let result = op().await;
+            if let Some(p) = permit {
+                p.finish(result.as_ref().is_err_and(|e| e.retryable));
+            }
+            match result {
+                Ok(v) => return Ok(v),
+                Err(e) if e.retryable && retries < retry.max_retries => {
+                    tokio::time::sleep(backoff(retry, retries)).await;
+                    retries += 1;
+                }
+                Err(mut e) => {
+                    if retries > 0 {
+                        e.message = format!(
+                            "{} (after {retries} {})",
+                            e.message,
+                            if retries == 1 { "retry" } else { "retries" }
+                        );
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    fn cfg(threshold: u32, recovery_secs: u64) -> config::CircuitBreaker {
+        config::CircuitBreaker {
+            enabled: true,
+            failure_threshold: threshold,
+            recovery_timeout_secs: recovery_secs,
+            max_breakers: 100,
+        }
+    }
+
+    fn scope() -> CallScope {
+        CallScope {
+            channel: "ch".into(),
+            ..CallScope::default()
+        }
+    }
+
+    fn upstream() -> ConnectorError {
+        ConnectorError::new(ConnectorErrorKind::Upstream, "boom").retryable(true)
+    }
+
+    const NO_RETRY: RetryPolicy = RetryPolicy {
+        max_retries: 0,
+        retry_delay_ms: 1,
+    };
+
+    #[test]
+    fn backoff_doubles_and_caps_at_sixty_seconds() {
+        let p = RetryPolicy {
+            max_retries: 10,
+            retry_delay_ms: 100,
+        };
+        let ms: Vec<u128> = (0..4).map(|i| backoff(&p, i).as_millis()).collect();
+        assert_eq!(ms, [100, 200, 400, 800]);
+        assert_eq!(backoff(&p, 20), Duration::from_secs(60));
+        assert_eq!(backoff(&p, 200), Duration::from_secs(60));
+    }
+
+    #[tokio::test]
+    async fn retries_only_retryable_failures() {
+        let policy = Policy::new(&cfg(100, 30));
+        let p = RetryPolicy {
+            max_retries: 3,
+            retry_delay_ms: 1,
+        };
+        let n = AtomicUsize::new(0);
+        let r: Result<(), _> = policy
+            .call(&scope(), "c", &p, || async {
+                n.fetch_add(1, Ordering::Relaxed);
+                Err(upstream())
+            })
+            .await;
+        assert_eq!(n.load(Ordering::Relaxed), 4);
+        assert!(r.unwrap_err().message.ends_with("(after 3 retries)"));
+
+        let n = AtomicUsize::new(0);
+        let r: Result<(), _> = policy
+            .call(&scope(), "c", &p, || async {
+                n.fetch_add(1, Ordering::Relaxed);
+                Err(ConnectorError::new(ConnectorErrorKind::Upstream, "400"))
+            })
+            .await;
+        assert_eq!(n.load(Ordering::Relaxed), 1);
+        assert_eq!(r.unwrap_err().message, "400");
+
+        let n = AtomicUsize::new(0);
+        let r = policy
+            .call(&scope(), "c", &p, || async {
+                if n.fetch_add(1, Ordering::Relaxed) < 2 {
+                    Err(upstream())
+                } else {
+                    Ok(7)
+                }
+            })
+            .await;
+        assert_eq!(r.unwrap(), 7);
+    }
+
+    #[tokio::test]
+    async fn breaker_opens_at_the_threshold_probes_once_and_closes() {
+        let policy = Policy::new(&cfg(3, 0));
+        let fail = || async { Err::<(), _>(upstream()) };
+        for _ in 0..2 {
+            policy
+                .call(&scope(), "c", &NO_RETRY, fail)
+                .await
+                .unwrap_err();
+        }
+        let key = "ch:c";
+        assert_eq!(policy.breakers.list()[0]["state"], "closed");
+        assert_eq!(policy.breakers.list()[0]["consecutive_failures"], 2);
+        // The third failure in a row opens it.
+        policy
+            .call(&scope(), "c", &NO_RETRY, fail)
+            .await
+            .unwrap_err();
+        let b = policy.breakers.map.get(key).unwrap();
+        assert_eq!(b.state(), "open");
+        assert!(policy.breakers.list()[0]["opened_at"].is_string());
+
+        // Cooldown 0: the next call is the one probe; while it is in flight
+        // everything else is rejected as open.
+        let probe = policy.breakers.admit(&b).unwrap();
+        assert!(probe.probe);
+        let e = policy.breakers.admit(&b).err().unwrap();
+        assert_eq!(e.kind, ConnectorErrorKind::CircuitOpen);
+        probe.finish(true);
+        assert_eq!(b.state(), "open");
+        // A successful probe closes it.
+        policy
+            .call(&scope(), "c", &NO_RETRY, || async { Ok(()) })
+            .await
+            .unwrap();
+        assert_eq!(b.state(), "closed");
+        assert_eq!(policy.breakers.list()[0]["consecutive_failures"], 0);
+    }
+
+    #[tokio::test]
+    async fn an_open_breaker_rejects_until_its_cooldown_and_reset_closes_it() {
+        let policy = Policy::new(&cfg(1, 3600));
+        let n = AtomicUsize::new(0);
+        let op = || async {
+            n.fetch_add(1, Ordering::Relaxed);
+            Err::<(), _>(upstream())
+        };
+        let p = RetryPolicy {
+            max_retries: 5,
+            retry_delay_ms: 1,
+        };
+        // The first failure opens it, which also stops the retries.
+        let e = policy.call(&scope(), "c", &p, op).await.unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::CircuitOpen);
+        assert_eq!(n.load(Ordering::Relaxed), 1);
+        assert_eq!(policy.breakers.reset("nope:c"), None);
+        assert_eq!(policy.breakers.reset("ch:c").unwrap()["state"], "closed");
+        policy
+            .call(&scope(), "c", &NO_RETRY, || async { Ok(()) })
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_dropped_probe_reopens_the_breaker() {
+        let policy = Policy::new(&cfg(1, 0));
+        let b = policy.breakers.breaker("ch", "c").unwrap();
+        policy.breakers.admit(&b).unwrap().finish(true);
+        assert_eq!(b.state(), "open");
+        drop(policy.breakers.admit(&b).unwrap());
+        assert_eq!(b.state(), "open");
+    }
+
+    #[tokio::test]
+    async fn disabled_breakers_never_reject() {
+        let mut c = cfg(1, 3600);
+        c.enabled = false;
+        let policy = Policy::new(&c);
+        for _ in 0..3 {
+            let e = policy
+                .call(&scope(), "c", &NO_RETRY, || async {
+                    Err::<(), _>(upstream())
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind, ConnectorErrorKind::Upstream);
+        }
+        assert!(policy.breakers.list().is_empty());
+    }
+
+    #[test]
+    fn breakers_are_lru_bounded() {
+        let mut c = cfg(1, 1);
+        c.max_breakers = 2;
+        let b = Breakers::new(&c);
+        for ch in ["a", "b", "c", "d"] {
+            b.breaker(ch, "x");
+        }
+        b.map.run_pending_tasks();
+        assert!(b.map.entry_count() <= 2);
+    }
+}

@@ -1,0 +1,279 @@
+//! The SSRF guard of `http_call`: which addresses an outbound call may reach
+//! when `security.allow_private_networks` is false.
+//!
+//! A hostname is checked where it becomes addresses (a DNS resolver that
+//! filters them), so a name that resolves to 127.0.0.1 is caught and no
+//! re-resolution between check and connect can slip through. Literal IP
+//! hosts never reach a resolver, so they are checked on the URL, for the
+//! first request and on every redirect hop.
+
+use reqwest::Url;
+use reqwest::dns::{Addrs, Name, Resolve, Resolving};
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+/// An outbound call the guard refused, with the reason (host and address,
+/// never credentials).
+#[derive(Debug, Clone)]
+pub struct Refused(pub String);
+
+impl fmt::Display for Refused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// Why `ip` may not be called, or `None` when it is a public address.
+pub fn refusal(ip: IpAddr) -> Option<&'static str> {
+    match ip {
+        IpAddr::V4(v4) => v4_refusal(v4),
+        IpAddr::V6(v6) => v6_refusal(v6),
+    }
+}
+
+fn v4_refusal(ip: Ipv4Addr) -> Option<&'static str> {
+    let [a, b, ..] = ip.octets();
+    Some(if ip.is_loopback() {
+        "loopback"
+    } else if ip.is_private() {
+        "private (RFC 1918)"
+    } else if ip.is_link_local() {
+        "link-local"
+    } else if a == 0 {
+        // 0.0.0.0/8 "this network": 0.0.0.0 reaches the local host on Linux.
+        "unspecified"
+    } else if a == 100 && (b & 0xc0) == 64 {
+        "shared address space (CGNAT, 100.64.0.0/10)"
+    } else if ip.is_multicast() {
+        "multicast"
+    } else if ip.is_broadcast() || a >= 240 {
+        "reserved"
+    } else {
+        return None;
+    })
+}
+
+fn v6_refusal(ip: Ipv6Addr) -> Option<&'static str> {
+    let s = ip.segments();
+    if ip.is_loopback() {
+        return Some("loopback");
+    }
+    if ip.is_unspecified() {
+        return Some("unspecified");
+    }
+    // IPv4 embedded in IPv6 reaches the IPv4 address: IPv4-mapped
+    // (::ffff:a.b.c.d), the deprecated IPv4-compatible form (::a.b.c.d) and
+    // the NAT64 well-known prefix (64:ff9b::/96) are judged by that address.
+    if let Some(v4) = ip.to_ipv4() {
+        return v4_refusal(v4);
+    }
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+        let [_, _, _, _, _, _, hi, lo] = s;
+        let v4 = Ipv4Addr::from((u32::from(hi) << 16) | u32::from(lo));
+        return v4_refusal(v4);
+    }
+    Some(if (s[0] & 0xffc0) == 0xfe80 {
+        "link-local"
+    } else if (s[0] & 0xfe00) == 0xfc00 {
+        "unique-local"
+    } else if (s[0] & 0xffc0) == 0xfec0 {
+        "site-local"
+    } else if ip.is_multicast() {
+        "multicast"
+    } else {
+        return None;
+    })
+}
+
+/// Checks a URL before it is requested (the first request and every redirect
+/// hop): http(s) only, and a literal IP host must be public. Hostnames are
+/// left to [`GuardedResolver`].
+pub fn check_url(url: &Url) -> Result<(), Refused> {
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(Refused(format!(
+            "refused to call a {}: URL (only http and https are allowed)",
+            url.scheme()
+        )));
+    }
+    let Some(host) = url.host_str() else {
+        return Err(Refused("refused to call a URL without a host".into()));
+    };
+    // The URL parser has already normalized IPv4 spellings (2130706433,
+    // 0x7f.1) to dotted form; IPv6 literals keep their brackets.
+    let literal = host.trim_start_matches('[').trim_end_matches(']');
+    let Ok(ip) = literal.parse::<IpAddr>() else {
+        return Ok(());
+    };
+    match refusal(ip) {
+        None => Ok(()),
+        Some(why) => Err(refused_ip(&ip.to_string(), ip, why)),
+    }
+}
+
+fn refused_ip(host: &str, ip: IpAddr, why: &str) -> Refused {
+    let target = if host == ip.to_string() {
+        format!("address {ip}")
+    } else {
+        format!("host '{host}' (resolves to {ip})")
+    };
+    Refused(format!(
+        "refused to call {target}: {why} addresses are blocked (security.allow_private_networks is false)"
+    ))
+}
+
+/// A DNS resolver that drops refused addresses; a host with nothing else
+/// left fails to resolve with a [`Refused`] error naming the reason.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GuardedResolver;
+
+impl Resolve for GuardedResolver {
+    fn resolve(&self, name: Name) -> Resolving {
+        let host = name.as_str().to_owned();
+        Box::pin(async move {
+            let resolved: Vec<SocketAddr> =
+                tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let mut first_refused = None;
+            let allowed: Vec<SocketAddr> = resolved
+                .into_iter()
+                .filter(|a| match refusal(a.ip()) {
+                    None => true,
+                    Some(why) => {
+                        first_refused.get_or_insert((a.ip(), why));
+                        false
+                    }
+                })
+                .collect();
+            if allowed.is_empty() {
+                return Err(match first_refused {
+                    Some((ip, why)) => Box::new(refused_ip(&host, ip, why)) as _,
+                    None => format!("host '{host}' resolved to no address").into(),
+                });
+            }
+            Ok(Box::new(allowed.into_iter()) as Addrs)
+        })
+    }
+}
+
+/// The redirect policy under the guard: at most 10 hops, each checked.
+pub fn redirect_policy() -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(|attempt| {
+        if attempt.previous().len() >= 10 {
+            return attempt.error("too many redirects (more than 10)");
+        }
+        match check_url(attempt.url()) {
+            Ok(()) => attempt.follow(),
+            Err(refused) => attempt.error(refused),
+        }
+    })
+}
+
+/// The [`Refused`] error somewhere in `e`'s source chain, if the guard is
+/// why a request failed.
+pub fn find_refused<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a Refused> {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(r) = err.downcast_ref::<Refused>() {
+            return Some(r);
+        }
+        cur = err.source();
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn why(s: &str) -> Option<&'static str> {
+        refusal(s.parse().unwrap())
+    }
+
+    #[test]
+    fn private_and_special_addresses_are_refused() {
+        for (ip, reason) in [
+            ("127.0.0.1", "loopback"),
+            ("127.255.0.9", "loopback"),
+            ("10.1.2.3", "private (RFC 1918)"),
+            ("172.16.0.1", "private (RFC 1918)"),
+            ("172.31.255.255", "private (RFC 1918)"),
+            ("192.168.1.1", "private (RFC 1918)"),
+            ("169.254.169.254", "link-local"),
+            ("0.0.0.0", "unspecified"),
+            ("0.1.2.3", "unspecified"),
+            ("100.64.0.1", "shared address space (CGNAT, 100.64.0.0/10)"),
+            (
+                "100.127.255.254",
+                "shared address space (CGNAT, 100.64.0.0/10)",
+            ),
+            ("224.0.0.1", "multicast"),
+            ("255.255.255.255", "reserved"),
+            ("::1", "loopback"),
+            ("::", "unspecified"),
+            ("fe80::1", "link-local"),
+            ("febf::1", "link-local"),
+            ("fc00::1", "unique-local"),
+            ("fd12:3456::1", "unique-local"),
+            ("ff02::1", "multicast"),
+            ("::ffff:127.0.0.1", "loopback"),
+            ("::ffff:10.0.0.1", "private (RFC 1918)"),
+            ("::ffff:169.254.169.254", "link-local"),
+            (
+                "::ffff:100.64.0.1",
+                "shared address space (CGNAT, 100.64.0.0/10)",
+            ),
+            ("::ffff:0.0.0.0", "unspecified"),
+            ("::ffff:224.0.0.1", "multicast"),
+            ("::127.0.0.1", "loopback"),
+            ("64:ff9b::7f00:1", "loopback"),
+            ("64:ff9b::a00:1", "private (RFC 1918)"),
+        ] {
+            assert_eq!(why(ip), Some(reason), "{ip}");
+        }
+    }
+
+    #[test]
+    fn public_addresses_pass() {
+        for ip in [
+            "8.8.8.8",
+            "1.1.1.1",
+            "172.32.0.1",
+            "100.128.0.1",
+            "100.63.255.255",
+            "169.255.0.1",
+            "2001:4860:4860::8888",
+            "::ffff:8.8.8.8",
+            "64:ff9b::808:808",
+        ] {
+            assert_eq!(why(ip), None, "{ip}");
+        }
+    }
+
+    #[test]
+    fn urls_with_literal_private_hosts_are_refused() {
+        let check = |u: &str| check_url(&Url::parse(u).unwrap());
+        assert!(check("http://example.com/x").is_ok());
+        assert!(check("https://8.8.8.8/").is_ok());
+        let e = check("http://127.0.0.1:8080/x").unwrap_err();
+        assert!(e.0.contains("127.0.0.1") && e.0.contains("loopback"), "{e}");
+        // Alternative spellings are normalized by the URL parser.
+        assert!(check("http://2130706433/").is_err());
+        assert!(check("http://0x7f.1/").is_err());
+        assert!(check("http://[::ffff:7f00:1]/").is_err());
+        assert!(check("http://[fd00::1]/").is_err());
+        assert!(check("file:///etc/passwd").is_err());
+    }
+
+    #[tokio::test]
+    async fn the_resolver_refuses_names_of_loopback_addresses() {
+        let name: Name = "localhost".parse().unwrap();
+        let e = match GuardedResolver.resolve(name).await {
+            Ok(_) => panic!("localhost must be refused"),
+            Err(e) => e,
+        };
+        let r = find_refused(&*e).expect("a Refused error");
+        assert!(r.0.contains("host 'localhost'"), "{r}");
+        assert!(r.0.contains("loopback"), "{r}");
+    }
+}
