@@ -29,6 +29,12 @@ pub struct App {
     pub in_flight: AtomicU64,
     /// Async trace workers (started by `crate::start`, stopped by `crate::queue::shutdown`).
     pub queue: crate::queue::Queue,
+    /// Channel governance state (buckets, dedup windows, cache, counters);
+    /// kept across reloads.
+    pub governance: crate::governance::Governance,
+    /// `channel_call`'s invoker (in `services.channels` unless the caller
+    /// supplied one); `crate::invoke::attach` points it at this app.
+    pub invoker: Arc<crate::invoke::Invoker>,
     generation: AtomicU64,
     /// Reloads are serialized (admin side only; the request path never waits on it).
     reload_lock: tokio::sync::Mutex<()>,
@@ -46,15 +52,21 @@ pub struct ReloadReport {
 }
 
 impl App {
-    pub fn new(config: Config, store: Store, services: Services) -> App {
+    pub fn new(config: Config, store: Store, mut services: Services) -> App {
         if config.metrics.enabled {
             crate::telemetry::metrics_handle();
+        }
+        let invoker = Arc::new(crate::invoke::Invoker::default());
+        if services.channels.is_none() {
+            services.channels = Some(invoker.clone());
         }
         let connectors = Arc::new(crate::connectors::Connectors::new(&config));
         let services = connectors.fill(services);
         App {
             connectors,
             queue: crate::queue::Queue::new(&config.queue),
+            governance: crate::governance::Governance::new(config.rate_limit.clone()),
+            invoker,
             config,
             store,
             engine: ArcSwap::from_pointee(Snapshot::default()),

@@ -9,14 +9,12 @@
 use crate::api::{ApiError, Code, HttpResponse, bytes_response};
 use crate::app::App;
 use crate::engine::{Channel, Snapshot};
+use crate::governance::{self, Stage, View};
 use crate::server::Req;
-use bumpalo::Bump;
 use bytes::Bytes;
 use http::{Method, StatusCode};
 use serde_json::{Value as Json, json};
-use sluice_compiler::Value;
 use sluice_compiler::diag::Diagnostic;
-use sluice_compiler::logic::truthy;
 use sluice_runtime::connectors::CallScope;
 use sluice_runtime::exec::{
     self, Execution, FailureKind, Input, Meta, Options, PayloadFrom, Status,
@@ -47,27 +45,53 @@ pub async fn handle(
         _ => (segments, false),
     };
     let parts: SmallVec<[&str; 8]> = segments.iter().map(String::as_str).collect();
-    let (channel, params) = resolve(&snapshot, req, &parts)?;
-    let started = Instant::now();
-    if is_async || channel.is_async {
-        return crate::traces::submit(app, req, &channel, &params).await;
+    // A CORS preflight is routed by the method it asks about, and answered
+    // by the channel's CORS settings alone (no checks, no workflow).
+    if req.method == Method::OPTIONS
+        && let Some(asked) = req.header("access-control-request-method")
+    {
+        let method = Method::from_bytes(asked.trim().as_bytes())
+            .map_err(|_| ApiError::bad_request("Access-Control-Request-Method is not a method"))?;
+        let (channel, _) = resolve(&snapshot, &method, req, &parts)?;
+        return Ok(governance::preflight(
+            &channel,
+            req.header("origin"),
+            method.as_str(),
+        ));
     }
-    let result = run_sync(app, req, &channel, &params, engine_lock_ms).await;
-    let m = &channel.metrics;
-    match &result {
-        Ok(_) => m.ok.increment(1),
-        Err(e) if e.code == Code::BadRequest || e.code == Code::NotFound => m.rejected.increment(1),
-        Err(_) => m.failed.increment(1),
-    }
-    m.duration.record(started.elapsed().as_secs_f64());
-    result
+    let (channel, params) = resolve(&snapshot, &req.method, req, &parts)?;
+    let result = if is_async || channel.is_async {
+        crate::traces::submit(app, req, &channel, &params).await
+    } else {
+        let started = Instant::now();
+        let result = run_sync(app, req, &channel, &params, engine_lock_ms).await;
+        let m = &channel.metrics;
+        match &result {
+            Ok(_) => m.ok.increment(1),
+            Err(e) if e.code == Code::BadRequest || e.code == Code::NotFound => {
+                m.rejected.increment(1)
+            }
+            Err(_) => m.failed.increment(1),
+        }
+        m.duration.record(started.elapsed().as_secs_f64());
+        result
+    };
+    // CORS headers go on errors too, so a browser client can read them.
+    let mut response = result.unwrap_or_else(ApiError::into_response);
+    governance::decorate(&channel, req.header("origin"), &mut response);
+    Ok(response)
 }
 
 /// A resolved channel and its path parameters.
 type Resolved = (Arc<Channel>, Vec<(String, String)>);
 
-fn resolve(snapshot: &Snapshot, req: &Req, parts: &[&str]) -> Result<Resolved, ApiError> {
-    if let Some(m) = snapshot.routes.find(req.method.as_str(), parts) {
+fn resolve(
+    snapshot: &Snapshot,
+    method: &Method,
+    req: &Req,
+    parts: &[&str],
+) -> Result<Resolved, ApiError> {
+    if let Some(m) = snapshot.routes.find(method.as_str(), parts) {
         let params = m
             .params
             .into_iter()
@@ -78,10 +102,10 @@ fn resolve(snapshot: &Snapshot, req: &Req, parts: &[&str]) -> Result<Resolved, A
     if let [name] = parts {
         let name = crate::server::percent_decode(name);
         return match snapshot.channels.get(&name) {
-            Some(channel) if req.method == Method::POST => Ok((channel.clone(), Vec::new())),
+            Some(channel) if method == Method::POST => Ok((channel.clone(), Vec::new())),
             Some(_) => Err(ApiError::new(
                 Code::MethodNotAllowed,
-                format!("channel '{name}' is called with POST, not {}", req.method),
+                format!("channel '{name}' is called with POST, not {method}"),
             )),
             None => Err(ApiError::not_found(format!("Channel '{name}' not found"))),
         };
@@ -122,8 +146,23 @@ async fn run_sync(
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    if let Some(rule) = &channel.validation {
-        check_input(rule, &req.body, &headers, &query, &path)?;
+    let view = View {
+        client_ip: &req.client_ip,
+        method: req.method.as_str(),
+        target: &req.path,
+        headers: &headers,
+        query: &query,
+        path: &path,
+        body: &req.body,
+        internal: false,
+    };
+    let admitted = app.governance.admit(channel, &view, Stage::Run)?;
+    if let Some(hit) = &admitted.hit {
+        let mut response = bytes_response(StatusCode::OK, hit.clone());
+        response
+            .headers_mut()
+            .insert("x-cache", http::HeaderValue::from_static("hit"));
+        return Ok(response);
     }
     let caller_id = req.caller_request_id.then_some(req.request_id.as_str());
     let bucket = rollout::bucket_for(&headers, caller_id, Some(req.client_ip.as_str()));
@@ -149,6 +188,8 @@ async fn run_sync(
     };
     let scope = CallScope {
         channel: channel.name.clone(),
+        // channel_call's cycle and depth checks start from this channel.
+        chain: vec![channel.name.clone()],
         ..CallScope::default()
     };
     channel.metrics.executions.increment(1);
@@ -172,56 +213,19 @@ async fn run_sync(
             ));
         }
     };
-    respond(channel, execution, profile.then_some(engine_lock_ms))
-}
-
-/// A channel's `validation_logic` reads `{data, headers, query, path}`.
-pub(crate) fn check_input(
-    rule: &sluice_compiler::logic::Logic,
-    body: &[u8],
-    headers: &[(&str, &str)],
-    query: &[(&str, &str)],
-    path: &[(&str, &str)],
-) -> Result<(), ApiError> {
-    let arena = Bump::new();
-    let data = if body.iter().all(u8::is_ascii_whitespace) {
-        Value::Null
-    } else {
-        let parsed = sluice_runtime::json::parse(body, &arena)
-            .map_err(|e| ApiError::bad_request(format!("malformed JSON: {}", e.0)))?;
-        parsed.get("data").unwrap_or(Value::Null)
-    };
-    let pairs = |items: &[(&str, &str)]| {
-        Value::Object(
-            arena.alloc_slice_fill_iter(
-                items
-                    .iter()
-                    .map(|(k, v)| (&*arena.alloc_str(k), Value::Str(arena.alloc_str(v)))),
-            ),
-        )
-    };
-    let root = Value::Object(arena.alloc_slice_copy(&[
-        ("data", data),
-        ("headers", pairs(headers)),
-        ("query", pairs(query)),
-        ("path", pairs(path)),
-    ]));
-    match rule.eval(root, &arena) {
-        Ok(v) if truthy(&v) => Ok(()),
-        Ok(_) => Err(ApiError::bad_request(
-            "input validation failed: the channel's validation_logic rejected the request",
-        )),
-        Err(e) => Err(ApiError::bad_request(format!(
-            "input validation failed: {e}"
-        ))),
+    let body = respond(channel, execution, profile.then_some(engine_lock_ms))?;
+    // A profiled answer is not cached: its timings belong to this run only.
+    if !profile {
+        app.governance.store(&admitted, body.clone());
     }
+    Ok(bytes_response(StatusCode::OK, body))
 }
 
 fn respond(
     channel: &Channel,
     execution: Execution,
     engine_lock_ms: Option<f64>,
-) -> Result<HttpResponse, ApiError> {
+) -> Result<Bytes, ApiError> {
     if execution.matched.is_none() {
         return Err(ApiError::not_found(format!(
             "No active workflow of channel '{}' matches the request",
@@ -265,7 +269,7 @@ fn respond(
         serde_json::to_writer(&mut out, &profile["_service"]).unwrap_or_default();
     }
     out.push(b'}');
-    Ok(bytes_response(StatusCode::OK, Bytes::from(out)))
+    Ok(Bytes::from(out))
 }
 
 /// The error code of a halted workflow (the async trace's `errors` use it too).

@@ -25,6 +25,9 @@ pub struct Channel {
     /// Candidate plans, by descending priority (then newest version first).
     pub plans: Vec<Arc<Plan>>,
     pub validation: Option<Logic>,
+    /// Governance rules (`key_logic`s) compiled once per snapshot; their
+    /// state lives in `App::governance`, which outlives snapshots.
+    pub rules: crate::governance::Rules,
     pub timeout: Duration,
     pub is_async: bool,
     pub metrics: ChannelMetrics,
@@ -259,6 +262,21 @@ pub fn assemble(
             }
         }
         plans.sort_by(|a, b| b.priority.cmp(&a.priority).then(b.version.cmp(&a.version)));
+        let rules = match crate::governance::Rules::compile(
+            &def.config_json,
+            &def.name,
+            record.version,
+            &plans,
+        ) {
+            Ok(r) => r,
+            Err(errors) => {
+                problems.extend(errors.into_iter().map(|d| Diagnostic {
+                    field: format!("channels['{}'].{}", record.id, d.field),
+                    message: d.message,
+                }));
+                continue;
+            }
+        };
         let channel = Arc::new(Channel {
             id: record.id.clone(),
             name: def.name.clone(),
@@ -267,6 +285,7 @@ pub fn assemble(
             is_async: def.channel_type() == sluice_compiler::def::ChannelType::Async,
             metrics: ChannelMetrics::new(&def.name),
             validation,
+            rules,
             plans,
             def,
         });

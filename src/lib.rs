@@ -14,6 +14,8 @@ pub mod config;
 pub mod connectors;
 pub mod data;
 pub mod engine;
+pub mod governance;
+pub mod invoke;
 pub mod openapi;
 pub mod ops;
 pub mod queue;
@@ -43,6 +45,7 @@ pub async fn start(config: config::Config) -> Result<Arc<app::App>, String> {
     if let Err(e) = app.connectors.reload(&app.store).await {
         tracing::error!(error = %e, "cannot load the connectors; connector calls fail until a reload");
     }
+    invoke::attach(&app);
     match app.reload(None).await {
         Ok(report) => tracing::info!(
             workflows = report.workflows,

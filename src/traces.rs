@@ -18,8 +18,8 @@ use std::sync::Arc;
 pub const MODE_ASYNC: &str = "async";
 
 /// Stores the request as a pending trace and answers `202 {trace_id, status}`.
-/// The channel's input validation runs now, so a rejected request is a 400
-/// here rather than a failed trace later.
+/// The channel's checks up to validation run now, so a rejected request is
+/// answered here rather than becoming a failed trace later.
 pub async fn submit(
     app: &Arc<App>,
     req: &Req,
@@ -33,9 +33,22 @@ pub async fn submit(
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     let path = crate::data::borrow_pairs(params);
-    if let Some(rule) = &channel.validation {
-        crate::data::check_input(rule, &req.body, &headers, &query, &path)?;
-    }
+    // Dedup, rate limits and validation run now (backpressure and the
+    // response cache belong to the run; see `governance::Stage`).
+    app.governance.admit(
+        channel,
+        &crate::governance::View {
+            client_ip: &req.client_ip,
+            method: req.method.as_str(),
+            target: &req.path,
+            headers: &headers,
+            query: &query,
+            path: &path,
+            body: &req.body,
+            internal: false,
+        },
+        crate::governance::Stage::Submit,
+    )?;
     // The payload is the body's `data` member, as on the sync path; no body
     // (a route-matched GET) is a null payload.
     let payload = if req.body.iter().all(u8::is_ascii_whitespace) {

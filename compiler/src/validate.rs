@@ -720,18 +720,21 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
             Some(_) => {}
         }
         c.integer(rl, "burst", &at, false, Some(1), Some(i64::from(u32::MAX)));
+        key_logic(c, rl, &at);
     }
     if let Some(d) = c.object(cfg, "deduplication", at, false) {
         let at = at.key("deduplication");
         unknown_keys(c, d, &at, crate::def::DedupConfig::KEYS);
         c.nonempty_string(d, "header", &at, false);
         c.integer(d, "window_secs", &at, false, Some(1), None);
+        key_logic(c, d, &at);
     }
     if let Some(k) = c.object(cfg, "cache", at, false) {
         let at = at.key("cache");
         unknown_keys(c, k, &at, crate::def::CacheConfig::KEYS);
         c.boolean(k, "enabled", &at);
         c.integer(k, "ttl_secs", &at, false, Some(1), None);
+        key_logic(c, k, &at);
     }
     if let Some(b) = c.object(cfg, "backpressure", at, false) {
         let at = at.key("backpressure");
@@ -748,7 +751,16 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
     if let Some(cors) = c.object(cfg, "cors", at, false) {
         let at = at.key("cors");
         unknown_keys(c, cors, &at, crate::def::CorsConfig::KEYS);
-        c.string_array(cors, "allowed_origins", &at, true);
+        if let Some(origins) = c.string_array(cors, "allowed_origins", &at, true) {
+            for (i, o) in origins.iter().enumerate() {
+                if !is_origin(o) {
+                    c.push(
+                        &at.key("allowed_origins").index(i),
+                        "must be '*' or an origin such as https://app.example.com (scheme, host, optional port; no path)",
+                    );
+                }
+            }
+        }
         if let Some(methods) = c.string_array(cors, "allowed_methods", &at, false) {
             for (i, m) in methods.iter().enumerate() {
                 if !HttpMethod::NAMES.contains(m) {
@@ -764,6 +776,35 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
     }
     c.nonempty_string(cfg, "topic", at, kafka);
     c.nonempty_string(cfg, "consumer_group", at, false);
+}
+
+/// A `key_logic` must compile as JSONLogic (it is compiled once per engine
+/// snapshot and must not fail there).
+fn key_logic(c: &mut Ctx, obj: &Map<String, Json>, at: &FieldPath) {
+    if let Some(rule) = obj.get("key_logic").filter(|r| !r.is_null())
+        && let Err(e) = crate::logic::compile(rule)
+    {
+        c.push(
+            &at.key("key_logic"),
+            format!("invalid JSONLogic: {}", e.message),
+        );
+    }
+}
+
+/// `*`, or `scheme://host[:port]` as a browser sends it in `Origin`.
+fn is_origin(o: &str) -> bool {
+    if o == "*" {
+        return true;
+    }
+    let Some((scheme, rest)) = o.split_once("://") else {
+        return false;
+    };
+    !scheme.is_empty()
+        && scheme
+            .chars()
+            .all(|ch| ch.is_ascii_alphanumeric() || "+-.".contains(ch))
+        && !rest.is_empty()
+        && !rest.contains(['/', '?', '#', ' '])
 }
 
 fn unknown_keys(c: &mut Ctx, obj: &Map<String, Json>, at: &FieldPath, known: &[&str]) {

@@ -6,5 +6,6 @@ mod cli;
 mod connectors_http;
 mod data;
 mod edge;
+mod governance;
 mod support;
 mod traces;

@@ -825,6 +825,34 @@ fn channel_config_json() {
         cfg(json!([])),
         &[("config_json", "expected object, got array")],
     );
+    // key_logic must compile; origins are '*' or scheme://host[:port].
+    let found = cfg(json!({
+        "rate_limit": {"requests_per_second": 1, "key_logic": {"no_such_op": [1]}},
+        "deduplication": {"key_logic": {"no_such_op": 1}},
+        "cache": {"key_logic": {"cat": [{"no_such_op": 1}]}},
+        "cors": {"allowed_origins": ["*", "https://a.example:8443", "a.example", "https://a.example/x"]}
+    }));
+    let got: Vec<(&str, bool)> = found
+        .iter()
+        .map(|d| {
+            (
+                d.field.as_str(),
+                d.message.starts_with("invalid JSONLogic")
+                    || d.message.starts_with("must be '*' or an origin"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("config_json.rate_limit.key_logic", true),
+            ("config_json.deduplication.key_logic", true),
+            ("config_json.cache.key_logic", true),
+            ("config_json.cors.allowed_origins[2]", true),
+            ("config_json.cors.allowed_origins[3]", true),
+        ],
+        "{found:#?}"
+    );
     check(
         cfg(json!({"rate_limit": {}, "cors": {}, "timeout_ms": "5"})),
         &[

@@ -1,0 +1,683 @@
+//! Channel governance: the checks a channel runs before its workflow, in the
+//! spec's order — deduplication, rate limit (platform and per channel),
+//! `validation_logic`, backpressure, response cache — plus CORS.
+//!
+//! The rules (compiled `key_logic`s) belong to the engine snapshot and are
+//! rebuilt on every reload; the *state* (token buckets, dedup windows, cached
+//! responses, concurrency counters) lives here, in `App`, keyed by channel
+//! name, so a reload neither resets a client's bucket nor forgets a window.
+//! Everything on the request path is lock-free (atomics) or sharded (moka,
+//! dashmap); there is no global mutex.
+
+use crate::api::{ApiError, Code, HttpResponse};
+use crate::engine::Channel;
+use bumpalo::Bump;
+use bytes::Bytes;
+use dashmap::DashMap;
+use http::{HeaderValue, StatusCode, header};
+use moka::sync::Cache;
+use sluice_compiler::Value;
+use sluice_compiler::def::ChannelConfig;
+use sluice_compiler::diag::Diagnostic;
+use sluice_compiler::logic::{self, Logic, truthy};
+use sluice_compiler::plan::Plan;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// Token buckets kept at most (LRU-ish, TinyLFU); an evicted bucket is full
+/// again, which only ever errs on the lenient side.
+const MAX_BUCKETS: u64 = 100_000;
+/// A bucket idle this long is full anyway for any sane rate, so it can go.
+const BUCKET_IDLE: Duration = Duration::from_secs(3600);
+/// Dedup keys remembered at most; past this the oldest windows are forgotten.
+const MAX_DEDUP_KEYS: u64 = 1_000_000;
+/// Bytes of cached responses (keys plus bodies) kept at most.
+const MAX_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+/// Distinct `client` label values of `rate_limit_rejections_total`; later
+/// clients are counted under `other` so a key flood cannot blow up the
+/// metrics registry.
+const MAX_CLIENT_LABELS: usize = 1000;
+/// `Retry-After` of a backpressure rejection: slots free up as soon as a
+/// running request ends, so the shortest honest hint.
+const BACKPRESSURE_RETRY_SECS: u64 = 1;
+
+/// A channel's governance rules compiled once per snapshot (never per
+/// request).
+#[derive(Debug, Default)]
+pub struct Rules {
+    pub rate_key: Option<Logic>,
+    pub dedup_key: Option<Logic>,
+    pub cache_key: Option<Logic>,
+    /// The channel version and its workflows' versions: part of every cache
+    /// key, so a response of an older definition is never served after a
+    /// change (without flushing other channels' entries on every reload).
+    pub cache_scope: String,
+}
+
+impl Rules {
+    /// Compiles the `key_logic`s of `config` (errors name the field).
+    pub fn compile(
+        config: &ChannelConfig,
+        name: &str,
+        version: i64,
+        plans: &[Arc<Plan>],
+    ) -> Result<Rules, Vec<Diagnostic>> {
+        let mut problems = Vec::new();
+        let mut one = |rule: Option<&serde_json::Value>, field: &str| {
+            rule.and_then(|r| match logic::compile(r) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    problems.push(Diagnostic {
+                        field: format!("config_json.{field}.key_logic"),
+                        message: format!("invalid JSONLogic: {}", e.message),
+                    });
+                    None
+                }
+            })
+        };
+        let rate_key = one(
+            config
+                .rate_limit
+                .as_ref()
+                .and_then(|r| r.key_logic.as_ref()),
+            "rate_limit",
+        );
+        let dedup_key = one(
+            config
+                .deduplication
+                .as_ref()
+                .and_then(|d| d.key_logic.as_ref()),
+            "deduplication",
+        );
+        let cache_key = one(
+            config.cache.as_ref().and_then(|c| c.key_logic.as_ref()),
+            "cache",
+        );
+        let mut cache_scope = format!("{name}@{version}");
+        for p in plans {
+            cache_scope.push_str(&format!(",{}@{}", p.workflow_id, p.version));
+        }
+        if problems.is_empty() {
+            Ok(Rules {
+                rate_key,
+                dedup_key,
+                cache_key,
+                cache_scope,
+            })
+        } else {
+            Err(problems)
+        }
+    }
+}
+
+/// What the checks see of one request.
+#[derive(Debug, Clone, Copy)]
+pub struct View<'r> {
+    pub client_ip: &'r str,
+    pub method: &'r str,
+    /// The path as requested (part of the default cache key).
+    pub target: &'r str,
+    pub headers: &'r [(&'r str, &'r str)],
+    pub query: &'r [(&'r str, &'r str)],
+    pub path: &'r [(&'r str, &'r str)],
+    pub body: &'r [u8],
+    /// A `channel_call`: the body is the payload itself, and the platform
+    /// limit (which meters outside clients) was already paid by the caller.
+    pub internal: bool,
+}
+
+/// Which checks run: a sync run (or channel_call) gets all of them; an async
+/// submission stops after validation (its concurrency is bounded by the
+/// queue's workers, and a 202 is not a response worth caching).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Run,
+    Submit,
+}
+
+/// A request let through. Holds the backpressure slot until dropped.
+#[derive(Debug, Default)]
+pub struct Admitted {
+    _slot: Option<Slot>,
+    /// Where to store a successful response, and for how long.
+    store_as: Option<(String, Duration)>,
+    /// A cache hit: the stored response; the workflow must not run.
+    pub hit: Option<Bytes>,
+}
+
+/// One backpressure slot; gives it back on drop (also when the request's
+/// future is cancelled).
+#[derive(Debug)]
+struct Slot(Arc<AtomicU32>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A GCRA token bucket in one atomic: the "theoretical arrival time" in
+/// nanoseconds since [`Governance::epoch`]. Equivalent to a token bucket of
+/// `burst` tokens refilled at `rate`, updated with a CAS loop (no lock).
+#[derive(Debug, Default)]
+struct Bucket {
+    tat: AtomicU64,
+}
+
+impl Bucket {
+    /// Takes a token, or says how many nanoseconds until one is available.
+    fn take(&self, now: u64, interval: u64, burst: u32) -> Result<(), u64> {
+        let tolerance = interval.saturating_mul(u64::from(burst.max(1) - 1));
+        let mut tat = self.tat.load(Ordering::Acquire);
+        loop {
+            let base = tat.max(now);
+            let allowed_from = base.saturating_sub(tolerance);
+            if now < allowed_from {
+                return Err(allowed_from - now);
+            }
+            match self.tat.compare_exchange_weak(
+                tat,
+                base.saturating_add(interval),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(current) => tat = current,
+            }
+        }
+    }
+}
+
+/// Per-entry lifetimes: a dedup window or a cache TTL, carried by the value.
+struct PerEntry;
+
+impl moka::Expiry<String, Duration> for PerEntry {
+    fn expire_after_create(&self, _: &String, window: &Duration, _: Instant) -> Option<Duration> {
+        Some(*window)
+    }
+}
+
+#[derive(Clone)]
+struct Stored {
+    body: Bytes,
+    ttl: Duration,
+}
+
+impl moka::Expiry<String, Stored> for PerEntry {
+    fn expire_after_create(&self, _: &String, v: &Stored, _: Instant) -> Option<Duration> {
+        Some(v.ttl)
+    }
+}
+
+/// Governance state that outlives engine snapshots.
+pub struct Governance {
+    epoch: Instant,
+    platform: crate::config::RateLimit,
+    buckets: Cache<String, Arc<Bucket>>,
+    seen: Cache<String, Duration>,
+    responses: Cache<String, Stored>,
+    inflight: DashMap<String, Arc<AtomicU32>>,
+    client_labels: DashMap<String, ()>,
+    client_label_count: AtomicUsize,
+}
+
+impl std::fmt::Debug for Governance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Governance")
+            .field("buckets", &self.buckets.entry_count())
+            .field("dedup_keys", &self.seen.entry_count())
+            .field("cached_responses", &self.responses.entry_count())
+            .finish()
+    }
+}
+
+impl Governance {
+    pub fn new(platform: crate::config::RateLimit) -> Governance {
+        Governance {
+            epoch: Instant::now(),
+            platform,
+            buckets: Cache::builder()
+                .max_capacity(MAX_BUCKETS)
+                .time_to_idle(BUCKET_IDLE)
+                .build(),
+            seen: Cache::builder()
+                .max_capacity(MAX_DEDUP_KEYS)
+                .expire_after(PerEntry)
+                .build(),
+            responses: Cache::builder()
+                .max_capacity(MAX_CACHE_BYTES)
+                .weigher(|k: &String, v: &Stored| {
+                    u32::try_from(k.len() + v.body.len()).unwrap_or(u32::MAX)
+                })
+                .expire_after(PerEntry)
+                .build(),
+            inflight: DashMap::new(),
+            client_labels: DashMap::new(),
+            client_label_count: AtomicUsize::new(0),
+        }
+    }
+
+    /// Runs the channel's checks in the spec's order. A rejection by a later
+    /// check gives the dedup key back, so a client that retries after a 429
+    /// or 503 is not told its retry is a duplicate.
+    pub fn admit(
+        &self,
+        channel: &Channel,
+        view: &View<'_>,
+        stage: Stage,
+    ) -> Result<Admitted, ApiError> {
+        let arena = Bump::new();
+        let rules = &channel.rules;
+        let needs_context = rules.rate_key.is_some()
+            || rules.dedup_key.is_some()
+            || rules.cache_key.is_some()
+            || channel.validation.is_some();
+        let parts = if needs_context {
+            Some(Parts::new(view, &channel.name, &arena)?)
+        } else {
+            None
+        };
+        let key_of = |rule: &Option<Logic>| -> Option<String> {
+            let (rule, parts) = (rule.as_ref()?, parts.as_ref()?);
+            eval_key(rule, parts.key_root, &arena)
+        };
+
+        // 1. Deduplication.
+        let cfg = &channel.def.config_json;
+        let mut dedup = None;
+        if let Some(d) = &cfg.deduplication {
+            let key = key_of(&rules.dedup_key).or_else(|| {
+                view.headers
+                    .iter()
+                    .find(|(k, _)| k.eq_ignore_ascii_case(&d.header))
+                    .map(|(_, v)| (*v).to_owned())
+                    .filter(|v| !v.is_empty())
+            });
+            if let Some(key) = key {
+                let full = format!("{}\0{key}", channel.name);
+                let entry = self
+                    .seen
+                    .entry(full.clone())
+                    .or_insert(Duration::from_secs(d.window_secs));
+                if !entry.is_fresh() {
+                    return Err(ApiError::new(
+                        Code::Conflict,
+                        format!(
+                            "duplicate request: channel '{}' saw the same deduplication key within the last {} s",
+                            channel.name, d.window_secs
+                        ),
+                    ));
+                }
+                dedup = Some(full);
+            }
+        }
+        let rest = self.admit_rest(channel, view, stage, parts.as_ref(), &key_of, &arena);
+        if rest.is_err()
+            && let Some(key) = dedup
+        {
+            self.seen.invalidate(&key);
+        }
+        rest
+    }
+
+    fn admit_rest(
+        &self,
+        channel: &Channel,
+        view: &View<'_>,
+        stage: Stage,
+        parts: Option<&Parts<'_>>,
+        key_of: &dyn Fn(&Option<Logic>) -> Option<String>,
+        arena: &Bump,
+    ) -> Result<Admitted, ApiError> {
+        let cfg = &channel.def.config_json;
+        let rules = &channel.rules;
+
+        // 2. Rate limits: the platform's (outside clients only), then the channel's.
+        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        if self.platform.enabled && !view.internal {
+            let rps = self.platform.requests_per_second.max(1) as f64;
+            let burst = u32::try_from(self.platform.burst.max(1)).unwrap_or(u32::MAX);
+            let key = format!("\0platform\0{}", view.client_ip);
+            if let Err(wait) = self.take(key, rps, burst, now) {
+                return Err(self.limited("platform", channel, view.client_ip, false, wait));
+            }
+        }
+        if let Some(rl) = &cfg.rate_limit {
+            let (client, hashed) = match key_of(&rules.rate_key) {
+                Some(k) => (k, true),
+                None => (view.client_ip.to_owned(), false),
+            };
+            let key = format!("{}\0{client}", channel.name);
+            if let Err(wait) = self.take(key, rl.requests_per_second, rl.effective_burst(), now) {
+                return Err(self.limited("channel", channel, &client, hashed, wait));
+            }
+        }
+
+        // 3. validation_logic over {data, headers, query, path}.
+        if let (Some(rule), Some(parts)) = (&channel.validation, parts) {
+            match rule.eval(parts.validation_root, arena) {
+                Ok(v) if truthy(&v) => {}
+                Ok(_) => {
+                    return Err(ApiError::bad_request(
+                        "input validation failed: the channel's validation_logic rejected the request",
+                    ));
+                }
+                Err(e) => {
+                    return Err(ApiError::bad_request(format!(
+                        "input validation failed: {e}"
+                    )));
+                }
+            }
+        }
+        if stage == Stage::Submit {
+            return Ok(Admitted::default());
+        }
+
+        // 4. Backpressure: a per-channel counter of running requests.
+        let mut admitted = Admitted::default();
+        if let Some(bp) = &cfg.backpressure {
+            let counter = match self.inflight.get(&channel.name) {
+                Some(c) => c.clone(),
+                None => self
+                    .inflight
+                    .entry(channel.name.clone())
+                    .or_default()
+                    .clone(),
+            };
+            let before = counter.fetch_add(1, Ordering::AcqRel);
+            let slot = Slot(counter);
+            if before >= bp.max_concurrent {
+                drop(slot);
+                return Err(ApiError::new(
+                    Code::ServiceUnavailable,
+                    format!(
+                        "channel '{}' is at its concurrency limit ({}); retry shortly",
+                        channel.name, bp.max_concurrent
+                    ),
+                )
+                .with_retry_after(BACKPRESSURE_RETRY_SECS));
+            }
+            admitted._slot = Some(slot);
+        }
+
+        // 5. Response cache lookup.
+        if let Some(c) = cfg.cache.as_ref().filter(|c| c.enabled) {
+            let key = key_of(&rules.cache_key).unwrap_or_else(|| default_cache_key(view));
+            let kind = if view.internal { "call" } else { "http" };
+            let full = format!("{}\0{kind}\0{key}", rules.cache_scope);
+            match self.responses.get(&full) {
+                Some(stored) => admitted.hit = Some(stored.body),
+                None => admitted.store_as = Some((full, Duration::from_secs(c.ttl_secs))),
+            }
+        }
+        Ok(admitted)
+    }
+
+    /// Stores a successful response for the cache key the request was
+    /// admitted with (a no-op when the channel does not cache).
+    pub fn store(&self, admitted: &Admitted, body: Bytes) {
+        if let Some((key, ttl)) = &admitted.store_as {
+            self.responses
+                .insert(key.clone(), Stored { body, ttl: *ttl });
+        }
+    }
+
+    fn take(&self, key: String, rps: f64, burst: u32, now: u64) -> Result<(), u64> {
+        let interval = if rps > 0.0 {
+            (1e9 / rps).max(1.0) as u64
+        } else {
+            u64::MAX
+        };
+        let bucket = self.buckets.get_with(key, Arc::default);
+        bucket.take(now, interval, burst)
+    }
+
+    fn limited(
+        &self,
+        limit: &'static str,
+        channel: &Channel,
+        client: &str,
+        hashed: bool,
+        wait_ns: u64,
+    ) -> ApiError {
+        let label = self.client_label(client, hashed);
+        metrics::counter!(
+            crate::telemetry::names::RATE_LIMIT_REJECTIONS_TOTAL,
+            "client" => label,
+            "channel" => channel.name.clone(),
+            "limit" => limit,
+        )
+        .increment(1);
+        let secs = wait_ns.div_ceil(1_000_000_000).max(1);
+        let which = if limit == "platform" {
+            "the platform rate limit".to_owned()
+        } else {
+            format!("the rate limit of channel '{}'", channel.name)
+        };
+        ApiError::new(
+            Code::RateLimited,
+            format!("too many requests: {which} is exhausted; retry in {secs} s"),
+        )
+        .with_retry_after(secs)
+    }
+
+    /// The `client` label: the client IP, or a short hash of a `key_logic`
+    /// key (which may be derived from a credential and must not be exposed);
+    /// only the first [`MAX_CLIENT_LABELS`] distinct values get their own
+    /// series, later ones are `other`.
+    fn client_label(&self, client: &str, hashed: bool) -> String {
+        let label = if hashed {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            client.hash(&mut h);
+            format!("key:{:08x}", h.finish() as u32)
+        } else {
+            client.chars().take(64).collect()
+        };
+        if self.client_labels.contains_key(&label) {
+            return label;
+        }
+        if self.client_label_count.fetch_add(1, Ordering::AcqRel) < MAX_CLIENT_LABELS {
+            self.client_labels.insert(label.clone(), ());
+            label
+        } else {
+            self.client_label_count.fetch_sub(1, Ordering::AcqRel);
+            "other".to_owned()
+        }
+    }
+}
+
+/// The `key_logic` and `validation_logic` inputs of one request, built once
+/// in the request's arena.
+struct Parts<'a> {
+    key_root: Value<'a>,
+    validation_root: Value<'a>,
+}
+
+impl<'a> Parts<'a> {
+    fn new(view: &View<'_>, channel: &str, arena: &'a Bump) -> Result<Parts<'a>, ApiError> {
+        let data = if view.body.iter().all(u8::is_ascii_whitespace) {
+            Value::Null
+        } else {
+            let parsed = sluice_runtime::json::parse(view.body, arena)
+                .map_err(|e| ApiError::bad_request(format!("malformed JSON: {}", e.0)))?;
+            if view.internal {
+                parsed
+            } else {
+                parsed.get("data").unwrap_or(Value::Null)
+            }
+        };
+        let pairs = |items: &[(&str, &str)]| {
+            Value::Object(
+                arena.alloc_slice_fill_iter(
+                    items
+                        .iter()
+                        .map(|(k, v)| (&*arena.alloc_str(k), Value::Str(arena.alloc_str(v)))),
+                ),
+            )
+        };
+        let (headers, query, path) = (pairs(view.headers), pairs(view.query), pairs(view.path));
+        Ok(Parts {
+            key_root: Value::Object(arena.alloc_slice_copy(&[
+                ("client_ip", Value::Str(arena.alloc_str(view.client_ip))),
+                ("channel", Value::Str(arena.alloc_str(channel))),
+                ("headers", headers),
+                ("query", query),
+                ("path", path),
+                ("data", data),
+            ])),
+            validation_root: Value::Object(arena.alloc_slice_copy(&[
+                ("data", data),
+                ("headers", headers),
+                ("query", query),
+                ("path", path),
+            ])),
+        })
+    }
+}
+
+/// A `key_logic` result as a key: strings as they are, other values as JSON
+/// text; null, an empty string or an evaluation error mean "no key" (the
+/// check then falls back to its default key).
+fn eval_key(rule: &Logic, root: Value<'_>, arena: &Bump) -> Option<String> {
+    match rule.eval(root, arena).ok()? {
+        Value::Null => None,
+        Value::Str("") => None,
+        Value::Str(s) => Some(s.to_owned()),
+        other => {
+            let mut out = Vec::new();
+            other.write_json(&mut out);
+            String::from_utf8(out).ok()
+        }
+    }
+}
+
+/// The default cache key: method, path, query and body.
+fn default_cache_key(view: &View<'_>) -> String {
+    let mut key = String::with_capacity(view.target.len() + view.body.len() + 32);
+    key.push_str(view.method);
+    key.push(' ');
+    key.push_str(view.target);
+    key.push('?');
+    for (i, (k, v)) in view.query.iter().enumerate() {
+        if i > 0 {
+            key.push('&');
+        }
+        key.push_str(k);
+        key.push('=');
+        key.push_str(v);
+    }
+    key.push('\n');
+    key.push_str(&String::from_utf8_lossy(view.body));
+    key
+}
+
+// ------------------------------------------------------------------ CORS
+
+/// Whether `origin` is on the channel's allowlist (`*` allows any).
+fn origin_allowed(channel: &Channel, origin: &str) -> bool {
+    channel.def.config_json.cors.as_ref().is_some_and(|c| {
+        c.allowed_origins
+            .iter()
+            .any(|o| o == "*" || o.eq_ignore_ascii_case(origin))
+    })
+}
+
+/// Adds the CORS headers of an allowed origin to a data-plane response; a
+/// disallowed (or absent) origin gets none, and the browser blocks it.
+pub fn decorate(channel: &Channel, origin: Option<&str>, response: &mut HttpResponse) {
+    let Some(origin) = origin.filter(|o| origin_allowed(channel, o)) else {
+        return;
+    };
+    let Ok(value) = HeaderValue::from_str(origin) else {
+        return;
+    };
+    let headers = response.headers_mut();
+    headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, value);
+    headers.append(header::VARY, HeaderValue::from_static("Origin"));
+    headers.insert(
+        header::ACCESS_CONTROL_EXPOSE_HEADERS,
+        HeaderValue::from_static("x-request-id, retry-after"),
+    );
+}
+
+/// Answers a preflight (`OPTIONS` with `Access-Control-Request-Method`) for
+/// a resolved channel: 204 with the allowances, or 403 when the channel does
+/// not allow the origin or the method.
+pub fn preflight(channel: &Channel, origin: Option<&str>, method: &str) -> HttpResponse {
+    let cors = channel.def.config_json.cors.as_ref();
+    let (Some(cors), Some(origin)) = (cors, origin) else {
+        return forbidden(channel, "CORS is not enabled for this origin");
+    };
+    if !origin_allowed(channel, origin) {
+        return forbidden(channel, "origin is not allowed");
+    }
+    let methods: Vec<String> = match &cors.allowed_methods {
+        Some(m) => m.clone(),
+        None if channel.def.route_pattern.is_some() => channel
+            .def
+            .methods
+            .iter()
+            .map(|m| m.as_str().to_owned())
+            .collect(),
+        None => vec!["POST".to_owned()],
+    };
+    if !methods.iter().any(|m| m.eq_ignore_ascii_case(method)) {
+        return forbidden(channel, "method is not allowed");
+    }
+    let mut response = crate::api::no_content().unwrap_or_else(ApiError::into_response);
+    let allowed_headers = cors
+        .allowed_headers
+        .as_ref()
+        .map_or_else(|| "content-type".to_owned(), |h| h.join(", "));
+    let headers = response.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(origin) {
+        headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, v);
+    }
+    headers.append(header::VARY, HeaderValue::from_static("Origin"));
+    if let Ok(v) = HeaderValue::from_str(&methods.join(", ")) {
+        headers.insert(header::ACCESS_CONTROL_ALLOW_METHODS, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&allowed_headers) {
+        headers.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, v);
+    }
+    if let Some(age) = cors.max_age_secs {
+        headers.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from(age));
+    }
+    response
+}
+
+fn forbidden(channel: &Channel, why: &str) -> HttpResponse {
+    let mut response = ApiError::new(
+        Code::Forbidden,
+        format!(
+            "CORS preflight refused by channel '{}': {why}",
+            channel.name
+        ),
+    )
+    .into_response();
+    *response.status_mut() = StatusCode::FORBIDDEN;
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Bucket;
+
+    #[test]
+    fn the_bucket_allows_the_burst_then_refills_at_the_rate() {
+        let b = Bucket::default();
+        let sec = 1_000_000_000;
+        // burst 2 at 1 per second, starting at t = 10 s.
+        assert!(b.take(10 * sec, sec, 2).is_ok());
+        assert!(b.take(10 * sec, sec, 2).is_ok());
+        assert_eq!(b.take(10 * sec, sec, 2), Err(sec));
+        assert!(b.take(11 * sec, sec, 2).is_ok());
+        assert!(b.take(11 * sec, sec, 2).is_err());
+        // Long idle: full again, but never more than the burst.
+        assert!(b.take(100 * sec, sec, 2).is_ok());
+        assert!(b.take(100 * sec, sec, 2).is_ok());
+        assert!(b.take(100 * sec, sec, 2).is_err());
+    }
+}

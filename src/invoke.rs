@@ -1,0 +1,188 @@
+//! `channel_call`: the runtime's [`ChannelInvoker`], in-process. The callee is
+//! looked up by name in the live snapshot and runs with its own governance
+//! (dedup, rate limit, validation, backpressure, cache), its own versioning
+//! and its own timeout; cycles and calls deeper than
+//! `engine.max_channel_call_depth` are task errors that name the chain.
+
+use crate::app::App;
+use crate::governance::{Stage, View};
+use async_trait::async_trait;
+use serde_json::Value as Json;
+use sluice_runtime::connectors::{
+    CallScope, ChannelInvoker, ConnectorError, ConnectorErrorKind, InvokeRequest,
+};
+use sluice_runtime::exec::{self, FailureKind, Input, Meta, Options, PayloadFrom, Status};
+use std::sync::{OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+/// The invoker needs the `App` (snapshot, governance, services), which owns
+/// it through `Services`: a `Weak` set once by [`attach`] breaks the cycle.
+#[derive(Default)]
+pub struct Invoker {
+    app: OnceLock<Weak<App>>,
+}
+
+impl Invoker {
+    pub fn attach(&self, app: &std::sync::Arc<App>) {
+        let _ = self.app.set(std::sync::Arc::downgrade(app));
+    }
+}
+
+/// Wires `channel_call` to this app (called once by `sluice::start`).
+pub fn attach(app: &std::sync::Arc<App>) {
+    app.invoker.attach(app);
+}
+
+fn task_error(message: String) -> ConnectorError {
+    ConnectorError::other(message)
+}
+
+#[async_trait]
+impl ChannelInvoker for Invoker {
+    async fn invoke(&self, scope: &CallScope, req: InvokeRequest) -> Result<Json, ConnectorError> {
+        let app = self
+            .app
+            .get()
+            .and_then(Weak::upgrade)
+            .ok_or_else(|| task_error("channel_call: the service is shutting down".into()))?;
+        // The chain so far, outermost first; a scope built without one (an
+        // older caller) still counts its own channel.
+        let mut chain = if scope.chain.is_empty() && !scope.channel.is_empty() {
+            vec![scope.channel.clone()]
+        } else {
+            scope.chain.clone()
+        };
+        let cycle = chain.contains(&req.channel);
+        chain.push(req.channel.clone());
+        let named = chain.join(" -> ");
+        if cycle {
+            return Err(task_error(format!("channel_call cycle: {named}")));
+        }
+        let max = app.config.engine.max_channel_call_depth as usize;
+        if chain.len() - 1 > max {
+            return Err(task_error(format!(
+                "channel_call depth {} exceeds engine.max_channel_call_depth ({max}): {named}",
+                chain.len() - 1
+            )));
+        }
+        let snapshot = app.engine.load_full();
+        let channel = snapshot.channels.get(&req.channel).ok_or_else(|| {
+            task_error(format!(
+                "channel_call: channel '{}' not found ({named})",
+                req.channel
+            ))
+        })?;
+        let body = serde_json::to_vec(&req.data).unwrap_or_else(|_| b"null".to_vec());
+        // Outside clients are identified by IP; a caller channel is its own
+        // client, so a callee's rate limit meters each calling channel.
+        let client = format!("channel:{}", scope.channel);
+        let request_id = uuid::Uuid::new_v4().to_string();
+        let view = View {
+            client_ip: &client,
+            method: "POST",
+            target: &channel.name,
+            headers: &[],
+            query: &[],
+            path: &[],
+            body: &body,
+            internal: true,
+        };
+        let refused = |e: crate::api::ApiError| {
+            let kind = match e.code {
+                crate::api::Code::Timeout => ConnectorErrorKind::Timeout,
+                _ => ConnectorErrorKind::Other,
+            };
+            ConnectorError::new(
+                kind,
+                format!(
+                    "channel_call to '{}' answered {} {}: {} ({named})",
+                    req.channel,
+                    e.code.status().as_u16(),
+                    e.code.as_str(),
+                    e.message
+                ),
+            )
+        };
+        let admitted = app
+            .governance
+            .admit(channel, &view, Stage::Run)
+            .map_err(refused)?;
+        if let Some(hit) = &admitted.hit {
+            return serde_json::from_slice(hit)
+                .map_err(|e| task_error(format!("channel_call: bad cached response: {e}")));
+        }
+        let timeout = req
+            .timeout_ms
+            .map_or(channel.timeout, Duration::from_millis);
+        let input = Input {
+            body: &body,
+            payload_from: PayloadFrom::Whole,
+            meta: Meta {
+                headers: &[],
+                query: &[],
+                path: &[],
+                method: "POST",
+                channel: &channel.name,
+                request_id: &request_id,
+            },
+            bucket: None,
+        };
+        let options = Options {
+            deadline: Some(Instant::now() + timeout),
+            ..Options::default()
+        };
+        let callee_scope = CallScope {
+            channel: channel.name.clone(),
+            traceparent: scope.traceparent.clone(),
+            tracestate: scope.tracestate.clone(),
+            chain,
+        };
+        channel.metrics.executions.increment(1);
+        let run = exec::execute(
+            channel.plans.iter().map(|p| &**p),
+            input,
+            &app.services,
+            &callee_scope,
+            &options,
+        );
+        let execution = match tokio::time::timeout(timeout, run).await {
+            Ok(Ok(e)) => e,
+            Ok(Err(e)) => return Err(task_error(format!("channel_call: {e} ({named})"))),
+            Err(_) => {
+                return Err(ConnectorError::new(
+                    ConnectorErrorKind::Timeout,
+                    format!(
+                        "channel_call to '{}' did not finish within {} ms ({named})",
+                        req.channel,
+                        timeout.as_millis()
+                    ),
+                ));
+            }
+        };
+        if execution.matched.is_none() {
+            return Err(task_error(format!(
+                "channel_call: no active workflow of channel '{}' matches ({named})",
+                req.channel
+            )));
+        }
+        if let Status::Failed(f) = &execution.status {
+            let kind = match f.kind {
+                FailureKind::Timeout => ConnectorErrorKind::Timeout,
+                FailureKind::CircuitOpen => ConnectorErrorKind::CircuitOpen,
+                FailureKind::Upstream => ConnectorErrorKind::Upstream,
+                FailureKind::Task | FailureKind::Validation => ConnectorErrorKind::Other,
+            };
+            return Err(ConnectorError::new(
+                kind,
+                format!(
+                    "channel_call to '{}': task '{}' failed: {}",
+                    req.channel, f.task_id, f.message
+                ),
+            ));
+        }
+        app.governance
+            .store(&admitted, bytes::Bytes::from(execution.data.clone()));
+        serde_json::from_slice(&execution.data)
+            .map_err(|e| task_error(format!("channel_call: the callee's data is not JSON: {e}")))
+    }
+}

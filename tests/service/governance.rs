@@ -1,0 +1,751 @@
+//! Channel governance and `channel_call` over real HTTP: deduplication, rate
+//! limits (per channel, per key, platform), backpressure, the response cache,
+//! CORS, invalid settings rejected at create, and in-process channel calls
+//! (payloads, response paths, cycles, depth, the callee's own governance).
+
+use crate::support::*;
+use serde_json::{Value as Json, json};
+use std::time::Duration;
+
+/// A channel routed by name (`POST /api/v1/data/{id}`) with `config`.
+fn named(id: &str, workflow: &str, config: Json) -> Json {
+    json!({
+        "channel_id": id, "name": id, "channel_type": "sync", "protocol": "http",
+        "workflow_id": workflow, "config_json": config
+    })
+}
+
+/// Echoes the payload and stamps the request id: a response that repeats an
+/// earlier request id was not produced by a new run.
+fn echo(id: &str) -> Json {
+    json!({
+        "workflow_id": id, "name": id,
+        "tasks": [
+            {"id": "parse", "name": "parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}},
+            {"id": "stamp", "name": "stamp", "function": {"name": "map", "input": {"mappings": [
+                {"path": "rid", "logic": {"var": "metadata.request_id"}},
+                {"path": "channel", "logic": {"var": "metadata.channel"}}
+            ]}}}
+        ]
+    })
+}
+
+async fn post_with(s: &TestServer, channel: &str, data: Json, headers: &[(&str, &str)]) -> Resp {
+    s.send(
+        "POST",
+        &format!("/api/v1/data/{channel}"),
+        Some(json!({ "data": data })),
+        headers,
+    )
+    .await
+}
+
+fn retry_after(r: &Resp) -> u64 {
+    r.headers
+        .get("retry-after")
+        .unwrap_or_else(|| panic!("Retry-After missing: {:?}", r.headers))
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+// ------------------------------------------------------------ deduplication
+
+#[tokio::test]
+async fn deduplication_rejects_a_repeat_inside_the_window() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        echo("d"),
+        named("dd", "d", json!({"deduplication": {"window_secs": 1}})),
+    )
+    .await;
+    let key = [("idempotency-key", "k-1")];
+    assert_eq!(post_with(&s, "dd", json!({}), &key).await.status, 200);
+    post_with(&s, "dd", json!({}), &key)
+        .await
+        .error(409, "CONFLICT");
+    // Another key, and requests without a key, are not duplicates.
+    assert_eq!(
+        post_with(&s, "dd", json!({}), &[("idempotency-key", "k-2")])
+            .await
+            .status,
+        200
+    );
+    for _ in 0..3 {
+        assert_eq!(post_with(&s, "dd", json!({}), &[]).await.status, 200);
+    }
+    // After the window the key is fresh again.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    assert_eq!(post_with(&s, "dd", json!({}), &key).await.status, 200);
+    // Async submissions are deduplicated the same way.
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/data/dd/async",
+            Some(json!({"data": {}})),
+            &[("idempotency-key", "k-async")],
+        )
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    s.send(
+        "POST",
+        "/api/v1/data/dd/async",
+        Some(json!({"data": {}})),
+        &[("idempotency-key", "k-async")],
+    )
+    .await
+    .error(409, "CONFLICT");
+}
+
+#[tokio::test]
+async fn deduplication_keys_from_key_logic_or_a_custom_header() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        echo("d"),
+        named(
+            "by-id",
+            "d",
+            json!({"deduplication": {"key_logic": {"var": "data.order_id"}, "window_secs": 60}}),
+        ),
+    )
+    .await;
+    assert_eq!(
+        post_with(&s, "by-id", json!({"order_id": 7}), &[])
+            .await
+            .status,
+        200
+    );
+    post_with(&s, "by-id", json!({"order_id": 7}), &[])
+        .await
+        .error(409, "CONFLICT");
+    assert_eq!(
+        post_with(&s, "by-id", json!({"order_id": 8}), &[])
+            .await
+            .status,
+        200
+    );
+    // No order id and no header: not deduplicated.
+    assert_eq!(post_with(&s, "by-id", json!({}), &[]).await.status, 200);
+    assert_eq!(post_with(&s, "by-id", json!({}), &[]).await.status, 200);
+
+    s.deploy(
+        echo("h"),
+        named(
+            "by-header",
+            "h",
+            json!({"deduplication": {"header": "X-Dedup", "window_secs": 60}}),
+        ),
+    )
+    .await;
+    let h = [("x-dedup", "abc")];
+    assert_eq!(post_with(&s, "by-header", json!({}), &h).await.status, 200);
+    post_with(&s, "by-header", json!({}), &h)
+        .await
+        .error(409, "CONFLICT");
+    // The default header is not used when another one is configured.
+    let idem = [("idempotency-key", "abc")];
+    assert_eq!(
+        post_with(&s, "by-header", json!({}), &idem).await.status,
+        200
+    );
+    assert_eq!(
+        post_with(&s, "by-header", json!({}), &idem).await.status,
+        200
+    );
+}
+
+// --------------------------------------------------------------- rate limit
+
+#[tokio::test]
+async fn the_channel_rate_limit_answers_429_with_retry_after_past_the_burst() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        echo("r"),
+        named(
+            "limited",
+            "r",
+            json!({"rate_limit": {"requests_per_second": 0.2, "burst": 2}}),
+        ),
+    )
+    .await;
+    assert_eq!(post_with(&s, "limited", json!({}), &[]).await.status, 200);
+    assert_eq!(post_with(&s, "limited", json!({}), &[]).await.status, 200);
+    let r = post_with(&s, "limited", json!({}), &[]).await;
+    r.error(429, "RATE_LIMITED");
+    // One token every 5 s.
+    let wait = retry_after(&r);
+    assert!((1..=5).contains(&wait), "Retry-After {wait}");
+    // A channel without a limit is not affected.
+    s.deploy(echo("free"), named("free", "free", json!({})))
+        .await;
+    for _ in 0..5 {
+        assert_eq!(post_with(&s, "free", json!({}), &[]).await.status, 200);
+    }
+    // Rejections are counted (with a bounded `client` label).
+    let metrics = s.get("/metrics").await.text;
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("rate_limit_rejections_total{") && l.contains("limited"))
+        .unwrap_or_else(|| panic!("no rejection metric in:\n{metrics}"));
+    assert!(line.contains("client=\"127.0.0.1\""), "{line}");
+}
+
+#[tokio::test]
+async fn the_rate_limit_key_logic_isolates_clients() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        echo("r"),
+        named(
+            "tenants",
+            "r",
+            json!({"rate_limit": {"requests_per_second": 0.1, "burst": 1, "key_logic": {"var": "headers.x-tenant"}}}),
+        ),
+    )
+    .await;
+    let a = [("x-tenant", "a")];
+    let b = [("x-tenant", "b")];
+    assert_eq!(post_with(&s, "tenants", json!({}), &a).await.status, 200);
+    post_with(&s, "tenants", json!({}), &a)
+        .await
+        .error(429, "RATE_LIMITED");
+    // Same IP, another key: its own bucket.
+    assert_eq!(post_with(&s, "tenants", json!({}), &b).await.status, 200);
+    post_with(&s, "tenants", json!({}), &b)
+        .await
+        .error(429, "RATE_LIMITED");
+    // The key label is a hash, never the key itself.
+    let metrics = s.get("/metrics").await.text;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("rate_limit_rejections_total{") && l.contains("client=\"key:")),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn the_platform_rate_limit_applies_to_every_channel_when_enabled() {
+    let s = start_with(Db::Sqlite, |c| {
+        c.rate_limit.enabled = true;
+        c.rate_limit.requests_per_second = 1;
+        c.rate_limit.burst = 3;
+    })
+    .await;
+    s.deploy(echo("a"), named("pa", "a", json!({}))).await;
+    s.deploy(echo("b"), named("pb", "b", json!({}))).await;
+    // One bucket per client across channels: three requests, then 429.
+    assert_eq!(post_with(&s, "pa", json!({}), &[]).await.status, 200);
+    assert_eq!(post_with(&s, "pb", json!({}), &[]).await.status, 200);
+    assert_eq!(post_with(&s, "pa", json!({}), &[]).await.status, 200);
+    let r = post_with(&s, "pb", json!({}), &[]).await;
+    r.error(429, "RATE_LIMITED");
+    assert!(retry_after(&r) >= 1);
+    // The admin plane is not metered.
+    assert_eq!(s.admin("GET", "/channels", None).await.status, 200);
+
+    // Off (the default): no platform limit.
+    let off = start(Db::Sqlite).await;
+    off.deploy(echo("a"), named("pa", "a", json!({}))).await;
+    for _ in 0..6 {
+        assert_eq!(post_with(&off, "pa", json!({}), &[]).await.status, 200);
+    }
+}
+
+// ------------------------------------------------------------- backpressure
+
+/// Burns CPU: `passes` loop passes, each summing the payload's items.
+fn slow(id: &str, passes: u32) -> Json {
+    json!({
+        "workflow_id": id, "name": id,
+        "loop": {"max": passes, "counter": "temp_data.i"},
+        "tasks": [{"id": "spin", "name": "spin", "function": {"name": "map", "input": {"mappings": [
+            {"path": "sum", "logic": {"reduce": [{"var": "payload.items"}, {"+": [{"var": "accumulator"}, {"var": "current"}]}, 0]}}
+        ]}}}]
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn backpressure_sheds_concurrent_requests_with_503() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        slow("slow", 3000),
+        named(
+            "slow",
+            "slow",
+            json!({"timeout_ms": 60000, "backpressure": {"max_concurrent": 1}}),
+        ),
+    )
+    .await;
+    let items: Vec<u32> = (0..3000).collect();
+    let payload = json!({ "items": items });
+    let calls = (0..4).map(|_| post_with(&s, "slow", payload.clone(), &[]));
+    let answers = futures_util::future::join_all(calls).await;
+    let ok = answers.iter().filter(|r| r.status == 200).count();
+    let shed: Vec<&Resp> = answers.iter().filter(|r| r.status == 503).collect();
+    assert!(ok >= 1, "{answers:?}");
+    assert!(!shed.is_empty(), "nothing was shed: {answers:?}");
+    for r in &shed {
+        r.error(503, "SERVICE_UNAVAILABLE");
+        assert!(retry_after(r) >= 1);
+    }
+    assert_eq!(ok + shed.len(), 4);
+    // Slots are given back: the next request runs.
+    assert_eq!(
+        post_with(&s, "slow", json!({"items": [1, 2]}), &[])
+            .await
+            .status,
+        200
+    );
+    // Without a limit the same concurrent requests all run.
+    s.deploy(
+        slow("slow2", 300),
+        named("unlimited", "slow2", json!({"timeout_ms": 60000})),
+    )
+    .await;
+    let calls = (0..3).map(|_| post_with(&s, "unlimited", payload.clone(), &[]));
+    for r in futures_util::future::join_all(calls).await {
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+}
+
+// ----------------------------------------------------------- response cache
+
+#[tokio::test]
+async fn the_response_cache_serves_hits_without_running_the_workflow() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        echo("c"),
+        named("cached", "c", json!({"cache": {"ttl_secs": 1}})),
+    )
+    .await;
+    let first = post_with(&s, "cached", json!({"q": 1}), &[]).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    assert!(first.headers.get("x-cache").is_none());
+    let hit = post_with(&s, "cached", json!({"q": 1}), &[]).await;
+    assert_eq!(hit.status, 200);
+    // Same request id inside: the stored answer, no new run.
+    assert_eq!(hit.body, first.body);
+    assert_eq!(hit.headers["x-cache"], "hit");
+    assert_ne!(hit.headers["x-request-id"], first.headers["x-request-id"]);
+    // Another body (or query) is another key.
+    let other = post_with(&s, "cached", json!({"q": 2}), &[]).await;
+    assert_ne!(other.body["data"]["rid"], first.body["data"]["rid"]);
+    let query = s
+        .send(
+            "POST",
+            "/api/v1/data/cached?x=1",
+            Some(json!({"data": {"q": 1}})),
+            &[],
+        )
+        .await;
+    assert_ne!(query.body["data"]["rid"], first.body["data"]["rid"]);
+    // The entry expires with its TTL.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let fresh = post_with(&s, "cached", json!({"q": 1}), &[]).await;
+    assert_eq!(fresh.status, 200);
+    assert_ne!(fresh.body["data"]["rid"], first.body["data"]["rid"]);
+    assert!(fresh.headers.get("x-cache").is_none());
+}
+
+#[tokio::test]
+async fn the_cache_key_logic_and_failures_are_not_cached() {
+    let s = start(Db::Sqlite).await;
+    let wf = json!({
+        "workflow_id": "k", "name": "k",
+        "tasks": [
+            {"id": "stamp", "name": "stamp", "function": {"name": "map", "input": {"mappings": [
+                {"path": "rid", "logic": {"var": "metadata.request_id"}}
+            ]}}},
+            {"id": "boom", "name": "boom", "condition": {"==": [{"var": "payload.fail"}, true]},
+             "function": {"name": "parse_json", "input": {"source": "payload.fail_text", "target": "x"}}}
+        ]
+    });
+    s.deploy(
+        wf,
+        named(
+            "keyed",
+            "k",
+            json!({"cache": {"ttl_secs": 60, "key_logic": {"var": "data.user"}}}),
+        ),
+    )
+    .await;
+    let a = post_with(&s, "keyed", json!({"user": "u1", "noise": 1}), &[]).await;
+    let b = post_with(&s, "keyed", json!({"user": "u1", "noise": 2}), &[]).await;
+    assert_eq!(a.body["data"]["rid"], b.body["data"]["rid"]);
+    let c = post_with(&s, "keyed", json!({"user": "u2"}), &[]).await;
+    assert_ne!(a.body["data"]["rid"], c.body["data"]["rid"]);
+    // A failed run is never stored.
+    let bad = json!({"user": "u3", "fail": true, "fail_text": "{nope"});
+    let f1 = post_with(&s, "keyed", bad.clone(), &[]).await;
+    assert_eq!(f1.status, 500, "{}", f1.text);
+    let f2 = post_with(&s, "keyed", bad, &[]).await;
+    assert_eq!(f2.status, 500);
+    assert!(f2.headers.get("x-cache").is_none());
+    // A disabled cache stores nothing.
+    s.deploy(
+        echo("off"),
+        named("uncached", "off", json!({"cache": {"enabled": false}})),
+    )
+    .await;
+    let x = post_with(&s, "uncached", json!({}), &[]).await;
+    let y = post_with(&s, "uncached", json!({}), &[]).await;
+    assert_ne!(x.body["data"]["rid"], y.body["data"]["rid"]);
+}
+
+// --------------------------------------------------------------------- CORS
+
+#[tokio::test]
+async fn cors_allows_listed_origins_and_answers_preflights() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        echo("w"),
+        json!({
+            "channel_id": "cors", "name": "cors", "channel_type": "sync", "protocol": "rest",
+            "route_pattern": "/cors/{id}", "methods": ["POST"], "workflow_id": "w",
+            "config_json": {"cors": {
+                "allowed_origins": ["https://app.example"],
+                "allowed_headers": ["content-type", "x-tenant"],
+                "max_age_secs": 600
+            }}
+        }),
+    )
+    .await;
+    s.deploy(echo("w2"), named("nocors", "w2", json!({}))).await;
+    let good = [("origin", "https://app.example")];
+    let evil = [("origin", "https://evil.example")];
+
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/data/cors/1",
+            Some(json!({"data": {}})),
+            &good,
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.headers["access-control-allow-origin"],
+        "https://app.example"
+    );
+    assert!(r.headers["vary"].to_str().unwrap().contains("Origin"));
+    // A disallowed origin gets the answer but no CORS headers.
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/data/cors/1",
+            Some(json!({"data": {}})),
+            &evil,
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    assert!(r.headers.get("access-control-allow-origin").is_none());
+
+    // Preflight.
+    let pre = s
+        .send(
+            "OPTIONS",
+            "/api/v1/data/cors/1",
+            None,
+            &[
+                ("origin", "https://app.example"),
+                ("access-control-request-method", "POST"),
+                ("access-control-request-headers", "content-type"),
+            ],
+        )
+        .await;
+    assert_eq!(pre.status, 204, "{}", pre.text);
+    let h = &pre.headers;
+    assert_eq!(h["access-control-allow-origin"], "https://app.example");
+    assert_eq!(h["access-control-allow-methods"], "POST");
+    assert_eq!(h["access-control-allow-headers"], "content-type, x-tenant");
+    assert_eq!(h["access-control-max-age"], "600");
+    let denied = preflight(&s, "https://evil.example", "POST", "/api/v1/data/cors/1").await;
+    denied.error(403, "FORBIDDEN");
+    assert!(denied.headers.get("access-control-allow-origin").is_none());
+    // A method the route does not serve: no route for it.
+    preflight(&s, "https://app.example", "DELETE", "/api/v1/data/cors/1")
+        .await
+        .error(404, "NOT_FOUND");
+    // A channel without CORS settings refuses every preflight.
+    preflight(&s, "https://app.example", "POST", "/api/v1/data/nocors")
+        .await
+        .error(403, "FORBIDDEN");
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/data/nocors",
+            Some(json!({"data": {}})),
+            &good,
+        )
+        .await;
+    assert!(r.headers.get("access-control-allow-origin").is_none());
+}
+
+async fn preflight(s: &TestServer, origin: &str, method: &str, path: &str) -> Resp {
+    s.send(
+        "OPTIONS",
+        path,
+        None,
+        &[
+            ("origin", origin),
+            ("access-control-request-method", method),
+        ],
+    )
+    .await
+}
+
+// ---------------------------------------------------------- invalid configs
+
+#[tokio::test]
+async fn invalid_governance_settings_are_rejected_with_details() {
+    let s = start(Db::Sqlite).await;
+    let bad = named(
+        "bad",
+        "w",
+        json!({
+            "rate_limit": {"requests_per_second": 0, "key_logic": {"no_such_op": [1]}},
+            "deduplication": {"window_secs": 0, "key_logic": {"no_such_op": 1}},
+            "cache": {"ttl_secs": 0, "key_logic": {"no_such_op": 1}},
+            "backpressure": {"max_concurrent": 0},
+            "cors": {"allowed_origins": ["app.example"], "allowed_methods": ["FETCH"]}
+        }),
+    );
+    let r = s.admin("POST", "/channels", Some(bad)).await;
+    r.error(400, "BAD_REQUEST");
+    let fields = r.detail_fields();
+    for f in [
+        "config_json.rate_limit.requests_per_second",
+        "config_json.rate_limit.key_logic",
+        "config_json.deduplication.window_secs",
+        "config_json.deduplication.key_logic",
+        "config_json.cache.ttl_secs",
+        "config_json.cache.key_logic",
+        "config_json.backpressure.max_concurrent",
+        "config_json.cors.allowed_origins[0]",
+        "config_json.cors.allowed_methods[0]",
+    ] {
+        assert!(fields.iter().any(|x| x == f), "{f} missing in {fields:?}");
+    }
+    // Unknown keys are not silently ignored either.
+    let r = s
+        .admin(
+            "POST",
+            "/channels",
+            Some(named(
+                "bad2",
+                "w",
+                json!({"rate_limit": {"requests_per_second": 1, "per": "ip"}}),
+            )),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["config_json.rate_limit.per"]);
+}
+
+// ------------------------------------------------------------- channel_call
+
+fn call_task(id: &str, input: Json) -> Json {
+    json!({"id": id, "name": id, "function": {"name": "channel_call", "input": input}})
+}
+
+fn caller(id: &str, tasks: Json) -> Json {
+    let mut all = vec![
+        json!({"id": "parse", "name": "parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}}),
+    ];
+    all.extend(tasks.as_array().unwrap().iter().cloned());
+    json!({"workflow_id": id, "name": id, "tasks": all})
+}
+
+/// Prices its payload: `{total: qty * price, seen: payload}`.
+fn pricing() -> Json {
+    json!({
+        "workflow_id": "pricing", "name": "pricing",
+        "tasks": [{"id": "price", "name": "price", "function": {"name": "map", "input": {"mappings": [
+            {"path": "total", "logic": {"*": [{"var": "payload.qty"}, {"var": "payload.price"}]}},
+            {"path": "seen", "logic": {"var": "payload"}},
+            {"path": "channel", "logic": {"var": "metadata.channel"}}
+        ]}}}]
+    })
+}
+
+#[tokio::test]
+async fn channel_call_runs_the_callee_in_process() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(pricing(), named("pricing", "pricing", json!({})))
+        .await;
+    // Defaults: the caller's payload, the answer replaces `data`.
+    s.deploy(
+        caller(
+            "plain",
+            json!([call_task("call", json!({"channel": "pricing"}))]),
+        ),
+        named("plain", "plain", json!({})),
+    )
+    .await;
+    let r = post_with(&s, "plain", json!({"qty": 3, "price": 5}), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"]["total"], 15);
+    assert_eq!(r.body["data"]["channel"], "pricing");
+    assert_eq!(r.body["data"]["seen"], json!({"qty": 3, "price": 5}));
+
+    // data_logic, channel_logic and response_path.
+    s.deploy(
+        caller(
+            "shaped",
+            json!([call_task(
+                "call",
+                json!({
+                    "channel_logic": {"var": "data.in.target"},
+                    "data_logic": {"var": "data.in.order"},
+                    "response_path": "quote"
+                })
+            )]),
+        ),
+        named("shaped", "shaped", json!({})),
+    )
+    .await;
+    let r = post_with(
+        &s,
+        "shaped",
+        json!({"target": "pricing", "order": {"qty": 4, "price": 2}}),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"]["quote"]["total"], 8);
+    assert_eq!(
+        r.body["data"]["quote"]["seen"],
+        json!({"qty": 4, "price": 2})
+    );
+    // The caller's own data is kept next to the answer.
+    assert_eq!(r.body["data"]["in"]["target"], "pricing");
+
+    // Static data.
+    s.deploy(
+        caller(
+            "fixed",
+            json!([call_task(
+                "call",
+                json!({"channel": "pricing", "data": {"qty": 2, "price": 10}, "response_path": "temp_data.q"}),
+            ), {"id": "copy", "name": "copy", "function": {"name": "map", "input": {"mappings": [
+                {"path": "total", "logic": {"var": "temp_data.q.total"}}
+            ]}}}]),
+        ),
+        named("fixed", "fixed", json!({})),
+    )
+    .await;
+    let r = post_with(&s, "fixed", json!({}), &[]).await;
+    assert_eq!(r.body["data"]["total"], 20, "{}", r.text);
+
+    // An unknown callee is a task error naming it.
+    s.deploy(
+        caller(
+            "lost",
+            json!([call_task("call", json!({"channel": "nowhere"}))]),
+        ),
+        named("lost", "lost", json!({})),
+    )
+    .await;
+    let r = post_with(&s, "lost", json!({}), &[]).await;
+    let e = r.error(500, "TASK_ERROR");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("'nowhere' not found"),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn channel_call_cycles_and_depth_are_task_errors_naming_the_chain() {
+    let s = start_with(Db::Sqlite, |c| c.engine.max_channel_call_depth = 2).await;
+    // ping -> pong -> ping
+    s.deploy(
+        caller(
+            "ping",
+            json!([call_task("call", json!({"channel": "pong"}))]),
+        ),
+        named("ping", "ping", json!({})),
+    )
+    .await;
+    s.deploy(
+        caller(
+            "pong",
+            json!([call_task("call", json!({"channel": "ping"}))]),
+        ),
+        named("pong", "pong", json!({})),
+    )
+    .await;
+    let r = post_with(&s, "ping", json!({}), &[]).await;
+    let e = r.error(500, "TASK_ERROR");
+    let message = e["message"].as_str().unwrap();
+    assert!(message.contains("cycle"), "{message}");
+    assert!(message.contains("ping -> pong -> ping"), "{message}");
+    assert_eq!(e["task_id"], "call");
+
+    // c1 -> c2 -> c3 -> leaf is depth 3, over the limit of 2.
+    s.deploy(echo("leaf"), named("leaf", "leaf", json!({})))
+        .await;
+    for (from, to) in [("c3", "leaf"), ("c2", "c3"), ("c1", "c2")] {
+        s.deploy(
+            caller(from, json!([call_task("call", json!({"channel": to}))])),
+            named(from, from, json!({})),
+        )
+        .await;
+    }
+    let r = post_with(&s, "c1", json!({}), &[]).await;
+    let message = r.error(500, "TASK_ERROR")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(message.contains("max_channel_call_depth"), "{message}");
+    assert!(message.contains("c1 -> c2 -> c3 -> leaf"), "{message}");
+    // Depth 2 is fine.
+    let r = post_with(&s, "c2", json!({"x": 1}), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"]["channel"], "leaf");
+}
+
+#[tokio::test]
+async fn channel_call_applies_the_callees_governance() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        pricing(),
+        json!({
+            "channel_id": "guarded", "name": "guarded", "channel_type": "sync", "protocol": "http",
+            "workflow_id": "pricing",
+            "validation_logic": {"!!": [{"var": "data.qty"}]},
+            "config_json": {"rate_limit": {"requests_per_second": 0.1, "burst": 2}}
+        }),
+    )
+    .await;
+    s.deploy(
+        caller(
+            "front",
+            json!([call_task("call", json!({"channel": "guarded"}))]),
+        ),
+        named("front", "front", json!({})),
+    )
+    .await;
+    // The callee's validation_logic rejects a payload without qty.
+    let r = post_with(&s, "front", json!({"price": 1}), &[]).await;
+    let m = r.error(500, "TASK_ERROR")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(m.contains("400 BAD_REQUEST"), "{m}");
+    // Its rate limit (burst 2; the refused call above took a token, as rate
+    // limiting runs before validation) lets one more call through, then
+    // refuses.
+    let r = post_with(&s, "front", json!({"qty": 1, "price": 1}), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let r = post_with(&s, "front", json!({"qty": 1, "price": 1}), &[]).await;
+    let m = r.error(500, "TASK_ERROR")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(m.contains("429 RATE_LIMITED"), "{m}");
+    assert!(m.contains("front -> guarded"), "{m}");
+}
