@@ -188,9 +188,11 @@ async fn run_sync(
     };
     let scope = CallScope {
         channel: channel.name.clone(),
+        // W3C trace context from the caller is forwarded to connector calls.
+        traceparent: req.header("traceparent").map(str::to_owned),
+        tracestate: req.header("tracestate").map(str::to_owned),
         // channel_call's cycle and depth checks start from this channel.
         chain: vec![channel.name.clone()],
-        ..CallScope::default()
     };
     channel.metrics.executions.increment(1);
     let run = exec::execute(

@@ -317,7 +317,7 @@ async fn execute(
         channel: channel.name.clone(),
         traceparent: header("traceparent"),
         tracestate: header("tracestate"),
-        ..CallScope::default()
+        chain: vec![channel.name.clone()],
     };
     channel.metrics.executions.increment(1);
     let run = exec::execute(

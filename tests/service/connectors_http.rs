@@ -348,6 +348,20 @@ async fn every_input_field_auth_env_and_masking() {
         "{}",
         r.text
     );
+    // The caller's trace context is forwarded to the upstream call.
+    let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let traced = s
+        .send(
+            "POST",
+            "/api/v1/data/fields",
+            Some(json!({"data": {"id": 7, "name": "t"}})),
+            &[("traceparent", incoming), ("tracestate", "vendor=1")],
+        )
+        .await;
+    assert_eq!(traced.status, 200, "{}", traced.text);
+    let h = &traced.body["data"]["post"]["headers"];
+    assert_eq!(h["traceparent"], incoming);
+    assert_eq!(h["tracestate"], "vendor=1");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
