@@ -498,7 +498,10 @@ async fn graceful_shutdown_finishes_an_in_flight_request() {
         (r.status().as_u16(), started.elapsed())
     });
     // Let the request reach the server, then ask it to stop.
-    wait_in_flight(&s).await;
+    if !try_wait_in_flight(&s).await {
+        let (status, took) = in_flight.await.unwrap();
+        panic!("never saw it in flight: status {status} after {took:?}");
+    }
     s.shutdown().await;
     // It was in flight when shutdown began (wait_in_flight saw it).
     let (status, _took) = in_flight.await.unwrap();
@@ -547,13 +550,30 @@ async fn load_is_shed_past_max_in_flight() {
     assert_eq!(status, 200);
 }
 
+/// Waits (up to 10 s) until the server is serving at least one request. It
+/// watches from a blocking thread: while a CPU-bound workflow occupies a
+/// runtime worker, tokio timers may not fire, so an async poll loop could
+/// sleep through the whole request.
+async fn try_wait_in_flight(s: &TestServer) -> bool {
+    let app = s.app.clone();
+    tokio::task::spawn_blocking(move || {
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < std::time::Duration::from_secs(10) {
+            if app.in_flight.load(Ordering::Acquire) >= 1 {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        false
+    })
+    .await
+    .unwrap()
+}
+
 /// Waits until the server is serving at least one request (the slow one).
 async fn wait_in_flight(s: &TestServer) {
-    for _ in 0..500 {
-        if s.app.in_flight.load(Ordering::Acquire) >= 1 {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("the slow request never reached the server");
+    assert!(
+        try_wait_in_flight(s).await,
+        "the slow request never reached the server"
+    );
 }
