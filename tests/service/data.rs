@@ -478,12 +478,13 @@ async fn hot_reload_under_load_drops_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_finishes_an_in_flight_request() {
-    let mut s = start_with(Db::Sqlite, |c| c.server.shutdown_drain_secs = 30).await;
-    s.deploy(
-        slow_workflow("slowish", 3000),
-        rest_channel("slowish", "slowish", "/slowish", &["POST"], 0),
-    )
+    let mut s = start_with(Db::Sqlite, |c| {
+        c.server.shutdown_drain_secs = 30;
+        c.security.allow_private_networks = true;
+    })
     .await;
+    let upstream = slow_upstream(std::time::Duration::from_millis(600)).await;
+    deploy_io_slow(&s, "slowish", &upstream, json!({"timeout_ms": 30000})).await;
     let client = s.client.clone();
     let url = format!("{}/api/v1/data/slowish", s.base);
     let in_flight = tokio::spawn(async move {
@@ -521,12 +522,13 @@ async fn graceful_shutdown_finishes_an_in_flight_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_is_shed_past_max_in_flight() {
-    let s = start_with(Db::Sqlite, |c| c.server.max_in_flight = 1).await;
-    s.deploy(
-        slow_workflow("hog", 3000),
-        rest_channel("hog", "hog", "/hog", &["POST"], 0),
-    )
+    let s = start_with(Db::Sqlite, |c| {
+        c.server.max_in_flight = 1;
+        c.security.allow_private_networks = true;
+    })
     .await;
+    let upstream = slow_upstream(std::time::Duration::from_millis(600)).await;
+    deploy_io_slow(&s, "hog", &upstream, json!({"timeout_ms": 30000})).await;
     let client = s.client.clone();
     let url = format!("{}/api/v1/data/hog", s.base);
     let first = tokio::spawn(async move {

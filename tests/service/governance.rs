@@ -254,27 +254,17 @@ async fn the_platform_rate_limit_applies_to_every_channel_when_enabled() {
 
 // ------------------------------------------------------------- backpressure
 
-/// Burns CPU: `passes` loop passes, each summing the payload's items.
-fn slow(id: &str, passes: u32) -> Json {
-    json!({
-        "workflow_id": id, "name": id,
-        "loop": {"max": passes, "counter": "temp_data.i"},
-        "tasks": [{"id": "spin", "name": "spin", "function": {"name": "map", "input": {"mappings": [
-            {"path": "sum", "logic": {"reduce": [{"var": "payload.items"}, {"+": [{"var": "accumulator"}, {"var": "current"}]}, 0]}}
-        ]}}}]
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn backpressure_sheds_concurrent_requests_with_503() {
-    let s = start(Db::Sqlite).await;
-    s.deploy(
-        slow("slow", 3000),
-        named(
-            "slow",
-            "slow",
-            json!({"timeout_ms": 60000, "backpressure": {"max_concurrent": 1}}),
-        ),
+    // I/O-bound slow requests (a CPU-bound one holds a runtime worker, and
+    // whether the others are even accepted meanwhile depends on the scheduler).
+    let s = start_with(Db::Sqlite, |c| c.security.allow_private_networks = true).await;
+    let upstream = slow_upstream(std::time::Duration::from_millis(400)).await;
+    deploy_io_slow(
+        &s,
+        "slow",
+        &upstream,
+        json!({"timeout_ms": 60000, "backpressure": {"max_concurrent": 1}}),
     )
     .await;
     let items: Vec<u32> = (0..3000).collect();
@@ -298,11 +288,7 @@ async fn backpressure_sheds_concurrent_requests_with_503() {
         200
     );
     // Without a limit the same concurrent requests all run.
-    s.deploy(
-        slow("slow2", 300),
-        named("unlimited", "slow2", json!({"timeout_ms": 60000})),
-    )
-    .await;
+    deploy_io_slow(&s, "unlimited", &upstream, json!({"timeout_ms": 60000})).await;
     let calls = (0..3).map(|_| post_with(&s, "unlimited", payload.clone(), &[]));
     for r in futures_util::future::join_all(calls).await {
         assert_eq!(r.status, 200, "{}", r.text);

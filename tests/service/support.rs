@@ -322,3 +322,72 @@ macro_rules! on_every_backend {
         }
     };
 }
+
+/// A local upstream that answers every request after `delay`: an I/O-bound
+/// slow request (a CPU-bound one would hold a runtime worker and make what
+/// the test observes depend on the scheduler).
+pub async fn slow_upstream(delay: std::time::Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16 * 1024];
+                let mut seen = Vec::new();
+                // Read the request head and whatever body its length announces.
+                loop {
+                    let n = stream.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    seen.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&seen).to_ascii_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let len = text
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        if seen.len() >= end + 4 + len {
+                            break;
+                        }
+                    }
+                }
+                tokio::time::sleep(delay).await;
+                let body = "{\"ok\":true}";
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// Deploys channel `id` whose workflow calls the slow upstream.
+pub async fn deploy_io_slow(s: &TestServer, id: &str, upstream: &str, config_json: Json) {
+    s.admin(
+        "POST",
+        "/connectors",
+        Some(json!({"name": format!("{id}-up"), "connector_type": "http",
+            "config": {"type": "http", "url": upstream, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})),
+    )
+    .await
+    .ok(201);
+    let wf = json!({"workflow_id": id, "name": id, "tasks": [
+        {"id": "call", "name": "call", "function": {"name": "http_call", "input": {
+            "connector": format!("{id}-up"), "method": "POST", "path": "/slow", "response_path": "upstream"}}}
+    ]});
+    s.deploy(
+        wf,
+        json!({
+            "channel_id": id, "name": id, "channel_type": "sync", "protocol": "rest",
+            "route_pattern": format!("/{id}"), "methods": ["POST"], "workflow_id": id,
+            "config_json": config_json
+        }),
+    )
+    .await;
+}
