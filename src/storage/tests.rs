@@ -141,6 +141,9 @@ macro_rules! backend_tests {
     };
 }
 
+// Shared with the other storage test modules (each has its own `run`).
+pub(crate) use backend_tests;
+
 backend_tests!(
     migrate_twice_and_ping,
     create_and_get,

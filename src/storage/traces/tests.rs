@@ -1,7 +1,7 @@
 //! Trace storage against real databases (SQLite file, PostgreSQL, MariaDB), one
 //! fresh database per test and backend, like `storage::tests`.
 
-use super::super::tests::TestDb;
+use super::super::tests::{TestDb, backend_tests};
 use super::*;
 use serde_json::json;
 use std::collections::HashSet;
@@ -19,23 +19,6 @@ where
     if let Err(e) = outcome {
         std::panic::resume_unwind(e.into_panic());
     }
-}
-
-macro_rules! backend_tests {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite { $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() { super::run(super::Backend::Sqlite, super::$name).await }
-        )* }
-        mod postgres { $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() { super::run(super::Backend::Postgres, super::$name).await }
-        )* }
-        mod mysql { $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $name() { super::run(super::Backend::MySql, super::$name).await }
-        )* }
-    };
 }
 
 backend_tests!(
