@@ -8,9 +8,11 @@ cd "$(dirname "$0")/.."
 # Storage tests run against real PostgreSQL and MariaDB and fail without them.
 bash ../shared/services/postgres.sh
 bash ../shared/services/mariadb.sh
-# Connector client tests: Redis (cache) and a MongoDB-compatible server.
+# Connector client tests: Redis (cache), a MongoDB-compatible server and a
+# Kafka-compatible broker (publish_kafka, Kafka channels).
 bash ../shared/services/redis.sh
 bash ../shared/services/mongodb.sh
+bash ../shared/services/kafka.sh
 cargo test --workspace --all-targets
 # The JSONLogic conformance counts, printed (they are asserted above too).
 cargo test -q -p sluice-compiler --test jsonlogic_conformance -- --nocapture --test-threads 1 2>&1 | grep -E "passed$"

@@ -313,15 +313,18 @@ const DB_WRITE: &[FieldSchema] = &[
 #[rustfmt::skip]
 const CACHE_READ: &[FieldSchema] = &[
     f("connector", T::String, true, None, "connection", "Cache connector name."),
-    f("key", T::String, true, None, "request", "Cache key."),
+    f("key", T::String, true, None, "request", "Cache key; not needed with `key_logic`."),
+    f("key_logic", T::Jsonlogic, false, None, "request", "Computes the key, used instead of `key`."),
     f("output", T::String, false, Some("data"), "output", "Dotted path for the value; a missing key yields null."),
 ];
 
 #[rustfmt::skip]
 const CACHE_WRITE: &[FieldSchema] = &[
     f("connector", T::String, true, None, "connection", "Cache connector name."),
-    f("key", T::String, true, None, "request", "Cache key."),
-    f("value", T::Any, true, None, "request", "Value to store; non-strings are JSON-serialized."),
+    f("key", T::String, true, None, "request", "Cache key; not needed with `key_logic`."),
+    f("key_logic", T::Jsonlogic, false, None, "request", "Computes the key, used instead of `key`."),
+    f("value", T::Any, true, None, "request", "Value to store; non-strings are JSON-serialized. Not needed with `value_logic`."),
+    f("value_logic", T::Jsonlogic, false, None, "request", "Computes the value, used instead of `value`."),
     with(f("ttl_secs", T::Number, false, None, "control", "Time to live in seconds; no expiry when omitted."),
         Constraint::Positive),
 ];
@@ -331,7 +334,8 @@ const MONGO_READ: &[FieldSchema] = &[
     f("connector", T::String, true, None, "connection", "Document database connector name."),
     f("database", T::String, true, None, "request", "Database name."),
     f("collection", T::String, true, None, "request", "Collection name."),
-    f("filter", T::Object, false, Some("{}"), "request", "Find filter document."),
+    f("filter", T::Object, false, Some("{}"), "request", "Find filter document (MongoDB extended JSON)."),
+    f("filter_logic", T::Jsonlogic, false, None, "request", "Computes the filter document, used instead of `filter`."),
     f("output", T::String, false, Some("data"), "output", "Dotted path for the document array."),
 ];
 

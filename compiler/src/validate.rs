@@ -519,7 +519,8 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
     for field in f.input_schema() {
         let fat = at.key(field.name);
         match input.get(field.name) {
-            None if field.required => c.required(&fat),
+            // A required field with a `<name>_logic` twin may be computed instead.
+            None if field.required && !has_logic_twin(f, field.name, input) => c.required(&fat),
             None => {}
             Some(v) => check_field(c, field, v, &fat),
         }
@@ -533,6 +534,12 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
             c.push(at, "at most one of data, data_logic is allowed");
         }
     }
+}
+
+fn has_logic_twin(f: Function, name: &str, input: &Map<String, Json>) -> bool {
+    f.input_schema()
+        .iter()
+        .any(|t| t.name.strip_suffix("_logic") == Some(name) && input.contains_key(t.name))
 }
 
 fn check_field(c: &mut Ctx, field: &FieldSchema, v: &Json, at: &FieldPath) {

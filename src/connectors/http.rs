@@ -307,20 +307,26 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
 }
 
 /// W3C trace context: the caller's `traceparent`/`tracestate` when the scope
-/// has one, else a fresh sampled `traceparent` so the upstream can still
-/// correlate its logs with this call.
-fn inject_trace_context(headers: &mut HeaderMap, scope: &CallScope) {
-    let traceparent = scope
+/// has a valid one, else a fresh sampled `traceparent` (and no state) so the
+/// receiver can still correlate its logs with this call.
+pub(crate) fn trace_context(scope: &CallScope) -> (String, Option<String>) {
+    match scope
         .traceparent
         .as_deref()
         .filter(|t| valid_traceparent(t))
-        .map_or_else(new_traceparent, str::to_owned);
+    {
+        Some(t) => (t.to_owned(), scope.tracestate.clone()),
+        None => (new_traceparent(), None),
+    }
+}
+
+fn inject_trace_context(headers: &mut HeaderMap, scope: &CallScope) {
+    let (traceparent, tracestate) = trace_context(scope);
     if let Ok(v) = HeaderValue::from_str(&traceparent) {
         headers.insert("traceparent", v);
     }
-    if scope.traceparent.is_some()
-        && let Some(state) = &scope.tracestate
-        && let Ok(v) = HeaderValue::from_str(state)
+    if let Some(state) = tracestate
+        && let Ok(v) = HeaderValue::from_str(&state)
     {
         headers.insert("tracestate", v);
     }

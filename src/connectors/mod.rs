@@ -12,6 +12,7 @@
 
 pub mod cache;
 pub mod http;
+pub mod kafka;
 pub mod mongo;
 pub mod policy;
 pub mod sql;
@@ -25,7 +26,7 @@ use serde_json::Value as Json;
 use sluice_compiler::def::{ConnectorConfig, ConnectorDef, ConnectorType, RetryPolicy};
 use sluice_runtime::connectors::{
     Cache, CallScope, ConnectorError, DocumentStore, FindRequest, HttpClient, HttpRequest,
-    Services, SqlClient, SqlRequest,
+    PublishRequest, Publisher, Services, SqlClient, SqlRequest,
 };
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -38,6 +39,7 @@ enum Built {
     Sql(sql::SqlPool),
     Cache(cache::CacheStore),
     Mongo(mongo::MongoPool),
+    Kafka(kafka::KafkaProducer),
 }
 
 /// One connector version: its definition (with `env://` references as
@@ -123,6 +125,8 @@ pub struct Connectors {
     entries: ArcSwap<HashMap<String, Arc<Entry>>>,
     pub policy: policy::Policy,
     http: http::HttpSettings,
+    /// `kafka.enabled`: without it `publish_kafka` is a task error.
+    kafka_enabled: bool,
     /// Reloads are serialized so two cannot interleave their swaps.
     reload_lock: tokio::sync::Mutex<()>,
 }
@@ -138,6 +142,7 @@ impl Connectors {
                 allow_private_networks: config.security.allow_private_networks,
                 default_timeout: Duration::from_secs(config.engine.global_http_timeout_secs.max(1)),
             },
+            kafka_enabled: config.kafka.enabled,
             reload_lock: tokio::sync::Mutex::new(()),
         }
     }
@@ -156,6 +161,9 @@ impl Connectors {
         }
         if services.documents.is_none() {
             services.documents = Some(self.clone());
+        }
+        if services.publisher.is_none() && self.kafka_enabled {
+            services.publisher = Some(self.clone());
         }
         services
     }
@@ -238,7 +246,12 @@ impl Connectors {
                     ConnectorConfig::Mongodb(cfg) => {
                         Built::Mongo(mongo::MongoPool::connect(&cfg).await?)
                     }
-                    ConnectorConfig::Kafka(_) | ConnectorConfig::ObjectStorage(_) => {
+                    ConnectorConfig::Kafka(cfg) => Built::Kafka(kafka::KafkaProducer::build(
+                        &entry.name,
+                        &cfg,
+                        self.http.default_timeout,
+                    )?),
+                    ConnectorConfig::ObjectStorage(_) => {
                         return Err(ConnectorError::other(format!(
                             "connector '{}' ({}) has no client in this process",
                             entry.name,
@@ -275,6 +288,22 @@ impl HttpClient for Connectors {
             .call(scope, &req.connector, &entry.retry(), || async move {
                 match self.built(entry).await? {
                     Built::Http(c) => c.send(scope, req).await,
+                    _ => Err(mismatch(entry)),
+                }
+            })
+            .await
+    }
+}
+
+#[async_trait]
+impl Publisher for Connectors {
+    async fn publish(&self, scope: &CallScope, req: PublishRequest) -> Result<(), ConnectorError> {
+        let entry = self.entry_of(&req.connector, ConnectorType::Kafka)?;
+        let (entry, req) = (&entry, &req);
+        self.policy
+            .call(scope, &req.connector, &entry.retry(), || async move {
+                match self.built(entry).await? {
+                    Built::Kafka(p) => p.publish(scope, req).await,
                     _ => Err(mismatch(entry)),
                 }
             })

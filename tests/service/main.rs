@@ -4,6 +4,7 @@
 mod admin;
 mod cli;
 mod connectors_http;
+mod connectors_io;
 mod data;
 mod edge;
 mod governance;

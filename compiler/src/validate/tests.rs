@@ -538,6 +538,32 @@ fn other_connector_inputs() {
         )),
         &[(&p("topic"), "must not be empty")],
     );
+
+    // `_logic` twins stand in for required static fields.
+    check(
+        workflow_with(task(
+            "t",
+            "cache_write",
+            json!({"connector": "c", "key_logic": {"var": "data.k"}, "value_logic": {"var": "data"}}),
+        )),
+        &[],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "cache_read",
+            json!({"connector": "c", "value_logic": {"var": "data"}}),
+        )),
+        &[(&p("key"), "is required")],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "mongo_read",
+            json!({"connector": "m", "database": "d", "collection": "c", "filter_logic": {"var": "data.f"}}),
+        )),
+        &[],
+    );
 }
 
 #[test]

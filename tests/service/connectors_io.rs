@@ -1,0 +1,517 @@
+//! The database, cache, document and Kafka functions end to end: the real
+//! service over HTTP, its connectors talking to the real PostgreSQL, MariaDB,
+//! SQLite, Redis, MongoDB-compatible and Kafka-compatible servers that
+//! `scripts/test.sh` starts (`../shared/services/`). The first test is the
+//! README's worked example.
+
+use crate::support::{Db, TestServer, fresh_database, start_with};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use rdkafka::Message as _;
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::message::Headers as _;
+use serde_json::{Value as Json, json};
+use std::time::Duration;
+
+const REDIS: &str = "redis://127.0.0.1:6379/";
+const MONGO: &str = "mongodb://127.0.0.1:27017/";
+const KAFKA: &str = "127.0.0.1:9092";
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
+}
+
+async fn service(kafka: bool) -> TestServer {
+    start_with(Db::Sqlite, |c| {
+        // The HTTP API of the worked example runs on 127.0.0.1.
+        c.security.allow_private_networks = true;
+        c.kafka.enabled = kafka;
+        c.kafka.brokers = KAFKA.into();
+    })
+    .await
+}
+
+async fn connector(s: &TestServer, name: &str, config: Json) {
+    let ty = config["type"].as_str().unwrap().to_owned();
+    s.admin(
+        "POST",
+        "/connectors",
+        Some(json!({"name": name, "connector_type": ty, "config": config})),
+    )
+    .await
+    .ok(201);
+}
+
+/// Deploys channel `id` (a REST route `/<id>/{id}`) running `tasks`.
+async fn deploy(s: &TestServer, id: &str, tasks: Json) {
+    s.deploy(
+        json!({"workflow_id": id, "name": id, "tasks": tasks}),
+        json!({"channel_id": id, "name": id, "channel_type": "sync", "protocol": "rest",
+               "route_pattern": format!("/{id}/{{id}}"), "methods": ["POST"],
+               "workflow_id": id, "config_json": {"timeout_ms": 15000}}),
+    )
+    .await;
+}
+
+fn task(id: &str, function: &str, input: Json) -> Json {
+    json!({"id": id, "name": id, "function": {"name": function, "input": input}})
+}
+
+/// A small "exchange rates" API: `GET /rates/<country>` answers
+/// `{"country", "currency", "rate"}`; anything else 404.
+async fn rates_api() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let svc = service_fn(|req: Request<hyper::body::Incoming>| async move {
+                    let path = req.uri().path().to_owned();
+                    let (status, body) = match path.strip_prefix("/rates/") {
+                        Some("DE") => (
+                            200,
+                            json!({"country": "DE", "currency": "EUR", "rate": 0.92}),
+                        ),
+                        Some("JP") => (
+                            200,
+                            json!({"country": "JP", "currency": "JPY", "rate": 151.5}),
+                        ),
+                        _ => (404, json!({"error": "unknown country"})),
+                    };
+                    Ok::<_, std::convert::Infallible>(
+                        Response::builder()
+                            .status(status)
+                            .header("content-type", "application/json")
+                            .body(Full::new(Bytes::from(body.to_string())))
+                            .unwrap(),
+                    )
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(sock), svc)
+                    .await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+async fn redis_get(key: &str) -> Option<String> {
+    let client = redis::Client::open(REDIS).unwrap();
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("Redis at 127.0.0.1:6379 is required (bash ../shared/services/redis.sh)");
+    redis::cmd("GET")
+        .arg(key)
+        .query_async(&mut conn)
+        .await
+        .unwrap()
+}
+
+async fn redis_ttl(key: &str) -> i64 {
+    let client = redis::Client::open(REDIS).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd("TTL")
+        .arg(key)
+        .query_async(&mut conn)
+        .await
+        .unwrap()
+}
+
+/// The README's worked example: read a customer from PostgreSQL, call an
+/// HTTP API with a value from the row, cache the combined result in Redis;
+/// a second request is answered from the cache without touching PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worked_example_postgres_http_redis() {
+    use sqlx::Connection as _;
+    let db_url = fresh_database(Db::Postgres).await;
+    let mut db = sqlx::PgConnection::connect(&db_url).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE customers (id BIGINT PRIMARY KEY, name TEXT NOT NULL, country TEXT NOT NULL,
+                                 vip BOOLEAN NOT NULL, balance DOUBLE PRECISION, since TIMESTAMPTZ NOT NULL);
+         INSERT INTO customers VALUES
+           (1, 'Ada', 'DE', true, 120.5, '2024-03-01 09:30:00+00'),
+           (2, 'Kenji', 'JP', false, NULL, '2025-07-15 12:00:00+00');",
+    )
+    .execute(&mut db)
+    .await
+    .unwrap();
+    let api = rates_api().await;
+    let prefix = unique("customer");
+
+    let s = service(false).await;
+    connector(
+        &s,
+        "crm",
+        json!({"type": "db", "connection_string": db_url}),
+    )
+    .await;
+    connector(&s, "rates", json!({"type": "http", "url": api})).await;
+    connector(
+        &s,
+        "cache",
+        json!({"type": "cache", "backend": "redis", "url": REDIS}),
+    )
+    .await;
+    let tasks = json!([
+        task("cached", "cache_read", json!({"connector": "cache",
+            "key_logic": {"cat": [&prefix, ":", {"var": "payload.customer_id"}]}, "output": "cached"})),
+        {"id": "fresh", "name": "fresh", "condition": {"!": {"var": "data.cached"}}, "tasks": [
+            task("customer", "db_read", json!({"connector": "crm",
+                "query": "SELECT id, name, country, vip, balance, since FROM customers WHERE id = $1",
+                "params": [{"var": "payload.customer_id"}], "output": "temp_data.rows"})),
+            task("rate", "http_call", json!({"connector": "rates",
+                "path_logic": {"cat": ["/rates/", {"var": "temp_data.rows.0.country"}]},
+                "response_path": "temp_data.rate"})),
+            task("quote", "map", json!({"mappings": [
+                {"path": "quote.customer", "logic": {"var": "temp_data.rows.0"}},
+                {"path": "quote.currency", "logic": {"var": "temp_data.rate.currency"}},
+                {"path": "quote.local_price", "logic": {"*": [{"var": "payload.price"}, {"var": "temp_data.rate.rate"}]}}
+            ]})),
+            task("store", "cache_write", json!({"connector": "cache",
+                "key_logic": {"cat": [&prefix, ":", {"var": "payload.customer_id"}]},
+                "value_logic": {"var": "data.quote"}, "ttl_secs": 300}))
+        ]},
+        task("answer", "map", json!({"mappings": [
+            {"path": "quote", "logic": {"if": [{"var": "data.cached"}, {"var": "data.cached"}, {"var": "data.quote"}]}},
+            {"path": "from_cache", "logic": {"!!": {"var": "data.cached"}}}
+        ]}))
+    ]);
+    s.deploy(
+        json!({"workflow_id": "quote", "name": "Quote with local price", "tasks": tasks}),
+        json!({"channel_id": "quote", "name": "quote", "channel_type": "sync", "protocol": "rest",
+               "route_pattern": "/quotes", "methods": ["POST"], "workflow_id": "quote"}),
+    )
+    .await;
+
+    let r = s
+        .post(
+            "/api/v1/data/quotes",
+            json!({"data": {"customer_id": 1, "price": 100}}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let d = &r.body["data"];
+    assert_eq!(d["from_cache"], false, "{}", r.text);
+    assert_eq!(
+        d["quote"]["customer"],
+        json!({"id": 1, "name": "Ada", "country": "DE", "vip": true, "balance": 120.5,
+               "since": "2024-03-01T09:30:00Z"})
+    );
+    assert_eq!(d["quote"]["currency"], "EUR");
+    assert!((d["quote"]["local_price"].as_f64().unwrap() - 92.0).abs() < 1e-9);
+    // Stored in Redis as JSON text, with the TTL.
+    let key = format!("{prefix}:1");
+    let stored: Json = serde_json::from_str(&redis_get(&key).await.expect("cached")).unwrap();
+    assert_eq!(stored, d["quote"]);
+    let ttl = redis_ttl(&key).await;
+    assert!((1..=300).contains(&ttl), "ttl {ttl}");
+
+    // The second request comes from the cache: change the row behind its
+    // back and the answer is still the cached one.
+    sqlx::query("UPDATE customers SET name = 'Changed' WHERE id = 1")
+        .execute(&mut db)
+        .await
+        .unwrap();
+    let r = s
+        .post(
+            "/api/v1/data/quotes",
+            json!({"data": {"customer_id": 1, "price": 100}}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"]["from_cache"], true, "{}", r.text);
+    assert_eq!(r.body["data"]["quote"]["customer"]["name"], "Ada");
+
+    // Another customer: NULL stays null, the other rate applies.
+    let r = s
+        .post(
+            "/api/v1/data/quotes",
+            json!({"data": {"customer_id": 2, "price": 10}}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let q = &r.body["data"]["quote"];
+    assert_eq!(q["customer"]["balance"], Json::Null);
+    assert_eq!(q["customer"]["vip"], false);
+    assert_eq!(q["currency"], "JPY");
+    assert!((q["local_price"].as_f64().unwrap() - 1515.0).abs() < 1e-9);
+}
+
+/// `db_write` then `db_read` through the data plane on MariaDB and SQLite
+/// (`?` placeholders), params bound from the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_write_then_read_on_mariadb_and_sqlite() {
+    for backend in [Db::MySql, Db::Sqlite] {
+        let mut db_url = fresh_database(backend).await;
+        if backend == Db::Sqlite {
+            // A connector never creates a missing SQLite file unless asked.
+            db_url.push_str("?mode=rwc");
+        }
+        let s = service(false).await;
+        connector(&s, "db", json!({"type": "db", "connection_string": db_url})).await;
+        let ddl = "CREATE TABLE IF NOT EXISTS items (id INTEGER PRIMARY KEY, label VARCHAR(64) NOT NULL, qty INTEGER, price DOUBLE)";
+        deploy(
+            &s,
+            "items",
+            json!([
+                task("ddl", "db_write", json!({"connector": "db", "query": ddl, "output": "temp_data.ddl"})),
+                task("insert", "db_write", json!({"connector": "db",
+                    "query": "INSERT INTO items (id, label, qty, price) VALUES (?, ?, ?, ?)",
+                    "params": [{"var": "metadata.path.id"}, {"var": "payload.label"}, {"var": "payload.qty"}, 2.5],
+                    "output": "written"})),
+                task("read", "db_read", json!({"connector": "db",
+                    "query": "SELECT id, label, qty, price FROM items WHERE id = ?",
+                    "params": [{"var": "metadata.path.id"}], "output": "rows"}))
+            ]),
+        )
+        .await;
+        let r = s
+            .post(
+                "/api/v1/data/items/7",
+                json!({"data": {"label": "bolt", "qty": null}}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{backend:?}: {}", r.text);
+        assert_eq!(r.body["data"]["written"], json!({"rows_affected": 1}));
+        assert_eq!(
+            r.body["data"]["rows"],
+            json!([{"id": 7, "label": "bolt", "qty": null, "price": 2.5}]),
+            "{backend:?}"
+        );
+        // The same id again violates the primary key: an upstream error naming it.
+        let r = s
+            .post(
+                "/api/v1/data/items/7",
+                json!({"data": {"label": "nut", "qty": 1}}),
+            )
+            .await;
+        let e = r.error(502, "UPSTREAM_ERROR");
+        assert!(
+            e["message"]
+                .as_str()
+                .unwrap()
+                .to_lowercase()
+                .contains("duplicate")
+                || e["message"].as_str().unwrap().contains("UNIQUE"),
+            "{backend:?}: {}",
+            r.text
+        );
+    }
+}
+
+/// `cache_write` / `cache_read` on the memory backend: strings stay strings,
+/// objects come back parsed, a missing key is null.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_cache_through_the_data_plane() {
+    let s = service(false).await;
+    connector(
+        &s,
+        "mem",
+        json!({"type": "cache", "backend": "memory", "max_entries": 100}),
+    )
+    .await;
+    deploy(
+        &s,
+        "memo",
+        json!([
+            task("miss", "cache_read", json!({"connector": "mem", "key": "never", "output": "missing"})),
+            task("w1", "cache_write", json!({"connector": "mem", "key": "s", "value": "text"})),
+            task("w2", "cache_write", json!({"connector": "mem",
+                "key_logic": {"cat": ["o:", {"var": "metadata.path.id"}]}, "value_logic": {"var": "payload"}})),
+            task("r1", "cache_read", json!({"connector": "mem", "key": "s", "output": "s"})),
+            task("r2", "cache_read", json!({"connector": "mem",
+                "key_logic": {"cat": ["o:", {"var": "metadata.path.id"}]}, "output": "o"}))
+        ]),
+    )
+    .await;
+    let r = s
+        .post("/api/v1/data/memo/3", json!({"data": {"a": [1, 2]}}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"]["missing"], Json::Null);
+    assert_eq!(r.body["data"]["s"], "text");
+    assert_eq!(r.body["data"]["o"], json!({"a": [1, 2]}));
+}
+
+/// `mongo_read` against documents seeded with the official driver:
+/// ObjectId and dates in relaxed extended JSON, the filter applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mongo_read_through_the_data_plane() {
+    use mongodb::bson::{DateTime, doc, oid::ObjectId};
+    let dbname = unique("sluice_t");
+    let client = mongodb::Client::with_uri_str(MONGO).await.unwrap();
+    let coll = client
+        .database(&dbname)
+        .collection::<mongodb::bson::Document>("orders");
+    let id = ObjectId::new();
+    let at = DateTime::from_millis(1_764_000_000_000);
+    coll.insert_many([
+        doc! {"_id": id, "tag": "x", "n": 1, "at": at},
+        doc! {"_id": ObjectId::new(), "tag": "y", "n": 2, "at": at},
+    ])
+    .await
+    .expect("MongoDB at 127.0.0.1:27017 is required (bash ../shared/services/mongodb.sh)");
+
+    let s = service(false).await;
+    connector(
+        &s,
+        "docs",
+        json!({"type": "mongodb", "connection_string": MONGO}),
+    )
+    .await;
+    deploy(
+        &s,
+        "orders",
+        json!([task(
+            "find",
+            "mongo_read",
+            json!({"connector": "docs", "database": dbname,
+            "collection": "orders", "filter": {"tag": "x"}, "output": "found"})
+        )]),
+    )
+    .await;
+    let r = s.post("/api/v1/data/orders/1", json!({"data": {}})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(
+        r.body["data"]["found"],
+        json!([{"_id": {"$oid": id.to_hex()}, "tag": "x", "n": 1,
+                "at": {"$date": "2025-11-24T16:00:00Z"}}])
+    );
+    // The connector's connection string is masked in admin answers.
+    let r = s.admin("GET", "/connectors/docs", None).await;
+    assert_eq!(r.ok(200)["config"]["connection_string"], "******");
+    client.database(&dbname).drop().await.unwrap();
+}
+
+fn test_consumer(topic: &str) -> StreamConsumer {
+    let consumer: StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", KAFKA)
+        .set("group.id", unique("sluice-test"))
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[topic]).unwrap();
+    consumer
+}
+
+/// `publish_kafka`: the message is read back from the broker with its key,
+/// the data document as value and the request's trace context in headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_kafka_is_consumed_back() {
+    let topic = unique("sluice-orders");
+    let s = service(true).await;
+    connector(
+        &s,
+        "bus",
+        json!({"type": "kafka", "brokers": [KAFKA], "client_id": "sluice-test"}),
+    )
+    .await;
+    deploy(
+        &s,
+        "emit",
+        json!([
+            task(
+                "shape",
+                "map",
+                json!({"mappings": [
+                {"path": "order.id", "logic": {"var": "metadata.path.id"}},
+                {"path": "order.total", "logic": {"var": "payload.total"}}]})
+            ),
+            task(
+                "send",
+                "publish_kafka",
+                json!({"connector": "bus", "topic": topic,
+                "key_logic": {"cat": ["order-", {"var": "metadata.path.id"}]}})
+            ),
+            task(
+                "send_total",
+                "publish_kafka",
+                json!({"connector": "bus", "topic": topic,
+                "value_logic": {"var": "data.order.total"}})
+            )
+        ]),
+    )
+    .await;
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/data/emit/55",
+            Some(json!({"data": {"total": 12.5}})),
+            &[("traceparent", traceparent), ("tracestate", "vendor=1")],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+
+    let consumer = test_consumer(&topic);
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let m = tokio::time::timeout(Duration::from_secs(30), consumer.recv())
+            .await
+            .expect("messages arrive within 30 s")
+            .unwrap();
+        let headers: Vec<(String, String)> = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_owned(),
+                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        got.push((
+            m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+            serde_json::from_slice::<Json>(m.payload().unwrap()).unwrap(),
+            headers,
+        ));
+    }
+    assert_eq!(got[0].0.as_deref(), Some("order-55"));
+    assert_eq!(got[0].1, json!({"order": {"id": "55", "total": 12.5}}));
+    assert!(
+        got[0]
+            .2
+            .contains(&("traceparent".into(), traceparent.into())),
+        "{:?}",
+        got[0].2
+    );
+    assert!(
+        got[0].2.contains(&("tracestate".into(), "vendor=1".into())),
+        "{:?}",
+        got[0].2
+    );
+    assert_eq!(got[1].0, None);
+    assert_eq!(got[1].1, json!(12.5));
+}
+
+/// Without `kafka.enabled` a publish is a task error that says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_kafka_requires_kafka_enabled() {
+    let s = service(false).await;
+    connector(&s, "bus", json!({"type": "kafka", "brokers": KAFKA})).await;
+    deploy(
+        &s,
+        "emit",
+        json!([task(
+            "send",
+            "publish_kafka",
+            json!({"connector": "bus", "topic": "t"})
+        )]),
+    )
+    .await;
+    let r = s.post("/api/v1/data/emit/1", json!({"data": {}})).await;
+    let e = r.error(500, "TASK_ERROR");
+    assert!(
+        e["message"].as_str().unwrap().contains("kafka.enabled"),
+        "{}",
+        r.text
+    );
+}
