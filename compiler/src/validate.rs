@@ -1167,8 +1167,32 @@ pub fn mask_secrets(v: &mut Json) {
             }
         }
         Json::Array(items) => items.iter_mut().for_each(mask_secrets),
+        Json::String(text) => {
+            if let Some(masked) = mask_url_password(text) {
+                *text = masked;
+            }
+        }
         _ => {}
     }
+}
+
+/// `scheme://user:password@host...` with the password masked (a Redis or
+/// HTTP URL may carry credentials in any field); `None` when there is none.
+fn mask_url_password(text: &str) -> Option<String> {
+    let start = text.find("://")? + 3;
+    let rest = &text[start..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let at = rest[..authority_end].rfind('@')?;
+    let colon = rest[..at].find(':')?;
+    if colon + 1 == at || &rest[colon + 1..at] == MASK {
+        return None;
+    }
+    Some(format!(
+        "{}{}{MASK}{}",
+        &text[..start],
+        &rest[..=colon],
+        &rest[at..]
+    ))
 }
 
 #[cfg(test)]

@@ -1296,6 +1296,29 @@ fn masking_leaves_scalars_and_clean_documents_alone() {
     }
 }
 
+#[test]
+fn masks_passwords_in_urls() {
+    let mut v = json!({"config": {
+        "url": "redis://user:pw123@127.0.0.1:6379/0",
+        "list": ["https://bob:s%40cret@example.com/a?b=c@d", "postgres://only-user@host/db"],
+        "plain": "https://example.com/x@y",
+        "done": "redis://:******@h:1/"
+    }});
+    mask_secrets(&mut v);
+    assert_eq!(
+        v,
+        json!({"config": {
+            "url": "redis://user:******@127.0.0.1:6379/0",
+            "list": ["https://bob:******@example.com/a?b=c@d", "postgres://only-user@host/db"],
+            "plain": "https://example.com/x@y",
+            "done": "redis://:******@h:1/"
+        }})
+    );
+    let mut pw_only = json!("redis://:secret@h:6379");
+    mask_secrets(&mut pw_only);
+    assert_eq!(pw_only, "redis://:******@h:6379");
+}
+
 // ------------------------------------------------------------ parse helpers
 
 #[test]
