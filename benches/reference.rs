@@ -63,6 +63,7 @@ fn run_once(
             method: "POST",
             channel: "bench-orders",
             request_id: "5f0c6a52-8d1e-4b7a-9c3e-2f4d6b8a1c0e",
+            extra: &[],
         },
         bucket: None,
     };

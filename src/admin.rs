@@ -536,6 +536,7 @@ async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
             method: "POST",
             channel: "",
             request_id: &req.request_id,
+            extra: &[],
         },
         bucket: None,
     };

@@ -35,6 +35,8 @@ pub struct App {
     /// `channel_call`'s invoker (in `services.channels` unless the caller
     /// supplied one); `crate::invoke::attach` points it at this app.
     pub invoker: Arc<crate::invoke::Invoker>,
+    /// Kafka channel consumers (started by `crate::start` when `kafka.enabled`).
+    pub kafka: crate::kafka::Consumers,
     generation: AtomicU64,
     /// Reloads are serialized (admin side only; the request path never waits on it).
     reload_lock: tokio::sync::Mutex<()>,
@@ -67,6 +69,7 @@ impl App {
             queue: crate::queue::Queue::new(&config.queue),
             governance: crate::governance::Governance::new(config.rate_limit.clone()),
             invoker,
+            kafka: crate::kafka::Consumers::default(),
             config,
             store,
             engine: ArcSwap::from_pointee(Snapshot::default()),
@@ -124,6 +127,7 @@ impl App {
         metrics::gauge!(names::ACTIVE_WORKFLOWS).set(built.snapshot.active_workflows as f64);
         self.engine.store(Arc::new(built.snapshot));
         self.generation.store(generation, Ordering::Relaxed);
+        self.kafka.engine_changed();
         tracing::info!(
             generation,
             workflows = report.workflows,

@@ -122,6 +122,7 @@ fn dry_run_answer(
             method: "POST",
             channel: "",
             request_id: "dry-run",
+            extra: &[],
         },
         bucket: None,
     };

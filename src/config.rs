@@ -150,6 +150,13 @@ pub struct Kafka {
     pub dlq: KafkaDlq,
     /// Topics consumed in addition to those of Kafka channels in the database.
     pub topics: Vec<KafkaTopic>,
+    /// The consumer group session timeout (librdkafka's `session.timeout.ms`):
+    /// how long a dead consumer keeps its partitions; group joins take about
+    /// half of it on some brokers.
+    pub session_timeout_ms: u64,
+    /// Messages one consumer holds at once (fetched, queued or running);
+    /// fetching pauses while it is full.
+    pub max_in_flight: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -236,6 +243,8 @@ impl Default for Config {
                     topic: "sluice-dlq".into(),
                 },
                 topics: Vec::new(),
+                session_timeout_ms: 45_000,
+                max_in_flight: 256,
             },
             rate_limit: RateLimit {
                 enabled: false,
@@ -346,6 +355,12 @@ impl Config {
         }
         if self.server.max_in_flight == 0 {
             return fail("server.max_in_flight", "must be at least 1");
+        }
+        if self.kafka.max_in_flight == 0 {
+            return fail("kafka.max_in_flight", "must be at least 1");
+        }
+        if self.kafka.session_timeout_ms < 1000 {
+            return fail("kafka.session_timeout_ms", "must be at least 1000");
         }
         if self.admin_auth.enabled
             && self.admin_auth.api_key.is_empty()

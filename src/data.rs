@@ -176,6 +176,7 @@ async fn run_sync(
             method: req.method.as_str(),
             channel: &channel.name,
             request_id: &req.request_id,
+            extra: &[],
         },
         bucket,
     };

@@ -124,6 +124,7 @@ impl ChannelInvoker for Invoker {
                 method: "POST",
                 channel: &channel.name,
                 request_id: &request_id,
+                extra: &[],
             },
             bucket: None,
         };

@@ -16,6 +16,7 @@ pub mod data;
 pub mod engine;
 pub mod governance;
 pub mod invoke;
+pub mod kafka;
 pub mod openapi;
 pub mod ops;
 pub mod queue;
@@ -58,6 +59,7 @@ pub async fn start(config: config::Config) -> Result<Arc<app::App>, String> {
         ),
     }
     queue::start(&app);
+    kafka::start(&app);
     app.ready.store(true, std::sync::atomic::Ordering::Release);
     Ok(app)
 }

@@ -273,8 +273,19 @@ async fn run(app: &App, c: Claimed) {
     }
 }
 
+/// Members of stored metadata the runtime's `Meta` has fields for; any other
+/// string member (a Kafka message's `key`, `topic`, ...) is passed as extra.
+const META_FIELDS: &[&str] = &[
+    "headers",
+    "query",
+    "path",
+    "method",
+    "channel",
+    "request_id",
+];
+
 /// Executes the trace on `channel`; fills `outcome` and says whether it succeeded.
-async fn execute(
+pub(crate) async fn execute(
     app: &App,
     channel: &crate::engine::Channel,
     c: &Claimed,
@@ -290,6 +301,15 @@ async fn execute(
         crate::data::borrow_pairs(&path),
     );
     let text = |k: &str| meta.get(k).and_then(Json::as_str).unwrap_or_default();
+    let extra: Vec<(&str, &str)> = meta
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .filter(|(k, _)| !META_FIELDS.contains(&k.as_str()))
+                .filter_map(|(k, v)| Some((k.as_str(), v.as_str()?)))
+                .collect()
+        })
+        .unwrap_or_default();
     let input = Input {
         body: c.payload.as_bytes(),
         payload_from: PayloadFrom::Whole,
@@ -300,6 +320,7 @@ async fn execute(
             method: text("method"),
             channel: &channel.name,
             request_id: text("request_id"),
+            extra: &extra,
         },
         bucket: c.bucket,
     };

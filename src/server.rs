@@ -102,9 +102,10 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
     );
     // In-flight requests and running async traces drain side by side, both
     // within the same period.
-    let (http, ()) = tokio::join!(
+    let (http, (), ()) = tokio::join!(
         tokio::time::timeout(drain, graceful.shutdown()),
         crate::queue::shutdown(&app, drain),
+        crate::kafka::shutdown(&app, drain),
     );
     if http.is_err() {
         tracing::warn!("drain period ended with requests still in flight");

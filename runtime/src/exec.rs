@@ -46,6 +46,9 @@ pub struct Meta<'r> {
     pub method: &'r str,
     pub channel: &'r str,
     pub request_id: &'r str,
+    /// More string members of `metadata` (a Kafka message's `key`, `topic`,
+    /// `partition`, `offset`); usually empty.
+    pub extra: &'r [(&'r str, &'r str)],
 }
 
 /// One request to execute.
@@ -300,14 +303,22 @@ fn pairs<'a>(items: &[(&'a str, &'a str)], arena: &'a Bump) -> Value<'a> {
 }
 
 fn metadata<'a>(meta: &Meta<'a>, arena: &'a Bump) -> Value<'a> {
-    Value::Object(arena.alloc_slice_copy(&[
+    let fixed = [
         ("headers", pairs(meta.headers, arena)),
         ("query", pairs(meta.query, arena)),
         ("path", pairs(meta.path, arena)),
         ("method", Value::Str(meta.method)),
         ("channel", Value::Str(meta.channel)),
         ("request_id", Value::Str(meta.request_id)),
-    ]))
+    ];
+    if meta.extra.is_empty() {
+        return Value::Object(arena.alloc_slice_copy(&fixed));
+    }
+    let mut all =
+        bumpalo::collections::Vec::with_capacity_in(fixed.len() + meta.extra.len(), arena);
+    all.extend(fixed);
+    all.extend(meta.extra.iter().map(|(k, v)| (*k, Value::Str(v))));
+    Value::Object(all.into_bump_slice())
 }
 
 /// What the machine needs next.

@@ -65,6 +65,7 @@ fn run_with(
             method: "POST",
             channel: "orders",
             request_id: "req-1",
+            extra: &[],
         },
         bucket: None,
     };

@@ -208,6 +208,7 @@ const CLAIMABLE: &str = "(status = 'pending' OR (status = 'running' AND lease_un
 /// The statements of this module, built once per backend with the store's others.
 pub(crate) struct TraceSql {
     insert: String,
+    insert_finished: String,
     claim: String,
     next_claimable: String,
     claimed_row: String,
@@ -240,6 +241,11 @@ impl TraceSql {
             insert: f(
                 "INSERT INTO traces (trace_id, channel, mode, status, bucket, payload, metadata, errors, attempts, created_at) \
                  VALUES (?, ?, ?, 'pending', ?, ?, ?, '[]', 0, ?)",
+            ),
+            insert_finished: f(
+                "INSERT INTO traces (trace_id, channel, mode, status, bucket, payload, metadata, workflow_id, \
+                 workflow_version, data, errors, attempts, created_at, started_at, completed_at, duration_ms) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?, ?, ?, ?)",
             ),
             claim: f(
                 "UPDATE traces SET status = 'running', attempts = attempts + 1, started_at = ?, lease_until = ?, \
@@ -476,6 +482,46 @@ impl Store {
                 tx.commit().await.map_err(super::db_err)?;
                 Ok(n == 1)
             })
+        })
+        .await
+    }
+
+    /// Stores a run that happened outside the queue (a consumed Kafka
+    /// message) in its final state, as attempt 1, started at `started_at`. A
+    /// failure with `dead_letter` also gets a dead-letter entry, so it is
+    /// retried like a failed async trace.
+    pub async fn insert_finished_trace(
+        &self,
+        t: &NewTrace,
+        o: &Outcome,
+        ok: bool,
+        started_at: i64,
+        dead_letter: Option<RetryPolicy>,
+    ) -> Result<(), StorageError> {
+        let s = &self.sql().traces;
+        let errors = o.errors.to_string();
+        let last_error = error_summary(&o.errors);
+        let status = if ok { "completed" } else { "failed" };
+        let bucket = t.bucket.map(i64::from);
+        retry(|| async {
+            let now = now_micros();
+            let dlq = dead_letter
+                .filter(|_| !ok)
+                .map(|policy| match policy.delay_after(1) {
+                    Some(d) => ("waiting", Some(lease_end(now, d))),
+                    None => ("exhausted", None),
+                });
+            dispatch!(self, pool => {
+                let mut tx = pool.begin_write().await?;
+                execute!(&mut *tx, &s.insert_finished, &t.trace_id, &t.channel, &t.mode, status, bucket,
+                    &t.payload, &t.metadata, &o.workflow_id, o.workflow_version, &o.data, &errors,
+                    t.created_at, started_at, now, o.duration_ms)?;
+                if let Some((state, next)) = dlq {
+                    execute!(&mut *tx, &s.dlq_insert, &t.trace_id, state, 1i64, next, &last_error, now)?;
+                }
+                tx.commit().await.map_err(super::db_err)?;
+            });
+            Ok(())
         })
         .await
     }

@@ -8,5 +8,6 @@ mod connectors_io;
 mod data;
 mod edge;
 mod governance;
+mod kafka;
 mod support;
 mod traces;

@@ -1,0 +1,561 @@
+//! Kafka-consuming channels: one consumer per (channel, topic, group), each
+//! message run through the channel's workflow, at least once.
+//!
+//! - **Which consumers run** follows the engine: after every reload the
+//!   supervisor compares the active Kafka channels (and `kafka.topics` from
+//!   the config file) with the running consumers, stops those no longer
+//!   wanted and starts the new ones. A new workflow version for a channel
+//!   does not restart its consumer: each message runs on the snapshot current
+//!   when it starts.
+//! - **Order and backpressure:** messages of one partition run one after the
+//!   other, in offset order, on that partition's lane; partitions run side by
+//!   side. At most `kafka.max_in_flight` messages per consumer are fetched
+//!   and not yet finished; fetching waits for room.
+//! - **At-least-once:** auto-commit is on but commits only offsets stored by
+//!   us (`enable.auto.offset.store=false`), and a lane stores a message's
+//!   offset only after its run finished and was recorded (completed; or
+//!   failed and dead-lettered). Stopping a consumer lets running messages
+//!   finish, skips queued ones (they are redelivered) and commits
+//!   synchronously what finished. A killed process loses no committed work and
+//!   reruns what it had not committed.
+//! - **Each message** becomes a trace with `mode: kafka` (stored once, in its
+//!   final state). The value is the payload: `{"data": ...}` or any other JSON
+//!   value as a whole. Its key, topic, partition and offset are `metadata.key`
+//!   (absent when the message has none), `metadata.topic`,
+//!   `metadata.partition` and `metadata.offset` (strings), its headers
+//!   `metadata.headers` (names lowercased); `traceparent`/`tracestate` headers
+//!   continue the producer's trace.
+//! - **Failures:** with `kafka.dlq.enabled`, a failed message (and a value
+//!   that is not JSON) is published to `kafka.dlq.topic` as `{source_topic,
+//!   partition, offset, key, error: {code, task_id, message}, payload,
+//!   failed_at}` before its offset is stored; the publish is retried until it
+//!   succeeds or the consumer stops (then the message is redelivered).
+//!   Without the DLQ topic, a failed trace gets a dead-letter entry in storage
+//!   and is retried like a failed async trace.
+
+use crate::app::App;
+use crate::storage::{NewTrace, Outcome};
+use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
+use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::util::Timeout;
+use rdkafka::{Offset, TopicPartitionList};
+use serde_json::{Map, Value as Json, json};
+use sluice_compiler::def::Protocol;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::task::JoinHandle;
+
+/// What one consumer reads and for which channel.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Subscription {
+    pub channel: String,
+    pub topic: String,
+    pub group: String,
+}
+
+/// The supervisor's handles; lives in `App`.
+pub struct Consumers {
+    changed: watch::Sender<u64>,
+    stop: watch::Sender<bool>,
+    supervisor: Mutex<Option<JoinHandle<()>>>,
+    /// Subscriptions consuming now (for `GET /engine/status` and tests).
+    running: Mutex<BTreeSet<Subscription>>,
+    dlq: tokio::sync::OnceCell<FutureProducer>,
+}
+
+impl Default for Consumers {
+    fn default() -> Self {
+        Consumers {
+            changed: watch::channel(0).0,
+            stop: watch::channel(false).0,
+            supervisor: Mutex::new(None),
+            running: Mutex::new(BTreeSet::new()),
+            dlq: tokio::sync::OnceCell::new(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Consumers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumers")
+            .field("running", &*lock(&self.running))
+            .finish()
+    }
+}
+
+impl Consumers {
+    /// Tells the supervisor the engine changed (after every reload).
+    pub fn engine_changed(&self) {
+        self.changed.send_modify(|g| *g += 1);
+    }
+
+    /// The subscriptions consuming now.
+    pub fn running(&self) -> Vec<Subscription> {
+        lock(&self.running).iter().cloned().collect()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Starts the supervisor when `kafka.enabled` (once).
+pub fn start(app: &Arc<App>) {
+    if !app.config.kafka.enabled {
+        let kafka_channels = desired(app).len();
+        if kafka_channels > 0 {
+            tracing::warn!(
+                kafka_channels,
+                "Kafka channels are active but kafka.enabled is false; nothing is consumed"
+            );
+        }
+        return;
+    }
+    let mut slot = lock(&app.kafka.supervisor);
+    if slot.is_none() {
+        *slot = Some(tokio::spawn(supervise(
+            app.clone(),
+            app.kafka.changed.subscribe(),
+            app.kafka.stop.subscribe(),
+        )));
+    }
+}
+
+/// Stops every consumer: running messages may finish within `drain`, then
+/// what finished is committed.
+pub async fn shutdown(app: &App, drain: Duration) {
+    let _ = app.kafka.stop.send(true);
+    let handle = lock(&app.kafka.supervisor).take();
+    if let Some(mut handle) = handle
+        && tokio::time::timeout(drain + Duration::from_secs(5), &mut handle)
+            .await
+            .is_err()
+    {
+        tracing::warn!(
+            "Kafka consumers did not stop in time; uncommitted messages are redelivered"
+        );
+        handle.abort();
+    }
+}
+
+/// The subscriptions the current engine and config ask for.
+fn desired(app: &App) -> BTreeSet<Subscription> {
+    let snapshot = app.engine.load();
+    let k = &app.config.kafka;
+    let mut out = BTreeSet::new();
+    for channel in snapshot.channels.values() {
+        if channel.def.protocol() != Protocol::Kafka {
+            continue;
+        }
+        let cfg = &channel.def.config_json;
+        let Some(topic) = cfg.topic.clone() else {
+            continue;
+        };
+        out.insert(Subscription {
+            channel: channel.name.clone(),
+            topic,
+            group: cfg
+                .consumer_group
+                .clone()
+                .unwrap_or_else(|| k.group_id.clone()),
+        });
+    }
+    for t in &k.topics {
+        match snapshot.channels.get(&t.channel) {
+            Some(channel) => {
+                out.insert(Subscription {
+                    channel: channel.name.clone(),
+                    topic: t.topic.clone(),
+                    group: channel
+                        .def
+                        .config_json
+                        .consumer_group
+                        .clone()
+                        .unwrap_or_else(|| k.group_id.clone()),
+                });
+            }
+            None => tracing::warn!(
+                topic = %t.topic,
+                channel = %t.channel,
+                "kafka.topics names a channel that is not active; the topic is not consumed"
+            ),
+        }
+    }
+    out
+}
+
+struct Running {
+    stop: watch::Sender<bool>,
+    handle: JoinHandle<()>,
+}
+
+async fn supervise(
+    app: Arc<App>,
+    mut changed: watch::Receiver<u64>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut running: HashMap<Subscription, Running> = HashMap::new();
+    loop {
+        let want = desired(&app);
+        let gone: Vec<Subscription> = running
+            .keys()
+            .filter(|s| !want.contains(*s))
+            .cloned()
+            .collect();
+        let stopping = gone.into_iter().filter_map(|s| {
+            tracing::info!(channel = %s.channel, topic = %s.topic, group = %s.group, "stopping Kafka consumer");
+            running.remove(&s).map(stop_consumer)
+        });
+        futures_util::future::join_all(stopping).await;
+        for s in want {
+            if running.contains_key(&s) {
+                continue;
+            }
+            tracing::info!(channel = %s.channel, topic = %s.topic, group = %s.group, "starting Kafka consumer");
+            let (tx, rx) = watch::channel(false);
+            let handle = tokio::spawn(consume(app.clone(), s.clone(), rx));
+            running.insert(s, Running { stop: tx, handle });
+        }
+        *lock(&app.kafka.running) = running.keys().cloned().collect();
+        tokio::select! {
+            r = changed.changed() => if r.is_err() { break },
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+    futures_util::future::join_all(running.into_values().map(stop_consumer)).await;
+    lock(&app.kafka.running).clear();
+}
+
+async fn stop_consumer(r: Running) {
+    let _ = r.stop.send(true);
+    let _ = r.handle.await;
+}
+
+/// One consumer's loop; returns when `stop` is set (after committing).
+async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<bool>) {
+    let k = &app.config.kafka;
+    let consumer: Arc<StreamConsumer> = loop {
+        let mut cfg = crate::connectors::kafka::client_config(&k.brokers, None, None);
+        cfg.set("group.id", &sub.group)
+            .set("enable.auto.commit", "true")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.commit.interval.ms", "1000")
+            .set("auto.offset.reset", "earliest")
+            .set("session.timeout.ms", k.session_timeout_ms.to_string())
+            .set("queued.max.messages.kbytes", "16384");
+        match cfg.create::<StreamConsumer>() {
+            Ok(c) => match c.subscribe(&[&sub.topic]) {
+                Ok(()) => break Arc::new(c),
+                Err(e) => {
+                    tracing::error!(topic = %sub.topic, error = %e, "cannot subscribe; retrying")
+                }
+            },
+            Err(e) => {
+                tracing::error!(topic = %sub.topic, error = %e, "cannot create a Kafka consumer; retrying")
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(5)) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    };
+    let permits = Arc::new(Semaphore::new(k.max_in_flight.max(1)));
+    let finished: Arc<Mutex<HashMap<i32, i64>>> = Arc::default();
+    let mut lanes: HashMap<i32, mpsc::UnboundedSender<(OwnedMessage, OwnedSemaphorePermit)>> =
+        HashMap::new();
+    let mut lane_tasks = Vec::new();
+    let mut last_error: Option<Instant> = None;
+    loop {
+        let permit = tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => break,
+            p = permits.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+        };
+        let received = tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => break,
+            m = consumer.recv() => m,
+        };
+        let message = match received {
+            Ok(m) => m.detach(),
+            Err(e) => {
+                // Broker down, rebalancing...: librdkafka reconnects by itself.
+                if last_error.is_none_or(|t| t.elapsed() > Duration::from_secs(30)) {
+                    tracing::warn!(topic = %sub.topic, error = %e, "Kafka consumer error");
+                    last_error = Some(Instant::now());
+                }
+                continue;
+            }
+        };
+        let partition = message.partition();
+        let lane = lanes.entry(partition).or_insert_with(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            lane_tasks.push(tokio::spawn(lane(
+                app.clone(),
+                sub.clone(),
+                consumer.clone(),
+                rx,
+                stop.clone(),
+                finished.clone(),
+            )));
+            tx
+        });
+        // The permit travels with the message: the semaphore bounds the lanes.
+        let _ = lane.send((message, permit));
+    }
+    drop(lanes);
+    futures_util::future::join_all(lane_tasks).await;
+    // Commit exactly what finished (never the fetch position).
+    let done = std::mem::take(&mut *lock(&finished));
+    if !done.is_empty() {
+        let mut tpl = TopicPartitionList::new();
+        for (partition, next) in &done {
+            let _ = tpl.add_partition_offset(&sub.topic, *partition, Offset::Offset(*next));
+        }
+        if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
+            tracing::warn!(topic = %sub.topic, error = %e, "final offset commit failed; finished messages may be redelivered");
+        }
+    }
+    tracing::info!(channel = %sub.channel, topic = %sub.topic, "Kafka consumer stopped");
+}
+
+/// Runs one partition's messages in order.
+async fn lane(
+    app: Arc<App>,
+    sub: Subscription,
+    consumer: Arc<StreamConsumer>,
+    mut rx: mpsc::UnboundedReceiver<(OwnedMessage, OwnedSemaphorePermit)>,
+    stop: watch::Receiver<bool>,
+    finished: Arc<Mutex<HashMap<i32, i64>>>,
+) {
+    while let Some((message, _permit)) = rx.recv().await {
+        if *stop.borrow() {
+            // Not started: left uncommitted, redelivered to the next consumer.
+            break;
+        }
+        if !handle(&app, &sub, &message, &stop).await {
+            break;
+        }
+        let (partition, next) = (message.partition(), message.offset() + 1);
+        // Fails only when the partition was revoked meanwhile: the new owner
+        // redelivers from the last commit (at least once).
+        if let Err(e) = consumer.store_offset(&sub.topic, partition, message.offset()) {
+            tracing::debug!(topic = %sub.topic, partition, error = %e, "offset not stored");
+        }
+        lock(&finished).insert(partition, next);
+    }
+}
+
+/// Runs and records one message; `false` when it must not be committed (the
+/// consumer is stopping before its dead letter could be published).
+async fn handle(
+    app: &App,
+    sub: &Subscription,
+    message: &OwnedMessage,
+    stop: &watch::Receiver<bool>,
+) -> bool {
+    let started = Instant::now();
+    let started_at = now_micros();
+    let trace_id = uuid::Uuid::new_v4().to_string();
+    let key = message
+        .key()
+        .map(|k| String::from_utf8_lossy(k).into_owned());
+    let mut headers = Map::new();
+    if let Some(h) = message.headers() {
+        for header in h.iter() {
+            let value = header
+                .value
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default();
+            headers.insert(header.key.to_ascii_lowercase(), Json::String(value));
+        }
+    }
+    let mut metadata = json!({
+        "headers": headers,
+        "request_id": trace_id,
+        "topic": sub.topic,
+        "partition": message.partition().to_string(),
+        "offset": message.offset().to_string(),
+    });
+    if let Some(k) = &key {
+        metadata["key"] = Json::String(k.clone());
+    }
+    // Header values that look secret never reach storage (the run sees them).
+    let mut stored_meta = metadata.clone();
+    let mut masked_headers = json!({"headers": stored_meta["headers"].take()});
+    sluice_compiler::validate::mask_secrets(&mut masked_headers);
+    stored_meta["headers"] = masked_headers["headers"].take();
+
+    let raw = message.payload().unwrap_or_default();
+    let parsed = serde_json::from_slice::<Json>(raw);
+    let mut outcome = Outcome {
+        trace_id: trace_id.clone(),
+        attempt: 1,
+        workflow_id: None,
+        workflow_version: None,
+        data: None,
+        errors: Json::Array(Vec::new()),
+        duration_ms: 0.0,
+    };
+    let snapshot = app.engine.load_full();
+    let (ok, payload_json, payload_text) = match parsed {
+        Err(e) => {
+            let text = String::from_utf8_lossy(raw).into_owned();
+            outcome.errors = json!([{"code": "BAD_REQUEST", "task_id": "",
+                "message": format!("the message value is not JSON: {e}")}]);
+            (
+                false,
+                Json::String(text.clone()),
+                Json::String(text).to_string(),
+            )
+        }
+        Ok(value) => {
+            let payload = match value {
+                Json::Object(mut m) if m.contains_key("data") => {
+                    m.remove("data").unwrap_or_default()
+                }
+                other => other,
+            };
+            let text = payload.to_string();
+            let ok = match snapshot.channels.get(&sub.channel) {
+                None => {
+                    outcome.errors = json!([{"code": "NOT_FOUND", "task_id": "",
+                        "message": format!("Channel '{}' not found", sub.channel)}]);
+                    false
+                }
+                Some(channel) => {
+                    let claimed = crate::storage::Claimed {
+                        trace_id: trace_id.clone(),
+                        channel: channel.name.clone(),
+                        attempt: 1,
+                        bucket: None,
+                        payload: text.clone(),
+                        metadata: metadata.to_string(),
+                    };
+                    let ok = crate::queue::execute(app, channel, &claimed, &mut outcome).await;
+                    let m = &channel.metrics;
+                    if ok {
+                        m.ok.increment(1)
+                    } else {
+                        m.failed.increment(1)
+                    }
+                    m.duration.record(started.elapsed().as_secs_f64());
+                    ok
+                }
+            };
+            (ok, payload, text)
+        }
+    };
+    outcome.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
+    let dlq_enabled = app.config.kafka.dlq.enabled;
+    if !ok && dlq_enabled {
+        let first = outcome
+            .errors
+            .as_array()
+            .and_then(|a| a.first())
+            .cloned()
+            .unwrap_or_else(
+                || json!({"code": "INTERNAL_ERROR", "task_id": "", "message": "failed"}),
+            );
+        let letter = json!({
+            "source_topic": sub.topic,
+            "partition": message.partition(),
+            "offset": message.offset(),
+            "key": key,
+            "error": {"code": first["code"], "task_id": first["task_id"], "message": first["message"]},
+            "payload": payload_json,
+            "failed_at": crate::storage::rfc3339(now_micros()),
+        });
+        if !publish_dead_letter(app, &letter, key.as_deref(), stop).await {
+            return false;
+        }
+    }
+    let trace = NewTrace {
+        trace_id,
+        channel: sub.channel.clone(),
+        mode: "kafka".into(),
+        bucket: None,
+        payload: payload_text,
+        metadata: stored_meta.to_string(),
+        created_at: started_at,
+    };
+    // Without a DLQ topic, storage keeps the dead letter (retried like an
+    // async trace); a message that is not JSON cannot be rerun.
+    let dead_letter = (!dlq_enabled && !outcome_is_malformed(&outcome))
+        .then(|| crate::queue::Queue::retry_policy(&app.config.queue))
+        .filter(|_| app.config.queue.dlq_retry_enabled);
+    if let Err(e) = app
+        .store
+        .insert_finished_trace(&trace, &outcome, ok, started_at, dead_letter)
+        .await
+    {
+        // The message still counts as handled: its run is done (and
+        // dead-lettered when it failed); only its record is missing.
+        tracing::error!(trace_id = %trace.trace_id, error = %e, "could not record a Kafka trace");
+    }
+    true
+}
+
+fn outcome_is_malformed(o: &Outcome) -> bool {
+    o.workflow_id.is_none()
+        && o.errors
+            .as_array()
+            .and_then(|a| a.first())
+            .and_then(|e| e["message"].as_str())
+            .is_some_and(|m| m.starts_with("the message value is not JSON"))
+}
+
+/// Publishes a dead letter, retrying (with backoff) until it is stored or the
+/// consumer stops.
+async fn publish_dead_letter(
+    app: &App,
+    letter: &Json,
+    key: Option<&str>,
+    stop: &watch::Receiver<bool>,
+) -> bool {
+    let k = &app.config.kafka;
+    let timeout = Duration::from_secs(app.config.engine.global_http_timeout_secs.max(1));
+    let producer = match app
+        .kafka
+        .dlq
+        .get_or_try_init(|| async {
+            crate::connectors::kafka::producer_config(&k.brokers, Some("sluice-dlq"), None, timeout)
+                .create::<FutureProducer>()
+        })
+        .await
+    {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot create the dead-letter producer");
+            return false;
+        }
+    };
+    let body = letter.to_string();
+    let mut delay = Duration::from_millis(200);
+    loop {
+        let mut record = FutureRecord::to(&k.dlq.topic).payload(&body);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        match producer.send(record, Timeout::After(timeout)).await {
+            Ok(_) => return true,
+            Err((e, _)) => {
+                tracing::warn!(topic = %k.dlq.topic, error = %e, "dead letter not published; retrying");
+            }
+        }
+        if *stop.borrow() {
+            return false;
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(10));
+    }
+}
+
+fn now_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
