@@ -245,7 +245,11 @@ async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<boo
             .set("auto.commit.interval.ms", "1000")
             .set("auto.offset.reset", "earliest")
             .set("session.timeout.ms", k.session_timeout_ms.to_string())
-            .set("queued.max.messages.kbytes", "16384");
+            .set("queued.max.messages.kbytes", "16384")
+            // A topic that does not exist yet is picked up within seconds
+            // (librdkafka's default re-checks every 5 minutes).
+            .set("allow.auto.create.topics", "true")
+            .set("topic.metadata.refresh.interval.ms", "5000");
         match cfg.create::<StreamConsumer>() {
             Ok(c) => match c.subscribe(&[&sub.topic]) {
                 Ok(()) => break Arc::new(c),
