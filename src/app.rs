@@ -35,6 +35,8 @@ pub struct App {
     /// `channel_call`'s invoker (in `services.channels` unless the caller
     /// supplied one); `crate::invoke::attach` points it at this app.
     pub invoker: Arc<crate::invoke::Invoker>,
+    /// OpenTelemetry exporter (`tracing.enabled`); `None` costs nothing.
+    pub otel: Option<crate::otel::Otel>,
     /// Kafka channel consumers (started by `crate::start` when `kafka.enabled`).
     pub kafka: crate::kafka::Consumers,
     generation: AtomicU64,
@@ -70,6 +72,7 @@ impl App {
             governance: crate::governance::Governance::new(config.rate_limit.clone()),
             invoker,
             kafka: crate::kafka::Consumers::default(),
+            otel: None,
             config,
             store,
             engine: ArcSwap::from_pointee(Snapshot::default()),

@@ -182,8 +182,18 @@ async fn run_sync(
     };
     let profile = app.config.tracing.profile_enabled
         && (req.header("x-service-profile") == Some("1") || req.query("profile") == Some("1"));
+    // OpenTelemetry (only when enabled and sampled): the request's span.
+    let traced = app.otel.as_ref().and_then(|o| {
+        o.begin(
+            format!("{} {}", req.method, channel.name),
+            opentelemetry::trace::SpanKind::Server,
+            req.header("traceparent"),
+            req.header("tracestate"),
+        )
+        .map(|span| (o, span))
+    });
     let options = Options {
-        record_tasks: profile,
+        record_tasks: profile || traced.is_some(),
         deadline: Some(Instant::now() + channel.timeout),
         ..Options::default()
     };
@@ -194,6 +204,7 @@ async fn run_sync(
         tracestate: req.header("tracestate").map(str::to_owned),
         // channel_call's cycle and depth checks start from this channel.
         chain: vec![channel.name.clone()],
+        observer: traced.as_ref().map(|(_, span)| span.observer()),
     };
     channel.metrics.executions.increment(1);
     let run = exec::execute(
@@ -204,19 +215,34 @@ async fn run_sync(
         &options,
     );
     let execution = match tokio::time::timeout(channel.timeout, run).await {
-        Ok(result) => result.map_err(|e| ApiError::bad_request(e.to_string()))?,
-        Err(_) => {
-            return Err(ApiError::new(
-                Code::Timeout,
-                format!(
-                    "channel '{}' did not finish within {} ms",
-                    channel.name,
-                    channel.timeout.as_millis()
-                ),
-            ));
-        }
+        Ok(result) => result.map_err(|e| ApiError::bad_request(e.to_string())),
+        Err(_) => Err(ApiError::new(
+            Code::Timeout,
+            format!(
+                "channel '{}' did not finish within {} ms",
+                channel.name,
+                channel.timeout.as_millis()
+            ),
+        )),
     };
-    let body = respond(channel, execution, profile.then_some(engine_lock_ms))?;
+    if let Some((otel, mut span)) = traced {
+        span.attribute("sluice.channel", channel.name.clone());
+        span.attribute("sluice.request_id", req.request_id.clone());
+        let (tasks, error) = match &execution {
+            Ok(e) => (
+                e.tasks.as_slice(),
+                match &e.status {
+                    Status::Failed(f) => {
+                        Some(format!("task '{}' failed: {}", f.task_id, f.message))
+                    }
+                    _ => None,
+                },
+            ),
+            Err(e) => (&[][..], Some(e.message.clone())),
+        };
+        otel.finish(span, tasks, error.as_deref());
+    }
+    let body = respond(channel, execution?, profile.then_some(engine_lock_ms))?;
     // A profiled answer is not cached: its timings belong to this run only.
     if !profile {
         app.governance.store(&admitted, body.clone());

@@ -137,6 +137,9 @@ impl ChannelInvoker for Invoker {
             traceparent: scope.traceparent.clone(),
             tracestate: scope.tracestate.clone(),
             chain,
+            // The caller's span recorder: the callee's connector calls are
+            // spans of the same request.
+            observer: scope.observer.clone(),
         };
         channel.metrics.executions.increment(1);
         let run = exec::execute(

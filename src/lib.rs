@@ -19,6 +19,7 @@ pub mod invoke;
 pub mod kafka;
 pub mod openapi;
 pub mod ops;
+pub mod otel;
 pub mod queue;
 pub mod router;
 pub mod server;
@@ -42,7 +43,10 @@ pub async fn open_store(config: &config::Config) -> Result<storage::Store, Strin
 /// first engine load (a reload from empty).
 pub async fn start(config: config::Config) -> Result<Arc<app::App>, String> {
     let store = open_store(&config).await?;
-    let app = Arc::new(app::App::new(config, store, Default::default()));
+    let otel = otel::Otel::init(&config.tracing)?;
+    let mut app = app::App::new(config, store, Default::default());
+    app.otel = otel;
+    let app = Arc::new(app);
     if let Err(e) = app.connectors.reload(&app.store).await {
         tracing::error!(error = %e, "cannot load the connectors; connector calls fail until a reload");
     }

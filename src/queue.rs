@@ -339,7 +339,29 @@ pub(crate) async fn execute(
         traceparent: header("traceparent"),
         tracestate: header("tracestate"),
         chain: vec![channel.name.clone()],
+        observer: None,
     };
+    // OpenTelemetry: one consumer span per async trace or Kafka message.
+    let topic = meta.get("topic").and_then(Json::as_str);
+    let traced = app.otel.as_ref().and_then(|o| {
+        let name = match topic {
+            Some(t) => format!("{t} process"),
+            None => format!("{} process", channel.name),
+        };
+        o.begin(
+            name,
+            opentelemetry::trace::SpanKind::Consumer,
+            scope.traceparent.as_deref(),
+            scope.tracestate.as_deref(),
+        )
+        .map(|span| (o, span))
+    });
+    let mut scope = scope;
+    let mut options = options;
+    if let Some((_, span)) = &traced {
+        scope.observer = Some(span.observer());
+        options.record_tasks = true;
+    }
     channel.metrics.executions.increment(1);
     let run = exec::execute(
         channel.plans.iter().map(|p| &**p),
@@ -348,7 +370,29 @@ pub(crate) async fn execute(
         &scope,
         &options,
     );
-    let execution = match tokio::time::timeout(channel.timeout, run).await {
+    let result = tokio::time::timeout(channel.timeout, run).await;
+    if let Some((otel, mut span)) = traced {
+        span.attribute("sluice.channel", channel.name.clone());
+        span.attribute("sluice.trace_id", c.trace_id.clone());
+        if let Some(t) = topic {
+            span.attribute("messaging.destination.name", t.to_owned());
+        }
+        let (tasks, error) = match &result {
+            Ok(Ok(e)) => (
+                e.tasks.as_slice(),
+                match &e.status {
+                    Status::Failed(f) => {
+                        Some(format!("task '{}' failed: {}", f.task_id, f.message))
+                    }
+                    _ => None,
+                },
+            ),
+            Ok(Err(e)) => (&[][..], Some(e.to_string())),
+            Err(_) => (&[][..], Some("timed out".to_owned())),
+        };
+        otel.finish(span, tasks, error.as_deref());
+    }
+    let execution = match result {
         Err(_) => {
             let message = format!(
                 "channel '{}' did not finish within {} ms",

@@ -110,6 +110,19 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
     if http.is_err() {
         tracing::warn!("drain period ended with requests still in flight");
     }
+    // Export the spans still buffered (bounded: a dead collector must not
+    // hold the exit).
+    if app.otel.is_some() {
+        let flushing = app.clone();
+        let flush = tokio::task::spawn_blocking(move || {
+            if let Some(otel) = &flushing.otel {
+                otel.shutdown();
+            }
+        });
+        if tokio::time::timeout(Duration::from_secs(5), flush).await.is_err() {
+            tracing::warn!("OpenTelemetry spans not flushed within 5 s");
+        }
+    }
 }
 
 async fn handle(

@@ -73,6 +73,10 @@ pub struct CallScope {
     pub tracestate: Option<String>,
     /// Channels already on the `channel_call` stack, outermost first.
     pub chain: Vec<String>,
+    /// Whatever the caller wants connector implementations to see (the
+    /// service puts its per-request span recorder here); opaque to the
+    /// runtime, `None` by default.
+    pub observer: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 #[derive(Debug, Clone)]

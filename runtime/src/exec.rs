@@ -134,6 +134,9 @@ pub struct TaskRecord {
     pub id: String,
     pub status: TaskStatus,
     pub ms: f64,
+    /// When the task started (`None`: skipped); for span timestamps.
+    #[serde(skip)]
+    pub started: Option<Instant>,
 }
 
 /// How the workflow ended.
@@ -573,6 +576,7 @@ impl<'a> Machine<'a> {
                             id: t.id.to_string(),
                             status: TaskStatus::Skipped,
                             ms: 0.0,
+                            started: None,
                         }),
                         Step::Group(g) => walk(&g.body, out),
                     }
@@ -702,6 +706,7 @@ impl<'a> Machine<'a> {
                 id: task.id.to_string(),
                 status,
                 ms,
+                started: self.task_started.filter(|_| status != TaskStatus::Skipped),
             });
         }
     }

@@ -306,10 +306,15 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 
-/// W3C trace context: the caller's `traceparent`/`tracestate` when the scope
-/// has a valid one, else a fresh sampled `traceparent` (and no state) so the
-/// receiver can still correlate its logs with this call.
+/// W3C trace context: the connector call's span when the request is traced
+/// (OpenTelemetry on and sampled); else the caller's `traceparent`/`tracestate`
+/// when the scope has a valid one; else a fresh sampled `traceparent` (and no
+/// state) so the receiver can still correlate its logs with this call.
 pub(crate) fn trace_context(scope: &CallScope) -> (String, Option<String>) {
+    // A traced request (OpenTelemetry): the connector call's own span.
+    if let Some(traced) = crate::otel::outbound_context(scope) {
+        return traced;
+    }
     match scope
         .traceparent
         .as_deref()
@@ -446,6 +451,7 @@ mod tests {
             traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
             tracestate: Some("vendor=1".into()),
             chain: vec![],
+            observer: None,
         };
         let body = c.send(&scope, &get("/t")).await.unwrap();
         assert_eq!(body, Json::String("ok".into()));

@@ -285,12 +285,18 @@ impl HttpClient for Connectors {
         let entry = self.entry_of(&req.connector, ConnectorType::Http)?;
         let (entry, req) = (&entry, &req);
         self.policy
-            .call(scope, &req.connector, &entry.retry(), || async move {
-                match self.built(entry).await? {
-                    Built::Http(c) => c.send(scope, req).await,
-                    _ => Err(mismatch(entry)),
-                }
-            })
+            .call_as(
+                scope,
+                "http_call",
+                &req.connector,
+                &entry.retry(),
+                || async move {
+                    match self.built(entry).await? {
+                        Built::Http(c) => c.send(scope, req).await,
+                        _ => Err(mismatch(entry)),
+                    }
+                },
+            )
             .await
     }
 }
@@ -301,12 +307,18 @@ impl Publisher for Connectors {
         let entry = self.entry_of(&req.connector, ConnectorType::Kafka)?;
         let (entry, req) = (&entry, &req);
         self.policy
-            .call(scope, &req.connector, &entry.retry(), || async move {
-                match self.built(entry).await? {
-                    Built::Kafka(p) => p.publish(scope, req).await,
-                    _ => Err(mismatch(entry)),
-                }
-            })
+            .call_as(
+                scope,
+                "publish_kafka",
+                &req.connector,
+                &entry.retry(),
+                || async move {
+                    match self.built(entry).await? {
+                        Built::Kafka(p) => p.publish(scope, req).await,
+                        _ => Err(mismatch(entry)),
+                    }
+                },
+            )
             .await
     }
 }
@@ -317,12 +329,18 @@ impl SqlClient for Connectors {
         let entry = self.entry_of(&req.connector, ConnectorType::Db)?;
         let (entry, req) = (&entry, &req);
         self.policy
-            .call(scope, &req.connector, &entry.retry(), || async move {
-                match self.built(entry).await? {
-                    Built::Sql(p) => p.read(&req.query, &req.params).await,
-                    _ => Err(mismatch(entry)),
-                }
-            })
+            .call_as(
+                scope,
+                "db_read",
+                &req.connector,
+                &entry.retry(),
+                || async move {
+                    match self.built(entry).await? {
+                        Built::Sql(p) => p.read(&req.query, &req.params).await,
+                        _ => Err(mismatch(entry)),
+                    }
+                },
+            )
             .await
     }
 
@@ -330,12 +348,18 @@ impl SqlClient for Connectors {
         let entry = self.entry_of(&req.connector, ConnectorType::Db)?;
         let (entry, req) = (&entry, &req);
         self.policy
-            .call(scope, &req.connector, &entry.retry(), || async move {
-                match self.built(entry).await? {
-                    Built::Sql(p) => p.write(&req.query, &req.params).await,
-                    _ => Err(mismatch(entry)),
-                }
-            })
+            .call_as(
+                scope,
+                "db_write",
+                &req.connector,
+                &entry.retry(),
+                || async move {
+                    match self.built(entry).await? {
+                        Built::Sql(p) => p.write(&req.query, &req.params).await,
+                        _ => Err(mismatch(entry)),
+                    }
+                },
+            )
             .await
     }
 }
@@ -351,12 +375,18 @@ impl Cache for Connectors {
         let entry = self.entry_of(connector, ConnectorType::Cache)?;
         let entry = &entry;
         self.policy
-            .call(scope, connector, &entry.retry(), || async move {
-                match self.built(entry).await? {
-                    Built::Cache(c) => c.get(key).await,
-                    _ => Err(mismatch(entry)),
-                }
-            })
+            .call_as(
+                scope,
+                "cache_read",
+                connector,
+                &entry.retry(),
+                || async move {
+                    match self.built(entry).await? {
+                        Built::Cache(c) => c.get(key).await,
+                        _ => Err(mismatch(entry)),
+                    }
+                },
+            )
             .await
     }
 
@@ -371,12 +401,18 @@ impl Cache for Connectors {
         let entry = self.entry_of(connector, ConnectorType::Cache)?;
         let (entry, value) = (&entry, &value);
         self.policy
-            .call(scope, connector, &entry.retry(), || async move {
-                match self.built(entry).await? {
-                    Built::Cache(c) => c.set(key, value.clone(), ttl_secs).await,
-                    _ => Err(mismatch(entry)),
-                }
-            })
+            .call_as(
+                scope,
+                "cache_write",
+                connector,
+                &entry.retry(),
+                || async move {
+                    match self.built(entry).await? {
+                        Built::Cache(c) => c.set(key, value.clone(), ttl_secs).await,
+                        _ => Err(mismatch(entry)),
+                    }
+                },
+            )
             .await
     }
 }
@@ -387,15 +423,21 @@ impl DocumentStore for Connectors {
         let entry = self.entry_of(&req.connector, ConnectorType::Mongodb)?;
         let (entry, req) = (&entry, &req);
         self.policy
-            .call(scope, &req.connector, &entry.retry(), || async move {
-                match self.built(entry).await? {
-                    Built::Mongo(m) => {
-                        m.find(&req.database, &req.collection, req.filter.clone())
-                            .await
+            .call_as(
+                scope,
+                "mongo_read",
+                &req.connector,
+                &entry.retry(),
+                || async move {
+                    match self.built(entry).await? {
+                        Built::Mongo(m) => {
+                            m.find(&req.database, &req.collection, req.filter.clone())
+                                .await
+                        }
+                        _ => Err(mismatch(entry)),
                     }
-                    _ => Err(mismatch(entry)),
-                }
-            })
+                },
+            )
             .await
     }
 }

@@ -297,8 +297,54 @@ impl Policy {
         scope: &CallScope,
         connector: &str,
         retry: &RetryPolicy,
-        mut op: F,
+        op: F,
     ) -> Result<T, ConnectorError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, ConnectorError>>,
+    {
+        self.call_as(scope, "call", connector, retry, op).await
+    }
+
+    /// [`Policy::call`] for the named `function`; when the request is traced
+    /// (OpenTelemetry), the call is recorded as a span with its retry count
+    /// and breaker state.
+    pub async fn call_as<T, F, Fut>(
+        &self,
+        scope: &CallScope,
+        function: &'static str,
+        connector: &str,
+        retry: &RetryPolicy,
+        op: F,
+    ) -> Result<T, ConnectorError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, ConnectorError>>,
+    {
+        let Some(span) = crate::otel::begin_call(scope, function, connector) else {
+            return self.attempts(scope, connector, retry, op).await.0;
+        };
+        let (result, retries) = self.attempts(scope, connector, retry, op).await;
+        let breaker = self
+            .breakers
+            .breaker(&scope.channel, connector)
+            .map_or("disabled", |b| b.state());
+        span.finish(
+            retries,
+            breaker,
+            result.as_ref().err().map(|e| e.message.as_str()),
+        );
+        result
+    }
+
+    /// Runs `op` under the breaker with retries; also says how many retries.
+    async fn attempts<T, F, Fut>(
+        &self,
+        scope: &CallScope,
+        connector: &str,
+        retry: &RetryPolicy,
+        mut op: F,
+    ) -> (Result<T, ConnectorError>, u32)
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, ConnectorError>>,
@@ -307,7 +353,10 @@ impl Policy {
         let mut retries = 0u32;
         loop {
             let permit = match &breaker {
-                Some(b) => Some(self.breakers.admit(b)?),
+                Some(b) => match self.breakers.admit(b) {
+                    Ok(p) => Some(p),
+                    Err(e) => return (Err(e), retries),
+                },
                 None => None,
             };
             let result = op().await;
@@ -315,7 +364,7 @@ impl Policy {
                 p.finish(result.as_ref().is_err_and(|e| e.retryable));
             }
             match result {
-                Ok(v) => return Ok(v),
+                Ok(v) => return (Ok(v), retries),
                 Err(e) if e.retryable && retries < retry.max_retries => {
                     tokio::time::sleep(backoff(retry, retries)).await;
                     retries += 1;
@@ -328,7 +377,7 @@ impl Policy {
                             if retries == 1 { "retry" } else { "retries" }
                         );
                     }
-                    return Err(e);
+                    return (Err(e), retries);
                 }
             }
         }

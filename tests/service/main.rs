@@ -9,5 +9,6 @@ mod data;
 mod edge;
 mod governance;
 mod kafka;
+mod otel;
 mod support;
 mod traces;
