@@ -413,8 +413,16 @@ fn sampled_by_ratio(trace_id: TraceId, ratio: f64) -> bool {
     low < bound
 }
 
+/// 16 uniformly random bytes (a v4 UUID fixes the version and variant bits
+/// of its bytes 6 and 8, which must not bias the ratio sampler).
 fn rand_bytes() -> [u8; 16] {
-    *uuid::Uuid::new_v4().as_bytes()
+    let (a, b) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut out = [0u8; 16];
+    out[..6].copy_from_slice(&a[..6]);
+    out[6..13].copy_from_slice(&a[9..16]);
+    out[13..].copy_from_slice(&b[..3]);
+    out
 }
 
 fn rand_span_bytes() -> [u8; 8] {

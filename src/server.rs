@@ -119,7 +119,10 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
                 otel.shutdown();
             }
         });
-        if tokio::time::timeout(Duration::from_secs(5), flush).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(5), flush)
+            .await
+            .is_err()
+        {
             tracing::warn!("OpenTelemetry spans not flushed within 5 s");
         }
     }
