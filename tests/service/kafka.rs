@@ -319,6 +319,57 @@ async fn consumers_follow_channel_lifecycle() {
     assert_eq!(t[0]["data"]["n"], 2);
 }
 
+/// A graceful stop commits what finished: a new consumer in the same group
+/// starts after it and runs only the message produced later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_commits_finished_messages() {
+    let topic = unique("sluice-stop");
+    let group = unique("sluice-group");
+    let config = |c: &mut sluice::config::Config| {
+        c.kafka.enabled = true;
+        c.kafka.brokers = KAFKA.into();
+        c.kafka.session_timeout_ms = 6000;
+    };
+    let mut first = start_with(Db::Sqlite, config).await;
+    deploy_kafka_channel(&first, "stop", &topic, &group).await;
+    let p = producer();
+    for n in 0..5 {
+        produce(
+            &p,
+            &topic,
+            None,
+            json!({"data": {"n": n}}).to_string().as_bytes(),
+            &[],
+        )
+        .await;
+    }
+    wait_traces(
+        &first.client,
+        &first.base,
+        "stop",
+        Duration::from_secs(60),
+        |t| t.len() == 5,
+    )
+    .await;
+    first.shutdown().await;
+
+    let second = start_with(Db::Sqlite, config).await;
+    deploy_kafka_channel(&second, "stop", &topic, &group).await;
+    produce(&p, &topic, None, br#"{"data": {"n": 5}}"#, &[]).await;
+    let t = wait_traces(
+        &second.client,
+        &second.base,
+        "stop",
+        Duration::from_secs(60),
+        |t| !t.is_empty(),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let t2 = traces(&second.client, &second.base, "stop").await;
+    assert_eq!(t2.len(), 1, "{t2:#?}");
+    assert_eq!(t[0]["data"]["n"], 5);
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
