@@ -370,6 +370,42 @@ async fn graceful_shutdown_commits_finished_messages() {
     assert_eq!(t[0]["data"]["n"], 5);
 }
 
+/// `kafka.topics` in the config file adds topics consumed for a channel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_file_topics_are_consumed() {
+    let own = unique("sluice-own");
+    let extra = unique("sluice-extra");
+    let group = unique("sluice-group");
+    let extra_topic = extra.clone();
+    let s = start_with(Db::Sqlite, move |c| {
+        c.kafka.enabled = true;
+        c.kafka.brokers = KAFKA.into();
+        c.kafka.session_timeout_ms = 6000;
+        c.kafka.topics = vec![sluice::config::KafkaTopic {
+            topic: extra_topic,
+            channel: "cfg".into(),
+        }];
+    })
+    .await;
+    deploy_kafka_channel(&s, "cfg", &own, &group).await;
+    let p = producer();
+    produce(&p, &extra, Some("x"), br#"{"data": {"n": 7}}"#, &[]).await;
+    produce(&p, &own, Some("o"), br#"{"data": {"n": 8}}"#, &[]).await;
+    let t = wait_traces(&s.client, &s.base, "cfg", Duration::from_secs(60), |t| {
+        t.len() >= 2
+    })
+    .await;
+    let mut topics: Vec<String> = t
+        .iter()
+        .map(|t| t["data"]["topic"].as_str().unwrap().to_owned())
+        .collect();
+    topics.sort();
+    let mut want = vec![own.clone(), extra.clone()];
+    want.sort();
+    assert_eq!(topics, want);
+    assert_eq!(s.app.kafka.running().len(), 2);
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
