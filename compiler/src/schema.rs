@@ -149,10 +149,17 @@ fn input_schema(f: Function) -> Json {
     let strict = f.checked_at_create();
     let mut props = Map::new();
     let mut required = Vec::new();
+    let mut either = Vec::new();
     for field in f.input_schema() {
         props.insert(field.name.into(), field_schema(field, strict));
         if strict && field.required {
-            required.push(field.name);
+            // A required field with a `<name>_logic` twin may be computed instead.
+            let twin = format!("{}_logic", field.name);
+            if f.input_schema().iter().any(|t| t.name == twin) {
+                either.push(json!({"anyOf": [{"required": [field.name]}, {"required": [twin]}]}));
+            } else {
+                required.push(field.name);
+            }
         }
     }
     let kind = match f.kind() {
@@ -167,6 +174,9 @@ fn input_schema(f: Function) -> Json {
     });
     if !required.is_empty() {
         schema["required"] = json!(required);
+    }
+    if !either.is_empty() {
+        schema["allOf"] = Json::Array(either);
     }
     if f == Function::ChannelCall {
         schema["oneOf"] = json!([{"required": ["channel"]}, {"required": ["channel_logic"]}]);
