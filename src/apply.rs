@@ -476,11 +476,15 @@ fn decide(kind: Kind, versions: &[Json], want: Option<&Json>, rollout: Option<u8
     if let Some(active) = newest_with("active") {
         if same(active) {
             let current = active["rollout_percentage"].as_u64().unwrap_or(100);
+            // `--rollout` moves a canary in progress (promotes it at 100); a
+            // version already serving everything is left alone.
             return match rollout {
-                Some(p) if kind == Kind::Workflow && u64::from(p) != current => Action::Rollout {
-                    from: current,
-                    to: p,
-                },
+                Some(p) if kind == Kind::Workflow && current < 100 && u64::from(p) != current => {
+                    Action::Rollout {
+                        from: current,
+                        to: p,
+                    }
+                }
                 _ => Action::Unchanged,
             };
         }
@@ -768,7 +772,18 @@ mod tests {
         );
         assert_eq!(
             decide(Kind::Workflow, &same_active, want.as_ref(), Some(20)),
-            Action::Rollout { from: 100, to: 20 }
+            Action::Unchanged
+        );
+        let mut canary = record("new", 2, "active");
+        canary["rollout_percentage"] = json!(20);
+        let in_progress = [record("old", 1, "active"), canary];
+        assert_eq!(
+            decide(Kind::Workflow, &in_progress, want.as_ref(), Some(100)),
+            Action::Rollout { from: 20, to: 100 }
+        );
+        assert_eq!(
+            decide(Kind::Workflow, &in_progress, want.as_ref(), None),
+            Action::Unchanged
         );
         let changed = [record("old", 1, "active"), record("x", 2, "draft")];
         assert_eq!(
