@@ -585,13 +585,12 @@ cases:
 // ---------------------------------------------------------------- sluice apply
 
 fn apply(s: &TestServer, dir: &Path, extra: &[&str]) -> Output {
-    let out = sluice()
+    sluice()
         .args(["apply", "--server", &s.base])
         .args(extra)
         .arg(dir)
         .output()
-        .unwrap();
-    out
+        .unwrap()
 }
 
 fn write_def(dir: &Path, rel: &str, def: &Json) {
