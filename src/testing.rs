@@ -383,6 +383,7 @@ fn run_case(
             method: "POST",
             channel: "",
             request_id: "sluice-test",
+            extra: &[],
         },
         bucket: None,
     };
