@@ -14,6 +14,8 @@ bash ../shared/services/redis.sh
 bash ../shared/services/mongodb.sh
 bash ../shared/services/kafka.sh
 cargo test --workspace --all-targets
+# Every worked example's test file, through the real binary.
+cargo run -q --bin sluice -- test examples/
 # The JSONLogic conformance counts, printed (they are asserted above too).
 cargo test -q -p sluice-compiler --test jsonlogic_conformance -- --nocapture --test-threads 1 2>&1 | grep -E "passed$"
 cargo test --workspace --doc

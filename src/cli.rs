@@ -1,5 +1,6 @@
 //! Implementations of the command-line tools that need no server:
-//! `logic`, `lint` and `dry-run`.
+//! `logic`, `lint`, `dry-run` and `schema` (`test` is in `testing.rs`,
+//! `apply` in `apply.rs`).
 
 use crate::api::ApiError;
 use bumpalo::Bump;
@@ -15,6 +16,29 @@ fn read_json(path: &Path) -> Result<Json, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))
+}
+
+/// Reads a definition file: YAML when it ends in `.yaml`/`.yml`, JSON
+/// otherwise.
+pub fn read_definition(path: &Path) -> Result<Json, String> {
+    let yaml = matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("yaml" | "yml")
+    );
+    if !yaml {
+        return read_json(path);
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_norway::from_str(&text).map_err(|e| format!("{} is not valid YAML: {e}", path.display()))
+}
+
+/// `sluice schema <kind>`: the JSON Schema of a definition kind.
+pub fn schema(kind: &str) -> Result<String, String> {
+    use sluice_compiler::schema::{DefinitionKind, definition_schema};
+    let kind = DefinitionKind::from_name(kind)
+        .ok_or_else(|| format!("unknown kind '{kind}'; expected workflow, channel or connector"))?;
+    Ok(serde_json::to_string_pretty(&definition_schema(kind)).unwrap_or_default())
 }
 
 /// Which kind of definition a file holds, by its distinctive fields.

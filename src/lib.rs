@@ -8,6 +8,7 @@ use std::sync::Arc;
 pub mod admin;
 pub mod api;
 pub mod app;
+pub mod apply;
 pub mod auth;
 pub mod cli;
 pub mod config;
@@ -25,6 +26,7 @@ pub mod router;
 pub mod server;
 pub mod storage;
 pub mod telemetry;
+pub mod testing;
 pub mod traces;
 
 /// Opens storage and applies the migrations.

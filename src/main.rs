@@ -5,6 +5,10 @@
 //! - `sluice lint <file>...`: check definitions; prints the error envelope for each bad file.
 //! - `sluice dry-run --workflow <file> --payload <file> [--metadata <file>]`: run a workflow offline.
 //! - `sluice logic --rule '<json>' --data '<json>'`: evaluate a JSONLogic rule.
+//! - `sluice schema <workflow|channel|connector>`: print a definition's JSON Schema.
+//! - `sluice test <file-or-dir>...`: run workflow test files offline.
+//! - `sluice apply --server <url> [--api-key <key>] [--prune] [--dry-run] [--rollout <pct>] <dir>`:
+//!   make a running Sluice match a directory of definitions.
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -46,6 +50,35 @@ enum Command {
         #[arg(long)]
         metadata: Option<PathBuf>,
     },
+    /// Print the JSON Schema (draft 2020-12) of a definition kind.
+    Schema {
+        /// workflow, channel or connector
+        kind: String,
+    },
+    /// Run workflow test files (*.test.json, *.test.yaml) offline, with connector stubs.
+    Test {
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+    /// Make a running Sluice match a directory of definitions (connectors/, workflows/, channels/).
+    Apply {
+        /// Base URL of the server, e.g. http://localhost:8080
+        #[arg(long)]
+        server: String,
+        /// Admin API key (default: the SLUICE_API_KEY environment variable).
+        #[arg(long)]
+        api_key: Option<String>,
+        /// Archive active workflows and channels the directory does not have.
+        #[arg(long)]
+        prune: bool,
+        /// Print the plan without changing anything.
+        #[arg(long)]
+        dry_run: bool,
+        /// Activate new versions of existing workflows for this share of traffic (1..100).
+        #[arg(long)]
+        rollout: Option<u8>,
+        dir: PathBuf,
+    },
     /// Compile a JSONLogic rule, evaluate it against data, print the result as JSON.
     Logic {
         /// The rule, as JSON text.
@@ -68,6 +101,36 @@ fn main() -> ExitCode {
             payload,
             metadata,
         } => cli::dry_run(&workflow, &payload, metadata.as_deref()),
+        Command::Schema { kind } => match cli::schema(&kind) {
+            Ok(out) => {
+                println!("{out}");
+                ExitCode::SUCCESS
+            }
+            Err(message) => {
+                eprintln!("error: {message}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Test { paths } => sluice::testing::run(&paths),
+        Command::Apply {
+            server,
+            api_key,
+            prune,
+            dry_run,
+            rollout,
+            dir,
+        } => sluice::apply::run(&sluice::apply::ApplyOptions {
+            server,
+            api_key: api_key.or_else(|| {
+                std::env::var("SLUICE_API_KEY")
+                    .ok()
+                    .filter(|k| !k.is_empty())
+            }),
+            dir,
+            prune,
+            dry_run,
+            rollout,
+        }),
         Command::Logic { rule, data } => match cli::logic(&rule, &data) {
             Ok(out) => {
                 println!("{out}");

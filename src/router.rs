@@ -27,6 +27,7 @@ pub async fn route(app: &Arc<App>, req: Req) -> HttpResponse {
         ["api", "v1", "openapi.json"] => {
             get_only(&req).and(crate::api::ok_raw(&crate::openapi::document()))
         }
+        ["api", "v1", "schemas", file] => get_only(&req).and(definition_schema(file)),
         ["docs"] => get_only(&req).and(Ok(crate::api::static_asset(
             crate::openapi::DOCS_HTML,
             "text/html; charset=utf-8",
@@ -46,6 +47,21 @@ pub async fn route(app: &Arc<App>, req: Req) -> HttpResponse {
         ))),
     };
     result.unwrap_or_else(ApiError::into_response)
+}
+
+/// `GET /api/v1/schemas/{workflow,channel,connector}.json`: the JSON Schema
+/// of a definition kind (public, like the OpenAPI document: it holds no data).
+fn definition_schema(file: &str) -> Result<HttpResponse, ApiError> {
+    use sluice_compiler::schema::{DefinitionKind, definition_schema};
+    match file
+        .strip_suffix(".json")
+        .and_then(DefinitionKind::from_name)
+    {
+        Some(kind) => crate::api::ok_raw(&definition_schema(kind)),
+        None => Err(ApiError::not_found(format!(
+            "No schema named '{file}'; there are workflow.json, channel.json and connector.json"
+        ))),
+    }
 }
 
 fn get_only(req: &Req) -> Result<(), ApiError> {
@@ -70,6 +86,7 @@ pub fn route_label(path: &str) -> std::borrow::Cow<'static, str> {
         ["metrics"] => "/metrics".into(),
         ["docs", ..] => "/docs".into(),
         ["api", "v1", "openapi.json"] => "/api/v1/openapi.json".into(),
+        ["api", "v1", "schemas", ..] => "/api/v1/schemas".into(),
         ["api", "v1", "data", "traces", ..] => "/api/v1/data/traces".into(),
         ["api", "v1", "data", ..] => DATA_PLANE_ROUTE.into(),
         ["api", "v1", "admin", rest @ ..] => {

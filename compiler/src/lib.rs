@@ -11,6 +11,7 @@ pub mod fuzz;
 pub mod logic;
 pub mod path;
 pub mod plan;
+pub mod schema;
 pub mod validate;
 pub mod value;
 

@@ -2,6 +2,7 @@
 //! driven over HTTP. One test binary (link time); one module per area.
 
 mod admin;
+mod authoring;
 mod cli;
 mod connectors_http;
 mod connectors_io;

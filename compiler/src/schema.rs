@@ -1,0 +1,389 @@
+//! The published JSON Schemas (draft 2020-12) of workflow, channel and
+//! connector definitions, served at `GET /api/v1/schemas/{kind}.json` and
+//! printed by `sluice schema <kind>`.
+//!
+//! The schemas are generated from the declared types in [`crate::def`] (via
+//! schemars) and from the function catalogue in [`crate::functions`], so they
+//! cannot drift from what the compiler accepts. What schemars cannot see is
+//! added here: each function's `input` (chosen by `function.name`), each
+//! connector's `config` (chosen by `connector_type`) and the cross-field rules
+//! of channels.
+//!
+//! The rule this module keeps: **the schema is never stricter than the
+//! validator.** A definition the schema rejects is rejected by
+//! [`crate::validate`] too (the integration tests check a set of bad
+//! definitions against both). The schema may be looser: JSONLogic is not
+//! compiled by a JSON Schema, and data functions' inputs are only described
+//! (the validator warns about them, it does not reject them).
+
+use crate::def::{
+    CacheConnector, ChannelDef, ConnectorDef, DbConnector, HttpConnector, KafkaConnector,
+    MongoConnector, ObjectStorageConnector, WorkflowDef,
+};
+use crate::functions::{Constraint, FieldSchema, FieldType, Function, FunctionKind};
+use schemars::generate::{SchemaGenerator, SchemaSettings};
+use serde_json::{Map, Value as Json, json};
+
+/// Which definition a schema describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DefinitionKind {
+    Workflow,
+    Channel,
+    Connector,
+}
+
+impl DefinitionKind {
+    pub const ALL: [DefinitionKind; 3] = [
+        DefinitionKind::Workflow,
+        DefinitionKind::Channel,
+        DefinitionKind::Connector,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DefinitionKind::Workflow => "workflow",
+            DefinitionKind::Channel => "channel",
+            DefinitionKind::Connector => "connector",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<DefinitionKind> {
+        DefinitionKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+fn generator() -> SchemaGenerator {
+    SchemaSettings::draft2020_12()
+        .for_deserialize()
+        .into_generator()
+}
+
+/// The JSON Schema of one kind of definition.
+pub fn definition_schema(kind: DefinitionKind) -> Json {
+    let mut schema = match kind {
+        DefinitionKind::Workflow => workflow_schema(),
+        DefinitionKind::Channel => channel_schema(),
+        DefinitionKind::Connector => connector_schema(),
+    };
+    strip_null(&mut schema);
+    if let Json::Object(m) = &mut schema {
+        // Files may name their schema; the key is ignored by the service.
+        if let Some(Json::Object(props)) = m.get_mut("properties") {
+            props.insert(
+                "$schema".into(),
+                json!({"type": "string", "description": "The JSON Schema this file follows (for editors); ignored by Sluice."}),
+            );
+        }
+        let title = format!("Sluice {} definition", kind.name());
+        let mut out = Map::new();
+        out.insert(
+            "$schema".into(),
+            json!("https://json-schema.org/draft/2020-12/schema"),
+        );
+        out.insert("title".into(), Json::String(title));
+        for (k, v) in std::mem::take(m) {
+            if k != "$schema" && k != "title" {
+                out.insert(k, v);
+            }
+        }
+        *m = out;
+    }
+    schema
+}
+
+// ---------------------------------------------------------------- workflows
+
+fn workflow_schema() -> Json {
+    let mut schema = generator().into_root_schema_for::<WorkflowDef>().to_value();
+    let defs = schema["$defs"]
+        .as_object_mut()
+        .expect("schemars puts subschemas under $defs");
+    defs.insert("FunctionDef".into(), function_def_schema());
+    for f in Function::ALL {
+        defs.insert(input_def_name(f), input_schema(f));
+    }
+    schema
+}
+
+fn input_def_name(f: Function) -> String {
+    format!("input.{}", f.name())
+}
+
+/// `{name, input}` with `input` chosen by `name`.
+fn function_def_schema() -> Json {
+    let mut names: Vec<&str> = Function::ALL.into_iter().map(Function::name).collect();
+    names.push("validate");
+    let rules: Vec<Json> = Function::ALL
+        .into_iter()
+        .map(|f| {
+            let mut then = json!({"properties": {"input": {"$ref": format!("#/$defs/{}", input_def_name(f))}}});
+            // An absent input is `{}`, which lacks any required field.
+            if f.checked_at_create() && f.input_schema().iter().any(|x| x.required) {
+                then["required"] = json!(["input"]);
+            }
+            let name = if f == Function::Validation {
+                json!({"enum": ["validation", "validate"]})
+            } else {
+                json!({"const": f.name()})
+            };
+            json!({"if": {"properties": {"name": name}, "required": ["name"]}, "then": then})
+        })
+        .collect();
+    json!({
+        "description": "`{name, input}` of a task: the built-in function to call and its input.",
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "enum": names, "description": "The built-in function (exact, case-sensitive)."},
+            "input": {"type": "object", "description": "Function-specific; `{}` when absent."},
+        },
+        "allOf": rules,
+    })
+}
+
+/// A function's `input` from the catalogue. Connector and composition
+/// functions are checked strictly (as the validator does when a workflow is
+/// created); data functions' fields are described only, since their inputs
+/// are checked when they run.
+fn input_schema(f: Function) -> Json {
+    let strict = f.checked_at_create();
+    let mut props = Map::new();
+    let mut required = Vec::new();
+    let mut either = Vec::new();
+    for field in f.input_schema() {
+        props.insert(field.name.into(), field_schema(field, strict));
+        if strict && field.required {
+            // A required field with a `<name>_logic` twin may be computed instead.
+            let twin = format!("{}_logic", field.name);
+            if f.input_schema().iter().any(|t| t.name == twin) {
+                either.push(json!({"anyOf": [{"required": [field.name]}, {"required": [twin]}]}));
+            } else {
+                required.push(field.name);
+            }
+        }
+    }
+    let kind = match f.kind() {
+        FunctionKind::Data => "data function; its input is checked when the task runs",
+        FunctionKind::Connector => "connector function",
+        FunctionKind::Composition => "composition function",
+    };
+    let mut schema = json!({
+        "description": format!("Input of `{}` ({kind}).", f.name()),
+        "type": "object",
+        "properties": props,
+    });
+    if !required.is_empty() {
+        schema["required"] = json!(required);
+    }
+    if !either.is_empty() {
+        schema["allOf"] = Json::Array(either);
+    }
+    if f == Function::ChannelCall {
+        schema["oneOf"] = json!([{"required": ["channel"]}, {"required": ["channel_logic"]}]);
+        schema["not"] = json!({"required": ["data", "data_logic"]});
+    }
+    schema
+}
+
+fn field_schema(field: &FieldSchema, strict: bool) -> Json {
+    let mut s = Map::new();
+    let mut description = field.description.to_owned();
+    if let Some(d) = field.default {
+        description.push_str(&format!(" Default: {d}."));
+    }
+    if !strict {
+        // Described with its type in words, not enforced (see input_schema).
+        description.push_str(&format!(" Type: {}.", field.ty.name()));
+        s.insert("description".into(), Json::String(description));
+        if let Constraint::OneOf(allowed) = field.constraint {
+            s.insert("examples".into(), json!(allowed));
+        }
+        return Json::Object(s);
+    }
+    s.insert("description".into(), Json::String(description));
+    let ty = match field.ty {
+        FieldType::String => Some("string"),
+        FieldType::Number => Some("number"),
+        FieldType::Integer => Some("integer"),
+        FieldType::Boolean => Some("boolean"),
+        FieldType::Object => Some("object"),
+        FieldType::Array => Some("array"),
+        FieldType::Any | FieldType::Jsonlogic => None,
+    };
+    if let Some(ty) = ty {
+        s.insert("type".into(), json!(ty));
+    }
+    if field.required && field.ty == FieldType::String {
+        // The validator rejects a blank required string.
+        s.insert("pattern".into(), json!("\\S"));
+    }
+    match field.constraint {
+        Constraint::None => {}
+        Constraint::OneOf(allowed) => {
+            s.insert("enum".into(), json!(allowed));
+        }
+        Constraint::Positive => {
+            s.insert("exclusiveMinimum".into(), json!(0));
+        }
+        Constraint::StringMap => {
+            s.insert("additionalProperties".into(), json!({"type": "string"}));
+        }
+    }
+    Json::Object(s)
+}
+
+// ----------------------------------------------------------------- channels
+
+fn channel_schema() -> Json {
+    let mut schema = generator().into_root_schema_for::<ChannelDef>().to_value();
+    schema["allOf"] = json!([
+        {
+            "description": "A rest channel needs a route and its methods.",
+            "if": {"properties": {"protocol": {"const": "rest"}}, "required": ["protocol"]},
+            "then": {"required": ["route_pattern", "methods"]},
+        },
+        {
+            "description": "A route_pattern without a protocol makes a rest channel.",
+            "if": {"required": ["route_pattern"], "not": {"required": ["protocol"]}},
+            "then": {"required": ["methods"]},
+        },
+        {
+            "description": "A kafka channel consumes config_json.topic, asynchronously.",
+            "if": {"properties": {"protocol": {"const": "kafka"}}, "required": ["protocol"]},
+            "then": {
+                "required": ["config_json"],
+                "properties": {
+                    "config_json": {"required": ["topic"]},
+                    "channel_type": {"const": "async"},
+                },
+            },
+        },
+    ]);
+    schema
+}
+
+// --------------------------------------------------------------- connectors
+
+fn connector_schema() -> Json {
+    let mut generator = generator();
+    let mut schema = generator.root_schema_for::<ConnectorDef>().to_value();
+    let configs = [
+        ("http", generator.subschema_for::<HttpConnector>()),
+        ("db", generator.subschema_for::<DbConnector>()),
+        ("cache", generator.subschema_for::<CacheConnector>()),
+        ("mongodb", generator.subschema_for::<MongoConnector>()),
+        ("kafka", generator.subschema_for::<KafkaConnector>()),
+        (
+            "object_storage",
+            generator.subschema_for::<ObjectStorageConnector>(),
+        ),
+    ];
+    let rules: Vec<Json> = configs
+        .iter()
+        .map(|(name, config)| {
+            json!({
+                "if": {"properties": {"connector_type": {"const": name}}, "required": ["connector_type"]},
+                "then": {"properties": {"config": {"allOf": [
+                    config.as_value(),
+                    {"properties": {"type": {"const": name}}},
+                ]}}},
+            })
+        })
+        .collect();
+    let defs: Map<String, Json> = generator.take_definitions(true);
+    let all = schema.as_object_mut().expect("a root schema is an object");
+    let target = all
+        .entry("$defs")
+        .or_insert_with(|| Json::Object(Map::new()));
+    if let Json::Object(t) = target {
+        t.extend(defs);
+    }
+    schema["properties"]["config"] = json!({
+        "type": "object",
+        "description": "Connection settings for `connector_type`; any string may be `env://VAR`, resolved when the connector is built.",
+        "properties": {"type": {"type": "string", "description": "Optional; must equal connector_type."}},
+    });
+    schema["allOf"] = Json::Array(rules);
+    schema
+}
+
+/// `Option<T>` fields come out of schemars as "T or null"; the validator
+/// treats an explicit `null` as a type error wherever a typed value is
+/// expected, so the schema must not admit it either.
+fn strip_null(v: &mut Json) {
+    match v {
+        Json::Object(m) => {
+            if let Some(Json::Array(types)) = m.get_mut("type") {
+                types.retain(|t| t != "null");
+                if types.len() == 1 {
+                    let only = types.remove(0);
+                    m.insert("type".into(), only);
+                }
+            }
+            for key in ["anyOf", "oneOf"] {
+                if let Some(Json::Array(options)) = m.get_mut(key) {
+                    options.retain(|o| o != &json!({"type": "null"}));
+                    if options.len() == 1 && key == "anyOf" {
+                        let only = options.remove(0);
+                        m.remove(key);
+                        if let Json::Object(inner) = only {
+                            for (k, v) in inner {
+                                m.entry(k).or_insert(v);
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(Json::Array(values)) = m.get_mut("enum") {
+                values.retain(|x| !x.is_null());
+            }
+            m.values_mut().for_each(strip_null);
+        }
+        Json::Array(items) => items.iter_mut().for_each(strip_null),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_has_a_2020_12_schema_that_allows_a_schema_key() {
+        for kind in DefinitionKind::ALL {
+            let s = definition_schema(kind);
+            assert_eq!(s["$schema"], "https://json-schema.org/draft/2020-12/schema");
+            assert_eq!(s["type"], "object", "{}", kind.name());
+            assert!(s["properties"]["$schema"].is_object());
+            assert_eq!(DefinitionKind::from_name(kind.name()), Some(kind));
+        }
+    }
+
+    #[test]
+    fn workflow_schema_carries_every_function_input() {
+        let s = definition_schema(DefinitionKind::Workflow);
+        for f in Function::ALL {
+            let input = &s["$defs"][input_def_name(f)];
+            for field in f.input_schema() {
+                assert!(
+                    input["properties"][field.name].is_object(),
+                    "{}",
+                    field.name
+                );
+            }
+        }
+        let http = &s["$defs"]["input.http_call"];
+        assert_eq!(http["required"], json!(["connector"]));
+        assert_eq!(http["properties"]["method"]["enum"][0], "GET");
+        // Data functions are described, not enforced.
+        assert!(s["$defs"]["input.map"].get("required").is_none());
+    }
+
+    #[test]
+    fn no_typed_field_admits_null() {
+        let text = definition_schema(DefinitionKind::Channel).to_string();
+        assert!(!text.contains("\"null\""), "{text}");
+        let text = definition_schema(DefinitionKind::Workflow).to_string();
+        assert!(!text.contains("\"null\""), "{text}");
+    }
+}
