@@ -225,7 +225,7 @@ impl SqlPool {
                 rows.iter().map(|r| row_json(r, sqlite_cell)).collect()
             }
             Pools::Postgres(pool) => {
-                let q = params.iter().fold(sqlx::query(query), bind_pg);
+                let q = params.iter().fold(pg_query(query), bind_pg);
                 let rows = timed!(self, pool, conn => q.fetch_all(&mut *conn))?;
                 rows.iter().map(|r| row_json(r, pg_cell)).collect()
             }
@@ -245,7 +245,7 @@ impl SqlPool {
                 timed!(self, pool, conn => q.execute(&mut *conn)).map(|r| r.rows_affected())
             }
             Pools::Postgres(pool) => {
-                let q = params.iter().fold(sqlx::query(query), bind_pg);
+                let q = params.iter().fold(pg_query(query), bind_pg);
                 timed!(self, pool, conn => q.execute(&mut *conn)).map(|r| r.rows_affected())
             }
             Pools::MySql(pool) => {
@@ -279,6 +279,15 @@ fn bind_sqlite<'q>(q: SqliteQuery<'q>, v: &Json) -> SqliteQuery<'q> {
         Json::String(s) => q.bind(s.clone()),
         other => q.bind(other.to_string()),
     }
+}
+
+/// A PostgreSQL statement that is not cached. A JSON null binds untyped (the
+/// server infers the column's type), and a statement cached from that call
+/// keeps the inferred type: a later integer's `INT8` bytes would then be read
+/// as a `FLOAT8` (1 stored as 5e-324). Unnamed statements are parsed with
+/// each call's own types.
+fn pg_query(query: &str) -> PgQuery<'_> {
+    sqlx::query(query).persistent(false)
 }
 
 fn bind_pg<'q>(q: PgQuery<'q>, v: &Json) -> PgQuery<'q> {
@@ -957,6 +966,18 @@ mod tests {
             let e = pool.write("INSERT INTO t (id) VALUES ($1)", &[json!(1)]).await.unwrap_err();
             assert!(!e.retryable);
             assert!(e.message.contains("duplicate key"), "{}", e.message);
+            // The same statement with null, then numbers: each binds as what
+            // it is (a statement cached from the null call read 1 as 5e-324).
+            for (id, v) in [(100, Json::Null), (101, json!(1)), (102, json!(2.5))] {
+                pool.write("INSERT INTO t (id, f) VALUES ($1, $2)", &[json!(id), v])
+                    .await
+                    .unwrap();
+            }
+            let rows = pool
+                .read("SELECT f FROM t WHERE id >= $1 ORDER BY id", &[json!(100)])
+                .await
+                .unwrap();
+            assert_eq!(rows, vec![json!({"f": null}), json!({"f": 1.0}), json!({"f": 2.5})]);
             pool.close().await;
         })
         .await;
