@@ -423,7 +423,7 @@ async fn rollout(app: &App, req: &Req, id: &str, who: Principal) -> ApiResult {
 /// Lifecycle changes reload the engine (audit-logged). A failed reload leaves
 /// the previous engine serving; the change itself is already committed.
 async fn reload_after_change(app: &App, who: Principal) {
-    if let Err(e) = app.reload(Some(audit(who, "reload"))).await {
+    if let Err(e) = app.changed(Some(audit(who, "reload"))).await {
         tracing::error!(
             ?e,
             "reload after a lifecycle change failed; the previous engine keeps serving"
@@ -708,7 +708,7 @@ async fn engine_status(app: &App) -> ApiResult {
 }
 
 async fn engine_reload(app: &App, who: Principal) -> ApiResult {
-    match app.reload(Some(audit(who, "reload"))).await {
+    match app.changed(Some(audit(who, "reload"))).await {
         Ok(report) => api::ok(&report),
         Err(ReloadError::Storage(e)) => Err(e.into()),
         Err(ReloadError::Invalid(problems)) => Err(ApiError::invalid("engine reload", problems)),

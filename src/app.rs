@@ -37,6 +37,11 @@ pub struct App {
     pub invoker: Arc<crate::invoke::Invoker>,
     /// OpenTelemetry exporter (`tracing.enabled`); `None` costs nothing.
     pub otel: Option<crate::otel::Otel>,
+    /// Set while this replica knows it serves an older generation than
+    /// storage holds (`/readyz` answers 503 meanwhile).
+    pub behind: AtomicBool,
+    /// The reload-propagation loop (`crate::sync`), stopped at shutdown.
+    pub sync: std::sync::Mutex<Option<tokio::task::AbortHandle>>,
     /// Kafka channel consumers (started by `crate::start` when `kafka.enabled`).
     pub kafka: crate::kafka::Consumers,
     generation: AtomicU64,
@@ -73,6 +78,8 @@ impl App {
             invoker,
             kafka: crate::kafka::Consumers::default(),
             otel: None,
+            behind: AtomicBool::new(false),
+            sync: std::sync::Mutex::new(None),
             config,
             store,
             engine: ArcSwap::from_pointee(Snapshot::default()),
@@ -83,6 +90,20 @@ impl App {
             generation: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// An admin change: moves the stored generation on (notifying the other
+    /// replicas on PostgreSQL) and reloads this replica.
+    pub async fn changed(&self, audit: Option<Audit>) -> Result<ReloadReport, ReloadError> {
+        if let Err(e) = self.store.bump_engine_generation().await {
+            tracing::warn!(error = %e, "could not move the engine generation on; other replicas catch up on their next check");
+        }
+        self.reload(audit).await
+    }
+
+    /// The generation this replica serves.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
     }
 
     pub fn uptime_seconds(&self) -> u64 {
@@ -103,7 +124,17 @@ impl App {
                 "another reload is still running".into(),
             ))
         })?;
-        let generation = self.generation.load(Ordering::Relaxed) + 1;
+        // The generation is the stored one, read before the definitions: the
+        // snapshot holds at least what that generation describes, and every
+        // replica serving the same definitions reports the same number.
+        let generation = match self.store.engine_generation().await {
+            Ok(g) => g.max(1) as u64,
+            Err(e) => {
+                metrics::counter!(names::ENGINE_RELOADS_TOTAL, "status" => "failure").increment(1);
+                tracing::warn!(error = %e, "engine reload failed; the previous engine keeps serving");
+                return Err(ReloadError::Storage(e));
+            }
+        };
         let built = engine::build(&self.store, generation).await;
         let built = match built {
             Ok(b) => b,

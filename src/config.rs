@@ -115,6 +115,9 @@ pub struct Engine {
     pub health_check_timeout_secs: u64,
     pub reload_timeout_secs: u64,
     pub max_channel_call_depth: u32,
+    /// How often a MySQL/MariaDB replica polls the stored engine generation
+    /// (PostgreSQL replicas are notified; SQLite is single-process).
+    pub sync_interval_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -226,6 +229,7 @@ impl Default for Config {
                 health_check_timeout_secs: 2,
                 reload_timeout_secs: 10,
                 max_channel_call_depth: 8,
+                sync_interval_ms: 500,
             },
             queue: Queue {
                 workers: 4,

@@ -25,6 +25,7 @@ pub mod queue;
 pub mod router;
 pub mod server;
 pub mod storage;
+pub mod sync;
 pub mod telemetry;
 pub mod testing;
 pub mod traces;
@@ -66,6 +67,7 @@ pub async fn start(config: config::Config) -> Result<Arc<app::App>, String> {
     }
     queue::start(&app);
     kafka::start(&app);
+    sync::start(&app);
     app.ready.store(true, std::sync::atomic::Ordering::Release);
     Ok(app)
 }

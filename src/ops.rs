@@ -67,10 +67,12 @@ pub async fn readyz(app: &App) -> ApiResult {
     let started = app.ready.load(Ordering::Acquire);
     let engine = app.engine.load().generation > 0;
     let database = database_ok(app).await;
-    let ready = started && engine && database;
+    // Behind the stored generation (another replica's change not loaded yet).
+    let synced = !app.behind.load(Ordering::Acquire);
+    let ready = started && engine && database && synced;
     let body = json!({
         "status": if ready { "ready" } else { "not_ready" },
-        "checks": {"startup": started, "engine": engine, "database": database},
+        "checks": {"startup": started, "engine": engine, "database": database, "synced": synced},
     });
     Ok(json_response(
         if ready {

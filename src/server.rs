@@ -95,6 +95,7 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
         }
     }
     drop(listener);
+    crate::sync::stop(&app);
     let drain = Duration::from_secs(app.config.server.shutdown_drain_secs);
     tracing::info!(
         drain_secs = drain.as_secs(),

@@ -11,6 +11,7 @@
 mod audit;
 mod backup;
 mod connectors;
+mod generation;
 mod lifecycle;
 mod sql;
 mod traces;

@@ -11,5 +11,6 @@ mod edge;
 mod governance;
 mod kafka;
 mod otel;
+mod replicas;
 mod support;
 mod traces;

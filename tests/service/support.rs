@@ -61,6 +61,12 @@ pub async fn fresh_database(db: Db) -> String {
     }
 }
 
+/// Installs the TLS crypto provider reqwest needs (start-up does it too;
+/// tests that only spawn the binary call this first).
+pub fn install_crypto() {
+    sluice::connectors::http::install_crypto_provider();
+}
+
 /// A running server and a client for it.
 pub struct TestServer {
     pub base: String,

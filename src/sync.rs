@@ -1,0 +1,119 @@
+//! Reload propagation across replicas sharing one database.
+//!
+//! Every admin change moves the stored engine generation on
+//! ([`crate::app::App::changed`]). Each replica compares it with the
+//! generation it serves and, when storage is ahead, rebuilds its snapshot
+//! from storage (the start-up reload path) and stores it once:
+//! - **PostgreSQL:** `LISTEN sluice_engine`; the bump's `NOTIFY` wakes every
+//!   replica at once. After a lost connection (notifications sent meanwhile
+//!   are lost) and every [`SAFETY_CHECK`] it checks the row anyway, so a
+//!   replica that missed notifications catches up.
+//! - **MySQL/MariaDB:** a poll of the single generation row every
+//!   `engine.sync_interval_ms` (default 500 ms): one primary-key read.
+//! - **SQLite:** one process owns the file; nothing runs.
+//!
+//! While a replica knows it is behind (or cannot read the generation),
+//! `/readyz` answers 503.
+
+use crate::app::App;
+use crate::storage::Backend;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// How often a PostgreSQL replica checks the row without a notification.
+pub const SAFETY_CHECK: Duration = Duration::from_secs(10);
+
+/// Starts the loop for the store's backend (once).
+pub fn start(app: &Arc<App>) {
+    let task = match app.store.backend() {
+        Backend::Sqlite => return,
+        Backend::Postgres => tokio::spawn(listen_loop(app.clone())),
+        Backend::MySql => tokio::spawn(poll_loop(app.clone())),
+    };
+    let mut slot = app
+        .sync
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(old) = slot.replace(task.abort_handle()) {
+        old.abort();
+    }
+}
+
+/// Stops the loop (shutdown).
+pub fn stop(app: &App) {
+    let slot = app
+        .sync
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    if let Some(task) = slot {
+        task.abort();
+    }
+}
+
+/// Reloads if storage is ahead of what this replica serves.
+pub async fn catch_up(app: &App) {
+    match app.store.engine_generation().await {
+        Ok(stored) if stored.max(1) as u64 > app.generation() => {
+            app.behind.store(true, Ordering::Release);
+            match app.reload(None).await {
+                Ok(r) => {
+                    tracing::info!(
+                        generation = r.generation,
+                        "caught up with another replica's change"
+                    );
+                    app.behind
+                        .store(r.generation < stored as u64, Ordering::Release);
+                }
+                Err(e) => tracing::warn!(?e, "could not catch up; retrying on the next check"),
+            }
+        }
+        Ok(_) => app.behind.store(false, Ordering::Release),
+        Err(e) => {
+            app.behind.store(true, Ordering::Release);
+            tracing::warn!(error = %e, "cannot read the engine generation");
+        }
+    }
+}
+
+async fn poll_loop(app: Arc<App>) {
+    let every = Duration::from_millis(app.config.engine.sync_interval_ms.max(10));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        catch_up(&app).await;
+    }
+}
+
+async fn listen_loop(app: Arc<App>) {
+    loop {
+        let mut listener = match app.store.engine_listener().await {
+            Ok(Some(l)) => l,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot LISTEN for engine changes; retrying");
+                app.behind.store(true, Ordering::Release);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        // Whatever happened before listening started is read from the row.
+        catch_up(&app).await;
+        loop {
+            match tokio::time::timeout(SAFETY_CHECK, listener.try_recv()).await {
+                // A notification, or the periodic check.
+                Ok(Ok(Some(_))) | Err(_) => catch_up(&app).await,
+                // The connection dropped (notifications may be lost); the
+                // next try_recv reconnects.
+                Ok(Ok(None)) => catch_up(&app).await,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "engine change listener failed; reconnecting");
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
