@@ -676,6 +676,10 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
 
 async fn reload_connectors(app: &App) -> ApiResult {
     let n = app.connectors.reload(&app.store).await?;
+    // The other replicas reload theirs (and their engines) too.
+    if let Err(e) = app.store.bump_engine_generation().await {
+        tracing::warn!(error = %e, "could not tell other replicas about the connector reload");
+    }
     api::ok(&json!({"connectors": n}))
 }
 
@@ -685,6 +689,10 @@ async fn reload_connectors(app: &App) -> ApiResult {
 async fn connectors_changed(app: &App) {
     if let Err(e) = app.connectors.reload(&app.store).await {
         tracing::warn!(error = %e, "connector reload after a change failed");
+    }
+    // Other replicas reload their registries when the generation moves.
+    if let Err(e) = app.store.bump_engine_generation().await {
+        tracing::warn!(error = %e, "could not tell other replicas about the connector change");
     }
 }
 

@@ -128,6 +128,10 @@ pub struct Queue {
     pub dlq_max_retries: u32,
     pub dlq_poll_interval_secs: u64,
     pub trace_retention_hours: u64,
+    /// How long a claimed async trace belongs to its replica before another
+    /// may reclaim it (a replica that died mid-run). Never shorter than the
+    /// longest channel timeout plus 5 s, so a live run is never run twice.
+    pub lease_secs: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -237,6 +241,7 @@ impl Default for Config {
                 dlq_max_retries: 5,
                 dlq_poll_interval_secs: 30,
                 trace_retention_hours: 72,
+                lease_secs: 300,
             },
             kafka: Kafka {
                 enabled: false,

@@ -30,8 +30,6 @@ use tokio::task::{AbortHandle, JoinHandle};
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 /// How often traces past `queue.trace_retention_hours` are deleted.
 pub const RETENTION_INTERVAL: Duration = Duration::from_secs(3600);
-/// The shortest lease of a run; see `lease`.
-pub const MIN_LEASE: Duration = Duration::from_secs(300);
 /// Dead letters moved back to pending per storage round trip.
 const REQUEUE_BATCH: i64 = 100;
 
@@ -198,8 +196,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The lease of one run: longer than any channel's timeout (a run ends by its
-/// timeout well before the lease does), and at least `MIN_LEASE`.
+/// The lease of one run: `queue.lease_secs`, but always longer than any
+/// channel's timeout (a run ends by its timeout before its lease does, so a
+/// live run is never reclaimed and run twice).
 fn lease(app: &App) -> Duration {
     let longest = app
         .engine
@@ -209,7 +208,7 @@ fn lease(app: &App) -> Duration {
         .map(|c| c.timeout)
         .max()
         .unwrap_or_default();
-    (longest + Duration::from_secs(60)).max(MIN_LEASE)
+    Duration::from_secs(app.config.queue.lease_secs).max(longest + Duration::from_secs(5))
 }
 
 fn error_item(code: &str, task_id: &str, message: &str) -> Json {

@@ -2,8 +2,9 @@
 //!
 //! Every admin change moves the stored engine generation on
 //! ([`crate::app::App::changed`]). Each replica compares it with the
-//! generation it serves and, when storage is ahead, rebuilds its snapshot
-//! from storage (the start-up reload path) and stores it once:
+//! generation it serves and, when storage is ahead, reloads its connector
+//! registry and rebuilds its snapshot from storage (the start-up reload
+//! path), storing it once. Connector changes move the generation on too.
 //! - **PostgreSQL:** `LISTEN sluice_engine`; the bump's `NOTIFY` wakes every
 //!   replica at once. After a lost connection (notifications sent meanwhile
 //!   are lost) and every [`SAFETY_CHECK`] it checks the row anyway, so a
@@ -57,6 +58,11 @@ pub async fn catch_up(app: &App) {
     match app.store.engine_generation().await {
         Ok(stored) if stored.max(1) as u64 > app.generation() => {
             app.behind.store(true, Ordering::Release);
+            // Connectors first (unchanged ones keep their clients), then the
+            // engine whose workflows call them.
+            if let Err(e) = app.connectors.reload(&app.store).await {
+                tracing::warn!(error = %e, "could not reload the connectors while catching up");
+            }
             match app.reload(None).await {
                 Ok(r) => {
                     tracing::info!(
