@@ -12,7 +12,14 @@ use bumpalo::Bump;
 use std::fmt::Write as _;
 
 /// A JSON value borrowed for `'a` (the arena or a longer-lived owner).
+///
+/// `repr(C, u8)` puts every payload at offset 8 (a `bool` included), so a
+/// value whose variant is not known statically is copied as the tag plus two
+/// aligned words; with the default layout the `bool` sits at offset 1 and
+/// such copies become misaligned 1..24 byte moves that stall store
+/// forwarding. The tag keeps its niche: `Option<Value>` is still 24 bytes.
 #[derive(Clone, Copy, Debug, Default)]
+#[repr(C, u8)]
 pub enum Value<'a> {
     #[default]
     Null,
@@ -320,6 +327,12 @@ fn write_str(s: &str, out: &mut Vec<u8>) {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn value_stays_three_words() {
+        assert_eq!(size_of::<Value>(), 24);
+        assert_eq!(size_of::<Option<Value>>(), 24);
+    }
 
     #[test]
     fn round_trips_through_serde_json() {

@@ -275,6 +275,69 @@ pub(crate) enum Node {
         needle: NodeId,
         set: Box<[Box<str>]>,
     },
+    /// `map`, `filter`, `reduce`, `all`, `some` or `none`, with its body
+    /// classified at compile time.
+    Iter(Box<Iter>),
+}
+
+/// An iterator operation.
+#[derive(Debug)]
+pub(crate) struct Iter {
+    pub(crate) op: Op,
+    pub(crate) coll: NodeId,
+    pub(crate) body: NodeId,
+    /// `reduce`'s initial accumulator.
+    pub(crate) init: Option<NodeId>,
+    pub(crate) shape: Body,
+}
+
+/// How an iterator body uses its element, decided at compile time so the
+/// per-element loop needs neither a scope nor a node dispatch when it can.
+#[derive(Debug)]
+pub(crate) enum Body {
+    /// A read of the element (in `reduce`: of `current` / `accumulator`) or
+    /// a scalar constant.
+    One(Operand),
+    /// A two-argument arithmetic or comparison operator over two such reads.
+    Two(Op, Operand, Operand),
+    /// Any other two-argument operator: called directly per element with a
+    /// scope, skipping the node dispatch. `start` indexes its argument list.
+    Call { op: Op, start: u32 },
+    /// Anything else: evaluated per element in a scope.
+    General,
+}
+
+/// An operand of a [`Body`].
+#[derive(Debug)]
+pub(crate) enum Operand {
+    /// A path into the element (`reduce`: into `current`).
+    Item(Box<[Segment]>),
+    /// A path into `reduce`'s accumulator.
+    Acc(Box<[Segment]>),
+    Const(Scalar),
+}
+
+/// A scalar constant.
+#[derive(Debug)]
+pub(crate) enum Scalar {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(Box<str>),
+}
+
+impl Scalar {
+    #[inline(always)]
+    pub(crate) fn value(&self) -> Value<'_> {
+        match self {
+            Scalar::Null => Value::Null,
+            Scalar::Bool(b) => Value::Bool(*b),
+            Scalar::Int(i) => Value::Int(*i),
+            Scalar::Float(f) => Value::Float(*f),
+            Scalar::Str(s) => Value::Str(s),
+        }
+    }
 }
 
 /// What a `var` path's first segment names in a `reduce` frame
