@@ -5,7 +5,7 @@
 //! `#` escapes a numeric-looking key). Reads and writes walk the pre-split
 //! segments; nothing on the execution path splits a string.
 
-use crate::value::Value;
+use crate::value::{Value, key_eq};
 use bumpalo::Bump;
 use smallvec::SmallVec;
 use std::fmt;
@@ -154,7 +154,7 @@ impl fmt::Display for Path {
 pub fn get_segments<'a>(mut current: Value<'a>, segments: &[Segment]) -> Option<Value<'a>> {
     for seg in segments {
         current = match current {
-            Value::Object(members) => members.iter().find(|(k, _)| **k == *seg.key)?.1,
+            Value::Object(members) => members.iter().find(|(k, _)| key_eq(k, &seg.key))?.1,
             Value::Array(items) => *items.get(seg.index?)?,
             _ => return None,
         };
@@ -195,7 +195,7 @@ fn set_segments<'a>(
             Ok(Value::Array(out))
         }
         Value::Object(members) => {
-            let pos = members.iter().position(|(k, _)| **k == *seg.key);
+            let pos = members.iter().position(|(k, _)| key_eq(k, &seg.key));
             let child = pos.map_or(Value::Null, |p| members[p].1);
             let new_child = set_segments(child, rest, value, arena, path, depth + 1)?;
             let out = match pos {

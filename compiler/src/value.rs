@@ -34,6 +34,31 @@ pub enum Value<'a> {
     Object(&'a [(&'a str, Value<'a>)]),
 }
 
+/// Object-key equality without a call to `memcmp`: keys are short, and for
+/// them the call costs more than the comparison. Lengths first, then at most
+/// two (overlapping) word loads per side; keys over 16 bytes use `==`.
+#[inline(always)]
+pub fn key_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    if n >= 8 {
+        if n > 16 {
+            return a == b;
+        }
+        let w = |s: &[u8], i: usize| u64::from_ne_bytes(s[i..i + 8].try_into().unwrap_or([0; 8]));
+        return w(a, 0) == w(b, 0) && w(a, n - 8) == w(b, n - 8);
+    }
+    if n >= 4 {
+        let w = |s: &[u8], i: usize| u32::from_ne_bytes(s[i..i + 4].try_into().unwrap_or([0; 4]));
+        return w(a, 0) == w(b, 0) && w(a, n - 4) == w(b, n - 4);
+    }
+    // 0..=3 bytes: the first, middle and last byte cover them all.
+    n == 0 || (a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1])
+}
+
 /// The JSON type name used in messages (`expected string, got number`).
 pub fn type_name(v: &Value<'_>) -> &'static str {
     match v {
@@ -87,7 +112,10 @@ impl<'a> Value<'a> {
     #[inline]
     pub fn get(&self, key: &str) -> Option<Value<'a>> {
         match *self {
-            Value::Object(members) => members.iter().find(|(k, _)| *k == key).map(|(_, v)| *v),
+            Value::Object(members) => members
+                .iter()
+                .find(|(k, _)| key_eq(k, key))
+                .map(|(_, v)| *v),
             _ => None,
         }
     }
@@ -327,6 +355,21 @@ fn write_str(s: &str, out: &mut Vec<u8>) {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn key_eq_matches_str_eq() {
+        let keys = [
+            "", "a", "b", "ab", "ba", "abc", "abd", "xbc", "abcd", "abce", "abcde", "abcdf",
+            "bbcde", "abcdefg", "abcdefh", "abcdefgh", "abcdefgi", "bbcdefgh", "abcdefghi",
+            "abcdefghijklmnop", "abcdefghijklmnoq", "abcdefghijklmnopq", "abcdefghijklmnopr",
+            "é", "ée",
+        ];
+        for a in keys {
+            for b in keys {
+                assert_eq!(key_eq(a, b), a == b, "{a:?} vs {b:?}");
+            }
+        }
+    }
 
     #[test]
     fn value_stays_three_words() {

@@ -9,7 +9,7 @@ use super::{
     Body, EvalError, Iter, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Operand, Program, Slot,
 };
 use crate::path::Segment;
-use crate::value::Value;
+use crate::value::{Value, key_eq};
 use bumpalo::Bump;
 use bumpalo::collections::{String as BString, Vec as BVec};
 use std::cell::Cell;
@@ -214,16 +214,9 @@ impl<'a> Scope<'_, 'a> {
     }
 }
 
-/// Key equality with a cheap first-byte reject before the (out-of-line)
-/// byte comparison: object keys of equal length rarely share a first byte.
+/// `path::get_segments`, inlined here.
 #[inline(always)]
-fn key_eq(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.as_bytes().first() == b.as_bytes().first() && a == b
-}
-
-/// `path::get_segments` with [`key_eq`].
-#[inline]
-fn get_path<'a>(mut current: Value<'a>, segments: &[Segment]) -> Option<Value<'a>> {
+pub(super) fn get_path<'a>(mut current: Value<'a>, segments: &[Segment]) -> Option<Value<'a>> {
     for seg in segments {
         current = match current {
             Value::Object(members) => members.iter().find(|(k, _)| key_eq(k, &seg.key))?.1,

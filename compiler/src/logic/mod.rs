@@ -63,12 +63,20 @@ impl Logic {
         data: Value<'a>,
         arena: &'a Bump,
     ) -> Result<Value<'a>, EvalError<'a>> {
-        // A rule that folded to a scalar needs no evaluator state at all.
+        // A rule that folded to a constant, or that is one plain `var`, needs
+        // no evaluator state at all.
         match &self.prog.nodes[self.root as usize] {
+            Node::Var {
+                level: 0,
+                path,
+                default: None,
+                ..
+            } => Ok(eval::get_path(data, path).unwrap_or(Value::Null)),
             Node::Bool(b) => Ok(Value::Bool(*b)),
             Node::Str(s) => Ok(Value::Str(s)),
             Node::Null => Ok(Value::Null),
             Node::Int(i) => Ok(Value::Int(*i)),
+            Node::Float(f) => Ok(Value::Float(*f)),
             Node::Json(i) => Ok(self.prog.consts[*i as usize].value()),
             _ => {
                 let error = std::cell::Cell::new(None);
