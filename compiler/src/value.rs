@@ -319,42 +319,122 @@ pub fn format_number(f: f64, out: &mut String) {
     }
 }
 
+/// Flags (bit 7 of each byte) the bytes of `w` that must be escaped in a
+/// JSON string: control bytes (< 0x20), `"` and `\`; bytes ≥ 0x80 (UTF-8)
+/// never match. The lowest flag is exact (borrows only run upwards, so a
+/// spurious flag can only sit above a real one), which is all we use.
+#[inline(always)]
+fn escape_mask(w: u64) -> u64 {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let below = |x: u64, n: u64| x.wrapping_sub(ONES * n) & !x & HIGH;
+    below(w, 0x20) | below(w ^ (ONES * b'"' as u64), 1) | below(w ^ (ONES * b'\\' as u64), 1)
+}
+
+/// The bytes of `b` (fewer than eight) as a little-endian word padded with
+/// spaces, from at most two overlapping loads (no byte loop, no `memcpy`).
+#[inline(always)]
+fn load_partial(b: &[u8]) -> u64 {
+    const SPACES: u64 = u64::from_le_bytes([b' '; 8]);
+    let n = b.len();
+    let w = if n >= 4 {
+        let lo = u32::from_le_bytes(b[..4].try_into().unwrap_or_default());
+        let hi = u32::from_le_bytes(b[n - 4..].try_into().unwrap_or_default());
+        u64::from(lo) | (u64::from(hi) << (8 * (n - 4)))
+    } else if n >= 2 {
+        let lo = u16::from_le_bytes(b[..2].try_into().unwrap_or_default());
+        let hi = u16::from_le_bytes(b[n - 2..].try_into().unwrap_or_default());
+        u64::from(lo) | (u64::from(hi) << (8 * (n - 2)))
+    } else if n == 1 {
+        u64::from(b[0])
+    } else {
+        0
+    };
+    w | SPACES.checked_shl(8 * n as u32).unwrap_or(0)
+}
+
+/// Writes `s` as a JSON string, eight bytes at a time: each step loads a
+/// word (the tail padded with spaces), appends all eight bytes (a fixed-size
+/// store, no `memcpy` call) and trims what does not belong: the padding, or
+/// everything from the first byte that needs an escape, which is written
+/// next.
 fn write_str(s: &str, out: &mut Vec<u8>) {
-    out.push(b'"');
     let bytes = s.as_bytes();
-    let mut start = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        let escape: &[u8] = match b {
-            b'"' => b"\\\"",
-            b'\\' => b"\\\\",
-            b'\n' => b"\\n",
-            b'\r' => b"\\r",
-            b'\t' => b"\\t",
-            0x08 => b"\\b",
-            0x0c => b"\\f",
-            0x00..=0x1f => {
-                out.extend_from_slice(&bytes[start..i]);
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                out.extend_from_slice(b"\\u00");
-                out.push(HEX[(b >> 4) as usize]);
-                out.push(HEX[(b & 0xf) as usize]);
-                start = i + 1;
-                continue;
-            }
-            _ => continue,
-        };
-        out.extend_from_slice(&bytes[start..i]);
-        out.extend_from_slice(escape);
-        start = i + 1;
-    }
-    out.extend_from_slice(&bytes[start..]);
+    out.reserve(bytes.len() + 10);
     out.push(b'"');
+    let mut i = 0;
+    while i < bytes.len() {
+        let (w, n) = match bytes.get(i..i + 8) {
+            Some(chunk) => (u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8])), 8),
+            None => (load_partial(&bytes[i..]), bytes.len() - i),
+        };
+        let mask = escape_mask(w);
+        // Bytes of this word that are copied as they are.
+        let keep = if mask == 0 {
+            n
+        } else {
+            (mask.trailing_zeros() / 8) as usize
+        };
+        let len = out.len();
+        out.extend_from_slice(&w.to_le_bytes());
+        out.truncate(len + keep);
+        if keep < n {
+            write_escape(bytes[i + keep], out);
+            i += keep + 1;
+        } else {
+            i += n;
+        }
+    }
+    out.push(b'"');
+}
+
+#[cold]
+fn write_escape(b: u8, out: &mut Vec<u8>) {
+    let short: &[u8] = match b {
+        b'"' => b"\\\"",
+        b'\\' => b"\\\\",
+        b'\n' => b"\\n",
+        b'\r' => b"\\r",
+        b'\t' => b"\\t",
+        0x08 => b"\\b",
+        0x0c => b"\\f",
+        _ => {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            out.extend_from_slice(&[
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                HEX[(b >> 4) as usize],
+                HEX[(b & 0xf) as usize],
+            ]);
+            return;
+        }
+    };
+    out.extend_from_slice(short);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn strings_are_escaped_in_every_position() {
+        // Each special byte at every offset of a string longer than one
+        // eight-byte chunk, against serde_json's escaping.
+        for special in ['"', '\\', '\n', '\r', '\t', '\u{8}', '\u{c}', '\u{0}', '\u{1f}', 'é', '\u{7f}'] {
+            for at in 0..20 {
+                let mut text: String = "abcdefghijklmnopqrs".into();
+                text.insert(at, special);
+                let mut out = Vec::new();
+                Value::Str(&text).write_json(&mut out);
+                let back: String = serde_json::from_slice(&out).unwrap();
+                assert_eq!(back, text);
+                assert_eq!(out, serde_json::to_vec(&text).unwrap(), "{text:?}");
+            }
+        }
+    }
 
     #[test]
     fn key_eq_matches_str_eq() {
