@@ -437,6 +437,9 @@ impl<'a> Ev<'a, '_> {
     /// The current frame, read in place (`exists`, `missing`).
     #[inline]
     fn lookup_scope(&self, scope: &Scope<'_, 'a>, path: &[Segment]) -> Option<Value<'a>> {
+        if !scope.reduce {
+            return get_path(scope.data, path);
+        }
         let slot = match path.first() {
             Some(first) => slot_of(&first.key),
             None => Slot::Whole,
@@ -1171,24 +1174,35 @@ impl<'a> Ev<'a, '_> {
         scope: &Scope<'_, 'a>,
     ) -> R<'a> {
         let need = match need {
-            Some(id) => Some(to_number(&self.eval(id, scope)?).unwrap_or(0.0)),
+            Some(id) => Some(to_number(&self.operand(id, scope)?).unwrap_or(0.0)),
             None => None,
         };
-        let mut out = BVec::new_in(self.arena);
-        for key in keys {
+        let mut out = None;
+        for (i, key) in keys.iter().enumerate() {
             if Self::is_missing(self.lookup_scope(scope, &key.path)) {
-                out.push(Value::Str(&key.text));
+                self.push_missing(&mut out, keys.len() - i, Value::Str(&key.text));
             }
         }
         Ok(self.missing_result(out, keys.len(), need))
     }
 
+    /// Collects a missing key; the list is allocated on the first one, sized
+    /// for the `left` keys still to check.
+    #[inline]
+    fn push_missing(&self, out: &mut Option<BVec<'a, Value<'a>>>, left: usize, key: Value<'a>) {
+        out.get_or_insert_with(|| BVec::with_capacity_in(left, self.arena))
+            .push(key);
+    }
+
     fn missing_result(
         &self,
-        missing: BVec<'a, Value<'a>>,
+        missing: Option<BVec<'a, Value<'a>>>,
         total: usize,
         need: Option<f64>,
     ) -> Value<'a> {
+        let Some(missing) = missing else {
+            return Value::EMPTY_ARRAY;
+        };
         if let Some(need) = need
             && (total - missing.len()) as f64 >= need
         {
@@ -1219,14 +1233,14 @@ impl<'a> Ev<'a, '_> {
             }
         };
         let cursor = Cursor::Frame(scope.frame());
-        let mut out = BVec::new_in(self.arena);
-        for key in keys {
+        let mut out = None;
+        for (i, key) in keys.iter().enumerate() {
             let found = match key {
                 Value::Null => Some(whole(cursor, self.arena)),
                 k => walk_dotted(cursor, key_text(*k, self.arena), self.arena),
             };
             if Self::is_missing(found) {
-                out.push(*key);
+                self.push_missing(&mut out, keys.len() - i, *key);
             }
         }
         Ok(self.missing_result(out, keys.len(), need))

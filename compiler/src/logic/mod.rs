@@ -57,27 +57,40 @@ pub fn compile(rule: &serde_json::Value) -> Result<Logic, CompileError> {
 impl Logic {
     /// Evaluates the rule against `data`. The result borrows from `self`
     /// (string constants) and from `arena` (anything computed).
-    #[inline]
+    ///
+    /// Small on purpose: a rule that folded to a constant is answered here,
+    /// inlined into the caller; everything else goes to [`Self::eval_rule`].
+    #[inline(always)]
     pub fn eval<'a>(
         &'a self,
         data: Value<'a>,
         arena: &'a Bump,
     ) -> Result<Value<'a>, EvalError<'a>> {
-        // A rule that folded to a constant, or that is one plain `var`, needs
-        // no evaluator state at all.
         match &self.prog.nodes[self.root as usize] {
-            Node::Var {
-                level: 0,
-                path,
-                default: None,
-                ..
-            } => Ok(eval::get_path(data, path).unwrap_or(Value::Null)),
             Node::Bool(b) => Ok(Value::Bool(*b)),
             Node::Str(s) => Ok(Value::Str(s)),
             Node::Null => Ok(Value::Null),
             Node::Int(i) => Ok(Value::Int(*i)),
             Node::Float(f) => Ok(Value::Float(*f)),
             Node::Json(i) => Ok(self.prog.consts[*i as usize].value()),
+            _ => self.eval_rule(data, arena),
+        }
+    }
+
+    #[inline(never)]
+    fn eval_rule<'a>(
+        &'a self,
+        data: Value<'a>,
+        arena: &'a Bump,
+    ) -> Result<Value<'a>, EvalError<'a>> {
+        match &self.prog.nodes[self.root as usize] {
+            // One plain `var` needs no evaluator state at all.
+            Node::Var {
+                level: 0,
+                path,
+                default: None,
+                ..
+            } => Ok(eval::get_path(data, path).unwrap_or(Value::Null)),
             _ => {
                 let error = std::cell::Cell::new(None);
                 match eval::run_raw(&self.prog, self.root, data, arena, &error) {
