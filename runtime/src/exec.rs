@@ -417,14 +417,14 @@ impl<'a> Machine<'a> {
 
     fn write(
         &mut self,
-        target: &WritePath,
+        target: &'a WritePath,
         value: Value<'a>,
         arena: &'a Bump,
     ) -> Result<(), TaskError> {
         let area = self.ctx.area_mut(target.area);
         *area = target
             .path
-            .set(*area, value, arena)
+            .set_borrowed(*area, value, arena)
             .map_err(|e| TaskError::task(format!("cannot write '{}': {e}", target.text)))?;
         self.root = None;
         Ok(())
