@@ -25,10 +25,18 @@ pub(super) fn compile(rule: &Json) -> Result<Logic, CompileError> {
     c.prog.nodes.shrink_to_fit();
     c.prog.args.shrink_to_fit();
     c.prog.consts.shrink_to_fit();
+    let scalar = match c.prog.nodes[root as usize] {
+        Node::Null => Some(Value::Null),
+        Node::Bool(b) => Some(Value::Bool(b)),
+        Node::Int(i) => Some(Value::Int(i)),
+        Node::Float(f) => Some(Value::Float(f)),
+        _ => None,
+    };
     Ok(Logic {
         prog: c.prog,
         root,
         constant,
+        scalar,
     })
 }
 

@@ -47,6 +47,11 @@ pub struct Logic {
     root: NodeId,
     /// The whole rule's value when it folded to a constant.
     constant: Option<serde_json::Value>,
+    /// The same, prebuilt, when it is a scalar other than a string: returned
+    /// by a plain copy of the whole value (constructing it from the node
+    /// would store the tag and a narrow payload separately, and the caller's
+    /// copy of the value would then stall on store forwarding).
+    scalar: Option<Value<'static>>,
 }
 
 /// Compiles a JSONLogic rule.
@@ -66,12 +71,11 @@ impl Logic {
         data: Value<'a>,
         arena: &'a Bump,
     ) -> Result<Value<'a>, EvalError<'a>> {
+        if let Some(v) = self.scalar {
+            return Ok(v);
+        }
         match &self.prog.nodes[self.root as usize] {
-            Node::Bool(b) => Ok(Value::Bool(*b)),
             Node::Str(s) => Ok(Value::Str(s)),
-            Node::Null => Ok(Value::Null),
-            Node::Int(i) => Ok(Value::Int(*i)),
-            Node::Float(f) => Ok(Value::Float(*f)),
             Node::Json(i) => Ok(self.prog.consts[*i as usize].value()),
             _ => self.eval_rule(data, arena),
         }
