@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 mod common;
 
 struct Case {
+    rule: String,
     ours: logic::Logic,
     theirs: datalogic_rs::Logic,
     data: String,
@@ -40,7 +41,12 @@ fn suite_cases(engine: &Engine) -> Vec<Case> {
             let ours_data: serde_json::Value = serde_json::from_str(&data).ok()?;
             ours.eval(Value::from_json(&ours_data, &arena), &arena)
                 .ok()?;
-            Some(Case { ours, theirs, data })
+            Some(Case {
+                rule: rule.to_string(),
+                ours,
+                theirs,
+                data,
+            })
         })
         .collect()
 }
@@ -77,6 +83,7 @@ fn reference_cases(engine: &Engine) -> Vec<Case> {
     rules
         .iter()
         .map(|rule| Case {
+            rule: rule.to_string(),
             ours: logic::compile(rule).expect("reference rule compiles"),
             theirs: engine
                 .compile(rule)
@@ -109,6 +116,7 @@ fn prepare<'a>(
     }
 }
 
+#[inline(never)]
 fn run_ours(p: &Prepared<'_>, arena: &mut Bump) {
     for (logic, data) in &p.ours {
         black_box(logic.eval(*data, arena).ok());
@@ -116,6 +124,7 @@ fn run_ours(p: &Prepared<'_>, arena: &mut Bump) {
     arena.reset();
 }
 
+#[inline(never)]
 fn run_theirs(engine: &Engine, p: &Prepared<'_>, arena: &mut Bump) {
     for (logic, data) in &p.theirs {
         black_box(engine.evaluate(logic, data, arena).ok());
@@ -142,11 +151,99 @@ fn ratio(engine: &Engine, p: &Prepared<'_>) -> f64 {
     ours.as_secs_f64() / theirs.as_secs_f64()
 }
 
+/// Profiling aid: `SLUICE_BENCH_PROFILE=<ours|theirs>:<suite|reference>:<passes>`
+/// runs only that engine over that set (for `valgrind --tool=callgrind`);
+/// `SLUICE_BENCH_CASES=<suite|reference>` prints each expression's time
+/// ratio, worst first.
+fn profile(engine: &Engine, spec: &str) {
+    let mut parts = spec.split(':');
+    let (who, set, passes) = (
+        parts.next().unwrap_or("ours"),
+        parts.next().unwrap_or("suite"),
+        parts.next().and_then(|p| p.parse().ok()).unwrap_or(1000),
+    );
+    let mut cases = if set == "reference" {
+        reference_cases(engine)
+    } else {
+        suite_cases(engine)
+    };
+    // An optional fourth field picks one expression by index.
+    if let Some(i) = parts.next().and_then(|p| p.parse::<usize>().ok()) {
+        cases = vec![cases.swap_remove(i)];
+    }
+    let owned: Vec<serde_json::Value> = cases
+        .iter()
+        .map(|c| serde_json::from_str(&c.data).unwrap())
+        .collect();
+    let data_arena = Bump::new();
+    let prepared = prepare(&cases, &data_arena, &owned);
+    let mut arena = Bump::with_capacity(1 << 16);
+    for _ in 0..passes {
+        if who == "theirs" {
+            run_theirs(engine, &prepared, &mut arena);
+        } else {
+            run_ours(&prepared, &mut arena);
+        }
+    }
+}
+
+fn per_case(engine: &Engine, set: &str) {
+    let cases = if set == "reference" {
+        reference_cases(engine)
+    } else {
+        suite_cases(engine)
+    };
+    let owned: Vec<serde_json::Value> = cases
+        .iter()
+        .map(|c| serde_json::from_str(&c.data).unwrap())
+        .collect();
+    let data_arena = Bump::new();
+    let p = prepare(&cases, &data_arena, &owned);
+    let mut arena = Bump::with_capacity(1 << 16);
+    let mut rows = Vec::new();
+    for i in 0..cases.len() {
+        let (mut ours, mut theirs) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..5 {
+            let t = Instant::now();
+            for _ in 0..2000 {
+                black_box(p.ours[i].0.eval(p.ours[i].1, &arena).ok());
+            }
+            ours += t.elapsed();
+            arena.reset();
+            let t = Instant::now();
+            for _ in 0..2000 {
+                black_box(engine.evaluate(p.theirs[i].0, &p.theirs[i].1, &arena).ok());
+            }
+            theirs += t.elapsed();
+            arena.reset();
+        }
+        rows.push((ours, theirs, i));
+    }
+    rows.sort_by(|a, b| (b.0.as_secs_f64() - b.1.as_secs_f64()).total_cmp(&(a.0.as_secs_f64() - a.1.as_secs_f64())));
+    for (ours, theirs, i) in rows {
+        println!(
+            "{:7.1}ns {:7.1}ns {:5.2}  {}",
+            ours.as_secs_f64() * 1e9 / 10_000.0,
+            theirs.as_secs_f64() * 1e9 / 10_000.0,
+            ours.as_secs_f64() / theirs.as_secs_f64(),
+            cases[i].rule
+        );
+    }
+}
+
 fn main() {
     // `cargo bench` passes --bench; under `cargo test` this binary only
     // checks that every benchmark runs once (criterion's test mode).
     let full = std::env::args().any(|a| a == "--bench");
     let engine = Engine::new();
+    if let Ok(spec) = std::env::var("SLUICE_BENCH_PROFILE") {
+        profile(&engine, &spec);
+        return;
+    }
+    if let Ok(set) = std::env::var("SLUICE_BENCH_CASES") {
+        per_case(&engine, &set);
+        return;
+    }
     let mut c = Criterion::default().configure_from_args();
     let mut ratios = Vec::new();
     for (name, cases) in [

@@ -46,6 +46,7 @@ const HEADERS: &[(&str, &str)] = &[
 ];
 const PATH: &[(&str, &str)] = &[("order_id", "ord-7f3a9c")];
 
+#[inline(never)]
 fn run_once(
     plan: &Plan,
     body: &[u8],
@@ -106,6 +107,18 @@ fn main() {
     let options = Options::default();
 
     check_expected(&run_once(&plan, &body, &services, &scope, &options));
+
+    // Profiling aid (`valgrind --tool=callgrind --toggle-collect=reference::run_once`):
+    // `SLUICE_BENCH_PROFILE=<n>` runs n executions and exits.
+    if let Some(n) = std::env::var("SLUICE_BENCH_PROFILE")
+        .ok()
+        .and_then(|n| n.parse::<u64>().ok())
+    {
+        for _ in 0..n {
+            black_box(run_once(&plan, &body, &services, &scope, &options));
+        }
+        return;
+    }
 
     // Allocations per execution, measured after warm-up (thread-local parser
     // buffers are reused from the second request on).

@@ -5,7 +5,7 @@
 //! `#` escapes a numeric-looking key). Reads and writes walk the pre-split
 //! segments; nothing on the execution path splits a string.
 
-use crate::value::Value;
+use crate::value::{Value, key_eq};
 use bumpalo::Bump;
 use smallvec::SmallVec;
 use std::fmt;
@@ -82,13 +82,27 @@ impl Path {
 
     /// Returns `root` with `value` written at this path, creating intermediate
     /// objects and arrays. The original tree is untouched (persistent update).
+    /// New keys are copied into the arena.
     pub fn set<'a>(
         &self,
         root: Value<'a>,
         value: Value<'a>,
         arena: &'a Bump,
     ) -> Result<Value<'a>, PathError> {
-        set_segments(root, &self.segments, value, arena, self, 0)
+        set_segments(root, &self.segments, value, arena, self, 0, |k| {
+            &*arena.alloc_str(k)
+        })
+    }
+
+    /// [`Path::set`] for a path that outlives the arena (a compiled plan's):
+    /// new keys borrow from the path instead of being copied.
+    pub fn set_borrowed<'a>(
+        &'a self,
+        root: Value<'a>,
+        value: Value<'a>,
+        arena: &'a Bump,
+    ) -> Result<Value<'a>, PathError> {
+        set_segments(root, &self.segments, value, arena, self, 0, |k| k)
     }
 
     fn prefix_string(&self, depth: usize) -> String {
@@ -154,7 +168,7 @@ impl fmt::Display for Path {
 pub fn get_segments<'a>(mut current: Value<'a>, segments: &[Segment]) -> Option<Value<'a>> {
     for seg in segments {
         current = match current {
-            Value::Object(members) => members.iter().find(|(k, _)| **k == *seg.key)?.1,
+            Value::Object(members) => members.iter().find(|(k, _)| key_eq(k, &seg.key))?.1,
             Value::Array(items) => *items.get(seg.index?)?,
             _ => return None,
         };
@@ -162,13 +176,17 @@ pub fn get_segments<'a>(mut current: Value<'a>, segments: &[Segment]) -> Option<
     Some(current)
 }
 
-fn set_segments<'a>(
+/// The persistent write. Containers along the path are copied (one `memcpy`
+/// plus the changed slot); `key` turns a segment's key into a key of the
+/// written tree.
+fn set_segments<'a, 's>(
     current: Value<'a>,
-    segments: &[Segment],
+    segments: &'s [Segment],
     value: Value<'a>,
     arena: &'a Bump,
     path: &Path,
     depth: usize,
+    key: impl Fn(&'s str) -> &'a str + Copy,
 ) -> Result<Value<'a>, PathError> {
     let Some((seg, rest)) = segments.split_first() else {
         return Ok(value);
@@ -183,9 +201,13 @@ fn set_segments<'a>(
             };
             check_index(index, path, depth)?;
             let child = items.get(index).copied().unwrap_or(Value::Null);
-            let new_child = set_segments(child, rest, value, arena, path, depth + 1)?;
-            let len = items.len().max(index + 1);
-            let out = arena.alloc_slice_fill_with(len, |i| {
+            let new_child = set_segments(child, rest, value, arena, path, depth + 1, key)?;
+            if index < items.len() {
+                let out = arena.alloc_slice_copy(items);
+                out[index] = new_child;
+                return Ok(Value::Array(out));
+            }
+            let out = arena.alloc_slice_fill_with(index + 1, |i| {
                 if i == index {
                     new_child
                 } else {
@@ -195,26 +217,21 @@ fn set_segments<'a>(
             Ok(Value::Array(out))
         }
         Value::Object(members) => {
-            let pos = members.iter().position(|(k, _)| **k == *seg.key);
+            let pos = members.iter().position(|(k, _)| key_eq(k, &seg.key));
             let child = pos.map_or(Value::Null, |p| members[p].1);
-            let new_child = set_segments(child, rest, value, arena, path, depth + 1)?;
+            let new_child = set_segments(child, rest, value, arena, path, depth + 1, key)?;
             let out = match pos {
-                Some(p) => arena.alloc_slice_fill_with(members.len(), |i| {
-                    if i == p {
-                        (members[i].0, new_child)
-                    } else {
-                        members[i]
-                    }
-                }),
+                Some(p) => {
+                    let out = arena.alloc_slice_copy(members);
+                    out[p].1 = new_child;
+                    &*out
+                }
                 None => {
-                    let key: &'a str = arena.alloc_str(&seg.key);
-                    arena.alloc_slice_fill_with(members.len() + 1, |i| {
-                        if i < members.len() {
-                            members[i]
-                        } else {
-                            (key, new_child)
-                        }
-                    })
+                    let mut out =
+                        bumpalo::collections::Vec::with_capacity_in(members.len() + 1, arena);
+                    out.extend_from_slice(members);
+                    out.push((key(&seg.key), new_child));
+                    out.into_bump_slice()
                 }
             };
             Ok(Value::Object(out))
@@ -224,16 +241,19 @@ fn set_segments<'a>(
         _ => match seg.index {
             Some(index) => {
                 check_index(index, path, depth)?;
-                let new_child = set_segments(Value::Null, rest, value, arena, path, depth + 1)?;
+                let new_child =
+                    set_segments(Value::Null, rest, value, arena, path, depth + 1, key)?;
                 let out = arena.alloc_slice_fill_with(index + 1, |i| {
                     if i == index { new_child } else { Value::Null }
                 });
                 Ok(Value::Array(out))
             }
             None => {
-                let new_child = set_segments(Value::Null, rest, value, arena, path, depth + 1)?;
-                let key: &'a str = arena.alloc_str(&seg.key);
-                Ok(Value::Object(arena.alloc_slice_copy(&[(key, new_child)])))
+                let new_child =
+                    set_segments(Value::Null, rest, value, arena, path, depth + 1, key)?;
+                Ok(Value::Object(
+                    arena.alloc_slice_copy(&[(key(&seg.key), new_child)]),
+                ))
             }
         },
     }

@@ -373,9 +373,12 @@ struct Machine<'a> {
     status: Option<Status>,
     record_tasks: bool,
     tasks: Vec<TaskRecord>,
-    /// The connector task waiting for its I/O, and when it started.
-    pending: Option<(&'a Task, Instant)>,
+    /// The connector task waiting for its I/O, and when it started (only
+    /// timed when tasks are recorded).
+    pending: Option<(&'a Task, Option<Instant>)>,
     task_started: Option<Instant>,
+    /// Steps run since the deadline was last checked.
+    steps_unchecked: u32,
     skip_connectors: bool,
     deadline: Option<Instant>,
     /// The task most recently started (named by a timeout failure).
@@ -408,6 +411,7 @@ impl<'a> Machine<'a> {
             },
             pending: None,
             task_started: None,
+            steps_unchecked: 0,
             skip_connectors: options.skip_connectors,
             deadline: options.deadline,
             current: None,
@@ -427,14 +431,14 @@ impl<'a> Machine<'a> {
 
     fn write(
         &mut self,
-        target: &WritePath,
+        target: &'a WritePath,
         value: Value<'a>,
         arena: &'a Bump,
     ) -> Result<(), TaskError> {
         let area = self.ctx.area_mut(target.area);
         *area = target
             .path
-            .set(*area, value, arena)
+            .set_borrowed(*area, value, arena)
             .map_err(|e| TaskError::task(format!("cannot write '{}': {e}", target.text)))?;
         self.root = None;
         Ok(())
@@ -459,9 +463,7 @@ impl<'a> Machine<'a> {
     /// Runs steps until the workflow ends or a connector call is needed.
     fn run(&mut self, arena: &'a Bump) -> Next {
         while self.status.is_none() {
-            if let Some(deadline) = self.deadline
-                && Instant::now() >= deadline
-            {
+            if self.deadline_passed() {
                 self.status = Some(Status::Failed(self.timeout_failure()));
                 break;
             }
@@ -543,6 +545,23 @@ impl<'a> Machine<'a> {
         Next::Done
     }
 
+    /// Whether the deadline has passed, reading the clock only every
+    /// `DEADLINE_EVERY` steps: a step is bounded work, so this still stops
+    /// CPU-bound executions promptly, without a clock read per step. A
+    /// connector step checks on its own (see `start_task`).
+    fn deadline_passed(&mut self) -> bool {
+        const DEADLINE_EVERY: u32 = 16;
+        let Some(deadline) = self.deadline else {
+            return false;
+        };
+        self.steps_unchecked += 1;
+        if self.steps_unchecked < DEADLINE_EVERY {
+            return false;
+        }
+        self.steps_unchecked = 0;
+        Instant::now() >= deadline
+    }
+
     fn timeout_failure(&self) -> Failure {
         let (task_id, field) = self
             .current
@@ -588,8 +607,8 @@ impl<'a> Machine<'a> {
 
     /// Runs a task; returns the I/O it needs, if it is a connector task.
     fn start_task(&mut self, task: &'a Task, arena: &'a Bump) -> Option<IoRequest> {
-        let started = Instant::now();
-        self.task_started = Some(started);
+        let started = self.record_tasks.then(Instant::now);
+        self.task_started = started;
         self.current = Some(task);
         match self.condition_holds(&task.condition, arena) {
             Ok(true) if self.skip_connectors && task.function.needs_io() => {
@@ -621,6 +640,14 @@ impl<'a> Machine<'a> {
                 None
             }
             Ok(Step2::Io(io)) => {
+                // Never start a connector call past the deadline.
+                if let Some(deadline) = self.deadline {
+                    self.steps_unchecked = 0;
+                    if Instant::now() >= deadline {
+                        self.status = Some(Status::Failed(self.timeout_failure()));
+                        return None;
+                    }
+                }
                 self.pending = Some((task, started));
                 Some(io)
             }
@@ -641,7 +668,7 @@ impl<'a> Machine<'a> {
         let Some((task, started)) = self.pending.take() else {
             return;
         };
-        self.task_started = Some(started);
+        self.task_started = started;
         let outcome = match result {
             Ok(value) => self.store_io_result(task, value, arena),
             Err(e) => Err(TaskError {

@@ -802,3 +802,68 @@ fn holds(want: &serde_json::Value, got: &serde_json::Value) -> bool {
         _ => want == got,
     }
 }
+
+#[test]
+fn a_passed_deadline_stops_cpu_bound_work_and_connector_calls() {
+    let past = Some(std::time::Instant::now() - std::time::Duration::from_millis(1));
+    // A long loop of data steps: the clock is read every few steps, so the
+    // execution stops long before the loop's 10,000 passes.
+    let mut def = wf(json!([task(
+        "count",
+        "map",
+        json!({"mappings": [{"path": "n", "logic": {"+": [{"var": "data.n"}, 1]}}]})
+    )]));
+    def["loop"] = json!({"max": 10000});
+    let r = run_with(
+        &[&plan(def)],
+        json!({"data": {}}),
+        &[],
+        &Services::default(),
+        &Options {
+            deadline: past,
+            ..Default::default()
+        },
+    );
+    let Status::Failed(f) = &r.exec.status else {
+        panic!("expected a timeout, got {:?}", r.exec.status)
+    };
+    assert_eq!(f.kind, FailureKind::Timeout);
+    assert!(r.data()["n"].as_i64().unwrap_or(0) < 100, "{}", r.data());
+
+    // A connector call is never started past the deadline, even as the
+    // first step.
+    let http = Arc::new(FakeHttp {
+        seen: Mutex::new(Vec::new()),
+        answer: Ok(json!({})),
+    });
+    let services = Services {
+        http: Some(http.clone()),
+        ..Default::default()
+    };
+    let p = plan(wf(json!([task("call", "http_call", json!({"connector": "api"}))])));
+    let r = run_with(
+        &[&p],
+        json!({"data": {}}),
+        &[],
+        &services,
+        &Options {
+            deadline: past,
+            ..Default::default()
+        },
+    );
+    let Status::Failed(f) = &r.exec.status else {
+        panic!("expected a timeout, got {:?}", r.exec.status)
+    };
+    assert_eq!(f.kind, FailureKind::Timeout);
+    assert_eq!(f.task_id, "call");
+    assert!(http.seen.lock().unwrap().is_empty());
+
+    // Without a deadline the same loop runs to the end.
+    let mut def = wf(json!([task(
+        "count",
+        "map",
+        json!({"mappings": [{"path": "n", "logic": {"+": [{"var": "data.n"}, 1]}}]})
+    )]));
+    def["loop"] = json!({"max": 100});
+    assert_eq!(run(&plan(def), json!({})).data(), json!({"n": 100}));
+}

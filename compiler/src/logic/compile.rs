@@ -3,7 +3,10 @@
 
 use super::eval::{self, index_of, key_text};
 use super::lit::Lit;
-use super::{CompileError, Logic, MAX_DEPTH, MissingKey, Node, NodeId, Op, Program, Slot};
+use super::{
+    Body, CompileError, Iter, Logic, MAX_DEPTH, MissingKey, Node, NodeId, Op, Operand, Program,
+    Scalar, Slot,
+};
 use crate::path::{Path, Segment};
 use crate::value::Value;
 use bumpalo::Bump;
@@ -22,10 +25,18 @@ pub(super) fn compile(rule: &Json) -> Result<Logic, CompileError> {
     c.prog.nodes.shrink_to_fit();
     c.prog.args.shrink_to_fit();
     c.prog.consts.shrink_to_fit();
+    let scalar = match c.prog.nodes[root as usize] {
+        Node::Null => Some(Value::Null),
+        Node::Bool(b) => Some(Value::Bool(b)),
+        Node::Int(i) => Some(Value::Int(i)),
+        Node::Float(f) => Some(Value::Float(f)),
+        _ => None,
+    };
     Ok(Logic {
         prog: c.prog,
         root,
         constant,
+        scalar,
     })
 }
 
@@ -287,6 +298,9 @@ impl Compiler {
             Op::Var | Op::Val | Op::Exists => self.data_access(op, &ids),
             Op::Missing | Op::MissingSome => self.missing(op, &ids),
             Op::In => self.in_strings(&ids),
+            Op::Map | Op::Filter | Op::Reduce | Op::All | Op::Some | Op::None => {
+                Some(self.iter_node(op, &ids))
+            }
             _ => None,
         };
         let id = match id {
@@ -440,6 +454,79 @@ impl Compiler {
             })
             .collect::<Option<Box<[_]>>>()?;
         Some(self.push(Node::Missing { keys, need }))
+    }
+
+    /// An iterator: `ids` is `[collection, body, init?]` (arity checked).
+    fn iter_node(&mut self, op: Op, ids: &[NodeId]) -> NodeId {
+        let (coll, body) = (ids[0], ids[1]);
+        let reduce = op == Op::Reduce;
+        let shape = match &self.prog.nodes[body as usize] {
+            Node::Op {
+                op: body_op,
+                start,
+                len: 2,
+            } => {
+                let args = &self.prog.args[*start as usize..*start as usize + 2];
+                let operands = match body_op {
+                    Op::Add
+                    | Op::Sub
+                    | Op::Mul
+                    | Op::Div
+                    | Op::Mod
+                    | Op::Lt
+                    | Op::Le
+                    | Op::Gt
+                    | Op::Ge
+                    | Op::Eq
+                    | Op::Ne
+                    | Op::StrictEq
+                    | Op::StrictNe => self
+                        .operand(args[0], reduce)
+                        .zip(self.operand(args[1], reduce)),
+                    _ => None,
+                };
+                match operands {
+                    Some((a, b)) => Body::Two(*body_op, a, b),
+                    None => Body::Call {
+                        op: *body_op,
+                        start: *start,
+                    },
+                }
+            }
+            _ => self.operand(body, reduce).map_or(Body::General, Body::One),
+        };
+        self.push(Node::Iter(Box::new(Iter {
+            op,
+            coll,
+            body,
+            init: if reduce { ids.get(2).copied() } else { None },
+            shape,
+        })))
+    }
+
+    /// A body operand that needs no scope: a plain `var` read of the
+    /// element (in `reduce`, of `current` / `accumulator`) or a scalar.
+    fn operand(&self, id: NodeId, reduce: bool) -> Option<Operand> {
+        Some(match &self.prog.nodes[id as usize] {
+            Node::Var {
+                level: 0,
+                path,
+                default: None,
+                slot,
+            } => match (reduce, slot) {
+                (false, _) => Operand::Item(path.clone()),
+                (true, Slot::Current) => Operand::Item(path[1..].into()),
+                (true, Slot::Accumulator) => Operand::Acc(path[1..].into()),
+                (true, Slot::Other) => Operand::Const(Scalar::Null),
+                (true, Slot::Whole) => return None,
+            },
+            Node::Null => Operand::Const(Scalar::Null),
+            Node::Bool(b) => Operand::Const(Scalar::Bool(*b)),
+            Node::Int(i) => Operand::Const(Scalar::Int(*i)),
+            Node::Float(f) => Operand::Const(Scalar::Float(*f)),
+            Node::Str(s) => Operand::Const(Scalar::Str(s.clone())),
+            _ => return None,
+        })
     }
 
     /// `in` against a constant array of strings (the common "one of" test).

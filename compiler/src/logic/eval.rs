@@ -5,9 +5,11 @@
 use super::ops::compare::{Rel, loose_eq_checked, relate, strict_eq};
 use super::ops::string::{substr_range, write_js_string};
 use super::ops::{to_number, truthy};
-use super::{EvalError, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Program, Slot};
+use super::{
+    Body, EvalError, Iter, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Operand, Program, Slot,
+};
 use crate::path::Segment;
-use crate::value::Value;
+use crate::value::{Value, key_eq};
 use bumpalo::Bump;
 use bumpalo::collections::{String as BString, Vec as BVec};
 use std::cell::Cell;
@@ -212,16 +214,9 @@ impl<'a> Scope<'_, 'a> {
     }
 }
 
-/// Key equality with a cheap first-byte reject before the (out-of-line)
-/// byte comparison: object keys of equal length rarely share a first byte.
+/// `path::get_segments`, inlined here.
 #[inline(always)]
-fn key_eq(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.as_bytes().first() == b.as_bytes().first() && a == b
-}
-
-/// `path::get_segments` with [`key_eq`].
-#[inline]
-fn get_path<'a>(mut current: Value<'a>, segments: &[Segment]) -> Option<Value<'a>> {
+pub(super) fn get_path<'a>(mut current: Value<'a>, segments: &[Segment]) -> Option<Value<'a>> {
     for seg in segments {
         current = match current {
             Value::Object(members) => members.iter().find(|(k, _)| key_eq(k, &seg.key))?.1,
@@ -326,33 +321,14 @@ impl Args<'_> {
     }
 }
 
-/// An iterator body that needs no scope: a read of the element (or, in
-/// `reduce`, of `current` / `accumulator`) or a scalar constant, alone or
-/// as both operands of a two-argument operator.
-#[derive(Clone, Copy)]
-enum Body<'a> {
-    One(Opd<'a>),
-    Two(Op, Opd<'a>, Opd<'a>),
-    General,
-}
-
-/// An operand of a [`Body`].
-#[derive(Clone, Copy)]
-enum Opd<'a> {
-    /// A path into the element (`reduce`: into `current`).
-    Item(&'a [Segment]),
-    /// A path into `reduce`'s accumulator.
-    Acc(&'a [Segment]),
-    Const(Value<'a>),
-}
-
-impl<'a> Opd<'a> {
+impl Operand {
+    /// The operand's value for one element (`acc`: `reduce`'s accumulator).
     #[inline(always)]
-    fn read(self, item: Value<'a>, acc: Value<'a>) -> Value<'a> {
+    fn read<'a>(&'a self, item: Value<'a>, acc: Value<'a>) -> Value<'a> {
         let (base, path) = match self {
-            Opd::Item(path) => (item, path),
-            Opd::Acc(path) => (acc, path),
-            Opd::Const(v) => return v,
+            Operand::Item(path) => (item, path),
+            Operand::Acc(path) => (acc, path),
+            Operand::Const(c) => return c.value(),
         };
         if path.is_empty() {
             return base;
@@ -446,6 +422,7 @@ impl<'a> Ev<'a, '_> {
             }
             Node::Exists { path } => Ok(Value::Bool(self.lookup_scope(scope, path).is_some())),
             Node::Missing { keys, need } => self.missing_const(keys, *need, scope),
+            Node::Iter(it) => self.iterate(it, scope),
             Node::InStrs { needle, set } => {
                 let found = match self.eval(*needle, scope)? {
                     Value::Str(s) if set.len() <= 8 => set.iter().any(|k| **k == *s),
@@ -460,6 +437,9 @@ impl<'a> Ev<'a, '_> {
     /// The current frame, read in place (`exists`, `missing`).
     #[inline]
     fn lookup_scope(&self, scope: &Scope<'_, 'a>, path: &[Segment]) -> Option<Value<'a>> {
+        if !scope.reduce {
+            return get_path(scope.data, path);
+        }
         let slot = match path.first() {
             Some(first) => slot_of(&first.key),
             None => Slot::Whole,
@@ -648,14 +628,10 @@ impl<'a> Ev<'a, '_> {
                 }
                 Ok(best.map_or(Value::Null, |(_, v)| v))
             }
-            Op::Map | Op::Filter | Op::Reduce | Op::All | Op::Some | Op::None => {
-                let Args::Nodes(nodes) = args else {
-                    return Err(self.fail(EvalError::InvalidArguments(
-                        "iterators need [collection, rule]",
-                    )));
-                };
-                self.iterate(op, nodes, scope)
-            }
+            // Iterators compile to `Node::Iter`; they never get here.
+            Op::Map | Op::Filter | Op::Reduce | Op::All | Op::Some | Op::None => Err(self.fail(
+                EvalError::InvalidArguments("iterators need [collection, rule]"),
+            )),
             Op::Merge => {
                 // One array argument is its own result: no copy.
                 if let Args::Nodes(&[one]) = args {
@@ -901,14 +877,13 @@ impl<'a> Ev<'a, '_> {
         }
     }
 
+    /// An iterator. Bodies classified as [`Body::One`] / [`Body::Two`] run
+    /// per element as direct reads plus one operator, with no scope; the
+    /// others get a scope per element.
     #[inline(never)]
-    fn iterate(&self, op: Op, nodes: &'a [NodeId], scope: &Scope<'_, 'a>) -> R<'a> {
-        let (Some(&coll), Some(&body)) = (nodes.first(), nodes.get(1)) else {
-            return Err(self.fail(EvalError::InvalidArguments(
-                "iterators need [collection, rule]",
-            )));
-        };
-        let items = match self.eval(coll, scope)? {
+    fn iterate(&self, it: &'a Iter, scope: &Scope<'_, 'a>) -> R<'a> {
+        let op = it.op;
+        let items = match self.operand(it.coll, scope)? {
             Value::Array(items) => items,
             // map/filter/reduce treat anything else (a missing value) as
             // empty; the quantifiers refuse it (compat-tables).
@@ -917,25 +892,41 @@ impl<'a> Ev<'a, '_> {
             }
             _ => &[],
         };
-        // A two-argument operator body (the usual `{">": [{"var": "x"}, 1]}`)
-        // is called directly per element, skipping the node dispatch; a body
-        // whose operands are item/accumulator reads and scalar constants
-        // runs without building a scope at all.
         let reduce = op == Op::Reduce;
-        let prog: &'a Program = self.prog;
-        let shape = self.body_shape(body, reduce);
-        let direct = match &prog.nodes[body as usize] {
-            Node::Op { op, start, len: 2 } => {
-                let args = &prog.args[*start as usize..*start as usize + 2];
-                Some((*op, args[0], args[1], args))
-            }
-            _ => None,
+        let init = match it.init {
+            Some(init) => self.eval(init, scope)?,
+            None => Value::Null,
         };
-        let run = |i: usize, item: Value<'a>, acc: Value<'a>| -> R<'a> {
-            match shape {
-                Body::One(o) => Ok(o.read(item, acc)),
-                Body::Two(op, a, b) => self.apply(op, a.read(item, acc), b.read(item, acc)),
-                Body::General => {
+        match &it.shape {
+            Body::One(a) => self.drive(
+                op,
+                items,
+                init,
+                #[inline(always)]
+                |_, item, acc| Ok(a.read(item, acc)),
+                #[inline(always)]
+                |_, item| Ok(truthy(&a.read(item, Value::Null))),
+            ),
+            Body::Two(body_op, a, b) => {
+                let body_op = *body_op;
+                self.drive(
+                    op,
+                    items,
+                    init,
+                    #[inline(always)]
+                    |_, item, acc| self.apply(body_op, a.read(item, acc), b.read(item, acc)),
+                    #[inline(always)]
+                    |_, item| {
+                        self.holds(body_op, a.read(item, Value::Null), b.read(item, Value::Null))
+                    },
+                )
+            }
+            Body::Call { op: body_op, start } => {
+                let prog: &'a Program = self.prog;
+                let args = &prog.args[*start as usize..*start as usize + 2];
+                let (x, y) = (args[0], args[1]);
+                let body_op = *body_op;
+                let call = |i: usize, item: Value<'a>, acc: Value<'a>| {
                     let s = Scope {
                         data: item,
                         acc,
@@ -943,26 +934,60 @@ impl<'a> Ev<'a, '_> {
                         index: Some(i),
                         parent: Some(scope),
                     };
-                    match direct {
-                        Some((op, a, b, args)) => self.binary(op, a, b, args, &s),
-                        None => self.eval(body, &s),
-                    }
-                }
+                    self.binary(body_op, x, y, args, &s)
+                };
+                self.drive(op, items, init, call, |i, item| {
+                    call(i, item, Value::Null).map(|v| truthy(&v))
+                })
             }
-        };
+            Body::General => {
+                let body = it.body;
+                let call = |i: usize, item: Value<'a>, acc: Value<'a>| {
+                    let s = Scope {
+                        data: item,
+                        acc,
+                        reduce,
+                        index: Some(i),
+                        parent: Some(scope),
+                    };
+                    self.eval(body, &s)
+                };
+                self.drive(op, items, init, call, |i, item| {
+                    call(i, item, Value::Null).map(|v| truthy(&v))
+                })
+            }
+        }
+    }
+
+    /// The loops of the six iterators over one body: `value` computes the
+    /// body's value (`map`, `reduce`), `test` its truthiness (`filter` and
+    /// the quantifiers, which can skip building a value).
+    #[inline(always)]
+    fn drive<V, T>(
+        &self,
+        op: Op,
+        items: &'a [Value<'a>],
+        init: Value<'a>,
+        value: V,
+        test: T,
+    ) -> R<'a>
+    where
+        V: Fn(usize, Value<'a>, Value<'a>) -> R<'a>,
+        T: Fn(usize, Value<'a>) -> Result<bool, Fail>,
+    {
         match op {
             Op::Map => {
                 self.charge(size_of_val(items))?;
                 let mut out = BVec::with_capacity_in(items.len(), self.arena);
                 for (i, item) in items.iter().enumerate() {
-                    out.push(run(i, *item, Value::Null)?);
+                    out.push(value(i, *item, Value::Null)?);
                 }
                 Ok(Value::Array(out.into_bump_slice()))
             }
             Op::Filter => {
-                let mut out = BVec::new_in(self.arena);
+                let mut out = BVec::with_capacity_in(items.len(), self.arena);
                 for (i, item) in items.iter().enumerate() {
-                    if truthy(&run(i, *item, Value::Null)?) {
+                    if test(i, *item)? {
                         out.push(*item);
                     }
                 }
@@ -970,100 +995,32 @@ impl<'a> Ev<'a, '_> {
                 Ok(Value::Array(out.into_bump_slice()))
             }
             Op::Reduce => {
-                let mut acc = match nodes.get(2) {
-                    Some(&init) => self.eval(init, scope)?,
-                    None => Value::Null,
-                };
+                let mut acc = init;
                 for (i, item) in items.iter().enumerate() {
-                    acc = run(i, *item, acc)?;
+                    acc = value(i, *item, acc)?;
                 }
                 Ok(acc)
             }
             Op::All => {
-                if items.is_empty() {
-                    return Ok(Value::Bool(false));
-                }
                 for (i, item) in items.iter().enumerate() {
-                    if !truthy(&run(i, *item, Value::Null)?) {
+                    if !test(i, *item)? {
                         return Ok(Value::Bool(false));
                     }
                 }
-                Ok(Value::Bool(true))
+                Ok(Value::Bool(!items.is_empty()))
             }
             _ => {
                 // some / none
                 let mut any = false;
                 for (i, item) in items.iter().enumerate() {
-                    if truthy(&run(i, *item, Value::Null)?) {
+                    if test(i, *item)? {
                         any = true;
                         break;
                     }
                 }
-                Ok(Value::Bool(if op == Op::Some { any } else { !any }))
+                Ok(Value::Bool(any == (op == Op::Some)))
             }
         }
-    }
-
-    /// How an iterator body reads its element (see [`Body`]).
-    fn body_shape(&self, body: NodeId, reduce: bool) -> Body<'a> {
-        let prog: &'a Program = self.prog;
-        match &prog.nodes[body as usize] {
-            Node::Op {
-                op:
-                    op @ (Op::Add
-                    | Op::Sub
-                    | Op::Mul
-                    | Op::Div
-                    | Op::Mod
-                    | Op::Lt
-                    | Op::Le
-                    | Op::Gt
-                    | Op::Ge
-                    | Op::Eq
-                    | Op::Ne
-                    | Op::StrictEq
-                    | Op::StrictNe),
-                start,
-                len: 2,
-            } => {
-                let args = &prog.args[*start as usize..*start as usize + 2];
-                match (
-                    self.operand_shape(args[0], reduce),
-                    self.operand_shape(args[1], reduce),
-                ) {
-                    (Some(a), Some(b)) => Body::Two(*op, a, b),
-                    _ => Body::General,
-                }
-            }
-            Node::Var { .. } => self
-                .operand_shape(body, reduce)
-                .map_or(Body::General, Body::One),
-            _ => Body::General,
-        }
-    }
-
-    fn operand_shape(&self, id: NodeId, reduce: bool) -> Option<Opd<'a>> {
-        let prog: &'a Program = self.prog;
-        Some(match &prog.nodes[id as usize] {
-            Node::Var {
-                level: 0,
-                path,
-                default: None,
-                slot,
-            } => match (reduce, slot) {
-                (false, _) => Opd::Item(path),
-                (true, Slot::Current) => Opd::Item(&path[1..]),
-                (true, Slot::Accumulator) => Opd::Acc(&path[1..]),
-                (true, Slot::Other) => Opd::Const(Value::Null),
-                (true, Slot::Whole) => return None,
-            },
-            Node::Null => Opd::Const(Value::Null),
-            Node::Bool(b) => Opd::Const(Value::Bool(*b)),
-            Node::Int(i) => Opd::Const(Value::Int(*i)),
-            Node::Float(f) => Opd::Const(Value::Float(*f)),
-            Node::Str(s) => Opd::Const(Value::Str(s)),
-            _ => return None,
-        })
     }
 
     #[inline(always)]
@@ -1079,42 +1036,63 @@ impl<'a> Ev<'a, '_> {
     /// same semantics as [`Self::binary`]).
     #[inline(always)]
     fn apply(&self, op: Op, x: Value<'a>, y: Value<'a>) -> R<'a> {
-        let rel = match op {
+        match op {
+            Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod => self.arith(op, x, y),
+            _ => self.compare2(op, x, y).map(Value::Bool),
+        }
+    }
+
+    /// [`Self::apply`]'s truthiness, without building the value.
+    #[inline(always)]
+    fn holds(&self, op: Op, x: Value<'a>, y: Value<'a>) -> Result<bool, Fail> {
+        match op {
             Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod => {
-                let (p, q) = (self.num_value(x)?, self.num_value(y)?);
-                return self.number(match op {
-                    Op::Add => p + q,
-                    Op::Sub => p - q,
-                    Op::Mul => p * q,
-                    Op::Div => p / q,
-                    _ => p % q,
-                });
+                self.arith(op, x, y).map(|v| truthy(&v))
             }
-            Op::StrictEq => return Ok(Value::Bool(strict_eq(&x, &y))),
-            Op::StrictNe => return Ok(Value::Bool(!strict_eq(&x, &y))),
+            _ => self.compare2(op, x, y),
+        }
+    }
+
+    #[inline(always)]
+    fn arith(&self, op: Op, x: Value<'a>, y: Value<'a>) -> R<'a> {
+        let (p, q) = (self.num_value(x)?, self.num_value(y)?);
+        self.number(match op {
+            Op::Add => p + q,
+            Op::Sub => p - q,
+            Op::Mul => p * q,
+            Op::Div => p / q,
+            _ => p % q,
+        })
+    }
+
+    /// A comparison of two evaluated operands.
+    #[inline(always)]
+    fn compare2(&self, op: Op, x: Value<'a>, y: Value<'a>) -> Result<bool, Fail> {
+        let rel = match op {
+            Op::StrictEq => return Ok(strict_eq(&x, &y)),
+            Op::StrictNe => return Ok(!strict_eq(&x, &y)),
             Op::Eq | Op::Ne => {
                 let eq = match (x, y) {
                     (Value::Str(p), Value::Str(q)) => key_eq(p, q),
                     (Value::Int(p), Value::Int(q)) => p == q,
                     _ => loose_eq_checked(&x, &y).map_err(|()| self.fail(EvalError::NaN))?,
                 };
-                return Ok(Value::Bool(eq == (op == Op::Eq)));
+                return Ok(eq == (op == Op::Eq));
             }
             Op::Lt => Rel::Lt,
             Op::Le => Rel::Le,
             Op::Gt => Rel::Gt,
             _ => Rel::Ge,
         };
-        let holds = match (x, y) {
-            (Value::Int(p), Value::Int(q)) => match rel {
+        match (x, y) {
+            (Value::Int(p), Value::Int(q)) => Ok(match rel {
                 Rel::Lt => p < q,
                 Rel::Le => p <= q,
                 Rel::Gt => p > q,
                 Rel::Ge => p >= q,
-            },
-            _ => relate(&x, &y, rel).map_err(|()| self.fail(EvalError::NaN))?,
-        };
-        Ok(Value::Bool(holds))
+            }),
+            _ => relate(&x, &y, rel).map_err(|()| self.fail(EvalError::NaN)),
+        }
     }
 
     /// `var` with a path computed at evaluation time: `[path, default]`.
@@ -1196,24 +1174,35 @@ impl<'a> Ev<'a, '_> {
         scope: &Scope<'_, 'a>,
     ) -> R<'a> {
         let need = match need {
-            Some(id) => Some(to_number(&self.eval(id, scope)?).unwrap_or(0.0)),
+            Some(id) => Some(to_number(&self.operand(id, scope)?).unwrap_or(0.0)),
             None => None,
         };
-        let mut out = BVec::new_in(self.arena);
-        for key in keys {
+        let mut out = None;
+        for (i, key) in keys.iter().enumerate() {
             if Self::is_missing(self.lookup_scope(scope, &key.path)) {
-                out.push(Value::Str(&key.text));
+                self.push_missing(&mut out, keys.len() - i, Value::Str(&key.text));
             }
         }
         Ok(self.missing_result(out, keys.len(), need))
     }
 
+    /// Collects a missing key; the list is allocated on the first one, sized
+    /// for the `left` keys still to check.
+    #[inline]
+    fn push_missing(&self, out: &mut Option<BVec<'a, Value<'a>>>, left: usize, key: Value<'a>) {
+        out.get_or_insert_with(|| BVec::with_capacity_in(left, self.arena))
+            .push(key);
+    }
+
     fn missing_result(
         &self,
-        missing: BVec<'a, Value<'a>>,
+        missing: Option<BVec<'a, Value<'a>>>,
         total: usize,
         need: Option<f64>,
     ) -> Value<'a> {
+        let Some(missing) = missing else {
+            return Value::EMPTY_ARRAY;
+        };
         if let Some(need) = need
             && (total - missing.len()) as f64 >= need
         {
@@ -1244,14 +1233,14 @@ impl<'a> Ev<'a, '_> {
             }
         };
         let cursor = Cursor::Frame(scope.frame());
-        let mut out = BVec::new_in(self.arena);
-        for key in keys {
+        let mut out = None;
+        for (i, key) in keys.iter().enumerate() {
             let found = match key {
                 Value::Null => Some(whole(cursor, self.arena)),
                 k => walk_dotted(cursor, key_text(*k, self.arena), self.arena),
             };
             if Self::is_missing(found) {
-                out.push(*key);
+                self.push_missing(&mut out, keys.len() - i, *key);
             }
         }
         Ok(self.missing_result(out, keys.len(), need))

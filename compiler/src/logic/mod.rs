@@ -47,6 +47,11 @@ pub struct Logic {
     root: NodeId,
     /// The whole rule's value when it folded to a constant.
     constant: Option<serde_json::Value>,
+    /// The same, prebuilt, when it is a scalar other than a string: returned
+    /// by a plain copy of the whole value (constructing it from the node
+    /// would store the tag and a narrow payload separately, and the caller's
+    /// copy of the value would then stall on store forwarding).
+    scalar: Option<Value<'static>>,
 }
 
 /// Compiles a JSONLogic rule.
@@ -57,19 +62,39 @@ pub fn compile(rule: &serde_json::Value) -> Result<Logic, CompileError> {
 impl Logic {
     /// Evaluates the rule against `data`. The result borrows from `self`
     /// (string constants) and from `arena` (anything computed).
-    #[inline]
+    ///
+    /// Small on purpose: a rule that folded to a constant is answered here,
+    /// inlined into the caller; everything else goes to [`Self::eval_rule`].
+    #[inline(always)]
     pub fn eval<'a>(
         &'a self,
         data: Value<'a>,
         arena: &'a Bump,
     ) -> Result<Value<'a>, EvalError<'a>> {
-        // A rule that folded to a scalar needs no evaluator state at all.
+        if let Some(v) = self.scalar {
+            return Ok(v);
+        }
         match &self.prog.nodes[self.root as usize] {
-            Node::Bool(b) => Ok(Value::Bool(*b)),
             Node::Str(s) => Ok(Value::Str(s)),
-            Node::Null => Ok(Value::Null),
-            Node::Int(i) => Ok(Value::Int(*i)),
             Node::Json(i) => Ok(self.prog.consts[*i as usize].value()),
+            _ => self.eval_rule(data, arena),
+        }
+    }
+
+    #[inline(never)]
+    fn eval_rule<'a>(
+        &'a self,
+        data: Value<'a>,
+        arena: &'a Bump,
+    ) -> Result<Value<'a>, EvalError<'a>> {
+        match &self.prog.nodes[self.root as usize] {
+            // One plain `var` needs no evaluator state at all.
+            Node::Var {
+                level: 0,
+                path,
+                default: None,
+                ..
+            } => Ok(eval::get_path(data, path).unwrap_or(Value::Null)),
             _ => {
                 let error = std::cell::Cell::new(None);
                 match eval::run_raw(&self.prog, self.root, data, arena, &error) {
@@ -275,6 +300,69 @@ pub(crate) enum Node {
         needle: NodeId,
         set: Box<[Box<str>]>,
     },
+    /// `map`, `filter`, `reduce`, `all`, `some` or `none`, with its body
+    /// classified at compile time.
+    Iter(Box<Iter>),
+}
+
+/// An iterator operation.
+#[derive(Debug)]
+pub(crate) struct Iter {
+    pub(crate) op: Op,
+    pub(crate) coll: NodeId,
+    pub(crate) body: NodeId,
+    /// `reduce`'s initial accumulator.
+    pub(crate) init: Option<NodeId>,
+    pub(crate) shape: Body,
+}
+
+/// How an iterator body uses its element, decided at compile time so the
+/// per-element loop needs neither a scope nor a node dispatch when it can.
+#[derive(Debug)]
+pub(crate) enum Body {
+    /// A read of the element (in `reduce`: of `current` / `accumulator`) or
+    /// a scalar constant.
+    One(Operand),
+    /// A two-argument arithmetic or comparison operator over two such reads.
+    Two(Op, Operand, Operand),
+    /// Any other two-argument operator: called directly per element with a
+    /// scope, skipping the node dispatch. `start` indexes its argument list.
+    Call { op: Op, start: u32 },
+    /// Anything else: evaluated per element in a scope.
+    General,
+}
+
+/// An operand of a [`Body`].
+#[derive(Debug)]
+pub(crate) enum Operand {
+    /// A path into the element (`reduce`: into `current`).
+    Item(Box<[Segment]>),
+    /// A path into `reduce`'s accumulator.
+    Acc(Box<[Segment]>),
+    Const(Scalar),
+}
+
+/// A scalar constant.
+#[derive(Debug)]
+pub(crate) enum Scalar {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(Box<str>),
+}
+
+impl Scalar {
+    #[inline(always)]
+    pub(crate) fn value(&self) -> Value<'_> {
+        match self {
+            Scalar::Null => Value::Null,
+            Scalar::Bool(b) => Value::Bool(*b),
+            Scalar::Int(i) => Value::Int(*i),
+            Scalar::Float(f) => Value::Float(*f),
+            Scalar::Str(s) => Value::Str(s),
+        }
+    }
 }
 
 /// What a `var` path's first segment names in a `reduce` frame
