@@ -31,11 +31,14 @@ pub struct Channel {
     pub timeout: Duration,
     pub is_async: bool,
     pub metrics: ChannelMetrics,
+    /// The connector-call scope of a request without W3C trace context,
+    /// built once (a request that carries `traceparent` builds its own).
+    pub scope: sluice_runtime::connectors::CallScope,
 }
 
 /// Metric handles registered once per channel when the snapshot is built, so
 /// the request path records without a registry lookup.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ChannelMetrics {
     pub ok: metrics::Counter,
     pub failed: metrics::Counter,
@@ -81,10 +84,11 @@ pub struct RouteTable {
     by_len: HashMap<usize, Vec<Route>>,
 }
 
-/// A route match: the channel and the path parameters.
-pub struct RouteMatch<'s> {
+/// A route match: the channel and the path parameters (names borrowed from
+/// the table, values from the request's already-decoded segments).
+pub struct RouteMatch<'s, 'p> {
     pub channel: &'s Arc<Channel>,
-    pub params: Vec<(&'s str, String)>,
+    pub params: smallvec::SmallVec<[(&'s str, &'p str); 4]>,
 }
 
 impl RouteTable {
@@ -105,21 +109,24 @@ impl RouteTable {
         }
     }
 
-    /// Finds the route for `method` and `path` (segments after `/api/v1/data`).
-    pub fn find<'s>(&'s self, method: &str, segments: &[&str]) -> Option<RouteMatch<'s>> {
+    /// Finds the route for `method` and `path` (the decoded segments after
+    /// `/api/v1/data`).
+    pub fn find<'s, 'p>(
+        &'s self,
+        method: &str,
+        segments: &[&'p str],
+    ) -> Option<RouteMatch<'s, 'p>> {
         let routes = self.by_len.get(&segments.len())?;
         routes.iter().find_map(|route| {
             if !route.methods.iter().any(|m| m == method) {
                 return None;
             }
-            let mut params = Vec::new();
+            let mut params = smallvec::SmallVec::new();
             for (seg, part) in route.segments.iter().zip(segments) {
                 match seg {
                     Seg::Literal(l) if l == part => {}
                     Seg::Literal(_) => return None,
-                    Seg::Param(name) => {
-                        params.push((name.as_str(), crate::server::percent_decode(part)))
-                    }
+                    Seg::Param(name) => params.push((name.as_str(), *part)),
                 }
             }
             Some(RouteMatch {
@@ -150,6 +157,16 @@ pub struct Snapshot {
     pub active_workflows: usize,
     /// Compiled active workflow versions.
     pub workflows_loaded: usize,
+    /// Every plan of this snapshot by workflow id and version, with the
+    /// definition it was compiled from: the next build reuses a plan whose
+    /// definition is unchanged instead of compiling it again.
+    compiled: HashMap<(String, i64), CompiledPlan>,
+}
+
+#[derive(Debug)]
+struct CompiledPlan {
+    definition: serde_json::Value,
+    plan: Arc<Plan>,
 }
 
 /// Why a reload failed: every definition that did not compile.
@@ -163,11 +180,21 @@ pub enum ReloadError {
 pub struct Built {
     pub snapshot: Snapshot,
     pub elapsed: Duration,
+    /// Workflow versions compiled by this build (the others were reused).
+    pub compiled: usize,
 }
 
 /// Builds a snapshot from storage. Fails (building nothing) if any active
-/// definition does not compile.
-pub async fn build(store: &Store, generation: u64) -> Result<Built, ReloadError> {
+/// definition does not compile. Plans of `previous` whose definitions did
+/// not change are reused.
+///
+/// The CPU part (compiling, indexing) runs on a thread of its own, not on a
+/// runtime worker: requests keep being served while a large engine builds.
+pub async fn build(
+    store: &Store,
+    generation: u64,
+    previous: Arc<Snapshot>,
+) -> Result<Built, ReloadError> {
     let started = Instant::now();
     let workflows = store
         .active(Kind::Workflow)
@@ -177,24 +204,44 @@ pub async fn build(store: &Store, generation: u64) -> Result<Built, ReloadError>
         .active(Kind::Channel)
         .await
         .map_err(ReloadError::Storage)?;
-    let snapshot = assemble(&workflows, &channels, generation)?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("sluice-reload".into())
+        .spawn(move || {
+            let built = assemble(&workflows, &channels, generation, &previous);
+            let _ = tx.send(built);
+        })
+        .map_err(|e| {
+            ReloadError::Storage(StorageError::Database(format!(
+                "cannot start the reload thread: {e}"
+            )))
+        })?;
+    let (snapshot, compiled) = rx.await.map_err(|_| {
+        ReloadError::Storage(StorageError::Database("the reload thread panicked".into()))
+    })??;
     Ok(Built {
         snapshot,
         elapsed: started.elapsed(),
+        compiled,
     })
 }
 
-/// The pure part of a build (no I/O): compile and index.
+/// The pure part of a build (no I/O): compile (reusing the plans of
+/// `previous` whose definitions are unchanged) and index. Returns the
+/// snapshot and how many workflow versions were compiled.
 pub fn assemble(
     workflows: &[Record],
     channels: &[Record],
     generation: u64,
-) -> Result<Snapshot, ReloadError> {
+    previous: &Snapshot,
+) -> Result<(Snapshot, usize), ReloadError> {
     let mut problems = Vec::new();
     let ranges = rollout_ranges(workflows);
     // Plans by workflow id and by the engine-schema `channel` label.
     let mut by_id: HashMap<&str, Vec<Arc<Plan>>> = HashMap::new();
     let mut by_label: HashMap<String, Vec<Arc<Plan>>> = HashMap::new();
+    let mut compiled_plans = HashMap::with_capacity(workflows.len());
+    let mut compiled_count = 0;
     for (record, range) in workflows.iter().zip(&ranges) {
         let mut def = record.to_json(Kind::Workflow);
         if let Some(obj) = def.as_object_mut()
@@ -205,28 +252,49 @@ pub fn assemble(
                 serde_json::json!({"bucket_start": range.start, "bucket_end": range.end}),
             );
         }
-        match compile_workflow(&def) {
-            Ok(compiled) => {
-                let plan = Arc::new(compiled.plan);
-                if let Some(label) = def.get("channel").and_then(|c| c.as_str()) {
-                    by_label
-                        .entry(label.to_owned())
-                        .or_default()
-                        .push(plan.clone());
+        let key = (record.id.clone(), record.version);
+        let reused = previous
+            .compiled
+            .get(&key)
+            .filter(|c| c.definition == def)
+            .map(|c| c.plan.clone());
+        let plan = match reused {
+            Some(plan) => plan,
+            None => match compile_workflow(&def) {
+                Ok(compiled) => {
+                    compiled_count += 1;
+                    Arc::new(compiled.plan)
                 }
-                by_id.entry(record.id.as_str()).or_default().push(plan);
-            }
-            Err(errors) => problems.extend(errors.into_iter().map(|d| Diagnostic {
-                field: format!("workflows['{}'].v{}.{}", record.id, record.version, d.field),
-                message: d.message,
-            })),
+                Err(errors) => {
+                    problems.extend(errors.into_iter().map(|d| Diagnostic {
+                        field: format!("workflows['{}'].v{}.{}", record.id, record.version, d.field),
+                        message: d.message,
+                    }));
+                    continue;
+                }
+            },
+        };
+        if let Some(label) = def.get("channel").and_then(|c| c.as_str()) {
+            by_label
+                .entry(label.to_owned())
+                .or_default()
+                .push(plan.clone());
         }
+        by_id.entry(record.id.as_str()).or_default().push(plan.clone());
+        compiled_plans.insert(
+            key,
+            CompiledPlan {
+                definition: def,
+                plan,
+            },
+        );
     }
     let mut snapshot = Snapshot {
         generation,
         built_at: Some(SystemTime::now()),
         active_workflows: by_id.len(),
         workflows_loaded: by_id.values().map(Vec::len).sum(),
+        compiled: compiled_plans,
         ..Snapshot::default()
     };
     for record in channels {
@@ -283,7 +351,18 @@ pub fn assemble(
             version: record.version,
             timeout: Duration::from_millis(def.config_json.timeout_ms),
             is_async: def.channel_type() == sluice_compiler::def::ChannelType::Async,
-            metrics: ChannelMetrics::new(&def.name),
+            // Registered once per channel name, then carried over.
+            metrics: previous
+                .channels
+                .get(&def.name)
+                .map_or_else(|| ChannelMetrics::new(&def.name), |c| c.metrics.clone()),
+            scope: sluice_runtime::connectors::CallScope {
+                channel: def.name.clone(),
+                traceparent: None,
+                tracestate: None,
+                chain: vec![def.name.clone()],
+                observer: None,
+            },
             validation,
             rules,
             plans,
@@ -323,7 +402,7 @@ pub fn assemble(
     }
     snapshot.routes.finish();
     if problems.is_empty() {
-        Ok(snapshot)
+        Ok((snapshot, compiled_count))
     } else {
         Err(ReloadError::Invalid(problems))
     }
@@ -359,4 +438,96 @@ fn newest_percentage(workflows: &[Record], id: &str, version: i64) -> i64 {
         .iter()
         .find(|r| r.id == id && r.version == version)
         .map_or(100, |r| r.rollout_percentage)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn workflow(id: &str, version: i64, tasks: serde_json::Value) -> Record {
+        Record {
+            id: id.into(),
+            version,
+            status: Status::Active,
+            rollout_percentage: 100,
+            definition: json!({"name": id, "priority": 1, "tasks": tasks}),
+            created_at: "2026-01-01T00:00:00Z".into(),
+            updated_at: "2026-01-01T00:00:00Z".into(),
+        }
+    }
+
+    fn channel(name: &str, workflow_id: &str) -> Record {
+        Record {
+            id: name.into(),
+            version: 1,
+            status: Status::Active,
+            rollout_percentage: 100,
+            definition: json!({
+                "name": name, "channel_type": "sync", "protocol": "rest",
+                "route_pattern": format!("/{name}/{{id}}"), "methods": ["POST"],
+                "workflow_id": workflow_id, "config_json": {"timeout_ms": 1000}
+            }),
+            created_at: "2026-01-01T00:00:00Z".into(),
+            updated_at: "2026-01-01T00:00:00Z".into(),
+        }
+    }
+
+    fn tasks(target: &str) -> serde_json::Value {
+        json!([{"id": "t", "name": "t", "function": {"name": "map", "input": {"mappings": [
+            {"path": target, "logic": {"var": "payload.x"}}
+        ]}}}])
+    }
+
+    #[test]
+    fn a_rebuild_reuses_the_plans_of_unchanged_definitions() {
+        let workflows = vec![
+            workflow("a", 1, tasks("data.a")),
+            workflow("b", 1, tasks("data.b")),
+        ];
+        let channels = vec![channel("ca", "a"), channel("cb", "b")];
+        let (first, compiled) =
+            assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
+        assert_eq!(compiled, 2);
+        let (second, compiled) = assemble(&workflows, &channels, 2, &first).unwrap();
+        assert_eq!(compiled, 0, "nothing changed, nothing compiled");
+        for name in ["ca", "cb"] {
+            assert!(Arc::ptr_eq(
+                &first.channels[name].plans[0],
+                &second.channels[name].plans[0]
+            ));
+        }
+        // A changed definition under the same id and version is compiled again.
+        let changed = vec![
+            workflow("a", 1, tasks("data.changed")),
+            workflow("b", 1, tasks("data.b")),
+        ];
+        let (third, compiled) = assemble(&changed, &channels, 3, &second).unwrap();
+        assert_eq!(compiled, 1);
+        assert!(!Arc::ptr_eq(
+            &second.channels["ca"].plans[0],
+            &third.channels["ca"].plans[0]
+        ));
+        assert!(Arc::ptr_eq(
+            &second.channels["cb"].plans[0],
+            &third.channels["cb"].plans[0]
+        ));
+        // A new version is a new plan.
+        let newer = vec![workflow("a", 2, tasks("data.changed")), workflow("b", 1, tasks("data.b"))];
+        let (_, compiled) = assemble(&newer, &channels, 4, &third).unwrap();
+        assert_eq!(compiled, 1);
+    }
+
+    #[test]
+    fn routes_match_decoded_segments_once() {
+        let workflows = vec![workflow("a", 1, tasks("data.a"))];
+        let channels = vec![channel("ca", "a")];
+        let (snapshot, _) = assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
+        // The router decoded `%2541` to `%41`; the table must not decode again.
+        let m = snapshot.routes.find("POST", &["ca", "%41"]).unwrap();
+        assert_eq!(m.params.as_slice(), &[("id", "%41")]);
+        assert_eq!(m.channel.name, "ca");
+        assert!(snapshot.routes.find("GET", &["ca", "x"]).is_none());
+        assert!(snapshot.routes.find("POST", &["cb", "x"]).is_none());
+    }
 }
