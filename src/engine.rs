@@ -78,10 +78,23 @@ struct Route {
 }
 
 /// REST routes grouped by segment count, each group in match order
-/// (priority, then specificity).
+/// (priority, then specificity), and indexed by first segment: a request
+/// only looks at the routes that start with its first segment or with a
+/// parameter, however many channels there are.
 #[derive(Debug, Default)]
 pub struct RouteTable {
-    by_len: HashMap<usize, Vec<Route>>,
+    by_len: HashMap<usize, Group>,
+}
+
+#[derive(Debug, Default)]
+struct Group {
+    routes: Vec<Route>,
+    /// Positions in `routes` (ascending) of the routes whose first segment
+    /// is this literal.
+    by_first: HashMap<String, Vec<usize>>,
+    /// Positions of the routes whose first segment is a parameter (or that
+    /// have no segment).
+    open_first: Vec<usize>,
 }
 
 /// A route match: the channel and the path parameters (names borrowed from
@@ -96,16 +109,23 @@ impl RouteTable {
         self.by_len
             .entry(route.segments.len())
             .or_default()
+            .routes
             .push(route);
     }
 
     fn finish(&mut self) {
-        for routes in self.by_len.values_mut() {
-            routes.sort_by(|a, b| {
+        for group in self.by_len.values_mut() {
+            group.routes.sort_by(|a, b| {
                 b.priority
                     .cmp(&a.priority)
                     .then(b.literals.cmp(&a.literals))
             });
+            for (i, route) in group.routes.iter().enumerate() {
+                match route.segments.first() {
+                    Some(Seg::Literal(l)) => group.by_first.entry(l.clone()).or_default().push(i),
+                    _ => group.open_first.push(i),
+                }
+            }
         }
     }
 
@@ -116,8 +136,20 @@ impl RouteTable {
         method: &str,
         segments: &[&'p str],
     ) -> Option<RouteMatch<'s, 'p>> {
-        let routes = self.by_len.get(&segments.len())?;
-        routes.iter().find_map(|route| {
+        let group = self.by_len.get(&segments.len())?;
+        let literal: &[usize] = segments
+            .first()
+            .and_then(|first| group.by_first.get(*first))
+            .map_or(&[], Vec::as_slice);
+        // Both lists ascend: merge them to keep the group's match order.
+        let (mut a, mut b) = (literal.iter().peekable(), group.open_first.iter().peekable());
+        let candidates = std::iter::from_fn(|| match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) if x < y => a.next(),
+            (Some(_), Some(_)) | (None, Some(_)) => b.next(),
+            (Some(_), None) => a.next(),
+            (None, None) => None,
+        });
+        candidates.map(|&i| &group.routes[i]).find_map(|route| {
             if !route.methods.iter().any(|m| m == method) {
                 return None;
             }
@@ -137,7 +169,7 @@ impl RouteTable {
     }
 
     pub fn len(&self) -> usize {
-        self.by_len.values().map(Vec::len).sum()
+        self.by_len.values().map(|g| g.routes.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -529,5 +561,28 @@ mod tests {
         assert_eq!(m.channel.name, "ca");
         assert!(snapshot.routes.find("GET", &["ca", "x"]).is_none());
         assert!(snapshot.routes.find("POST", &["cb", "x"]).is_none());
+    }
+
+    #[test]
+    fn literal_and_parameter_first_routes_keep_their_order() {
+        let workflows = vec![workflow("a", 1, tasks("data.a"))];
+        let mut channels = Vec::new();
+        for (name, pattern, priority) in [
+            ("lit-low", "/orders/{id}", 1),
+            ("param-mid", "/{kind}/{id}", 5),
+            ("lit-high", "/orders/{id}", 9),
+            ("other", "/users/{id}", 9),
+        ] {
+            let mut c = channel(name, "a");
+            c.definition["route_pattern"] = json!(pattern);
+            c.definition["priority"] = json!(priority);
+            channels.push(c);
+        }
+        let (snapshot, _) = assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
+        let name = |parts: &[&str]| snapshot.routes.find("POST", parts).map(|m| m.channel.name.clone());
+        assert_eq!(name(&["orders", "1"]).as_deref(), Some("lit-high"));
+        assert_eq!(name(&["users", "1"]).as_deref(), Some("other"));
+        assert_eq!(name(&["things", "1"]).as_deref(), Some("param-mid"));
+        assert_eq!(snapshot.routes.len(), 4);
     }
 }
