@@ -21,8 +21,8 @@ use sluice_runtime::exec::{
 };
 use sluice_runtime::rollout;
 use smallvec::SmallVec;
-use std::sync::Arc;
 use std::future::Future;
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Instant;
 

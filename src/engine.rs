@@ -19,6 +19,9 @@ use std::time::{Duration, Instant, SystemTime};
 #[derive(Debug)]
 pub struct Channel {
     pub id: String,
+    /// The stored definition this channel was built from (a rebuild carries
+    /// an unchanged channel over instead of building it again).
+    source: Arc<serde_json::Value>,
     pub name: String,
     pub version: i64,
     pub def: ChannelDef,
@@ -142,7 +145,10 @@ impl RouteTable {
             .and_then(|first| group.by_first.get(*first))
             .map_or(&[], Vec::as_slice);
         // Both lists ascend: merge them to keep the group's match order.
-        let (mut a, mut b) = (literal.iter().peekable(), group.open_first.iter().peekable());
+        let (mut a, mut b) = (
+            literal.iter().peekable(),
+            group.open_first.iter().peekable(),
+        );
         let candidates = std::iter::from_fn(|| match (a.peek(), b.peek()) {
             (Some(x), Some(y)) if x < y => a.next(),
             (Some(_), Some(_)) | (None, Some(_)) => b.next(),
@@ -197,8 +203,24 @@ pub struct Snapshot {
 
 #[derive(Debug)]
 struct CompiledPlan {
-    definition: serde_json::Value,
+    /// The stored definition and the server-managed fields the plan was
+    /// compiled with (shared with the next snapshot, never copied).
+    definition: Arc<serde_json::Value>,
+    status: Status,
+    rollout_percentage: i64,
+    updated_at: String,
+    range: Rollout,
     plan: Arc<Plan>,
+}
+
+impl CompiledPlan {
+    fn compiled_from(&self, record: &Record, range: &Rollout) -> bool {
+        self.status == record.status
+            && self.rollout_percentage == record.rollout_percentage
+            && self.range == *range
+            && self.updated_at == record.updated_at
+            && *self.definition == record.definition
+    }
 }
 
 /// Why a reload failed: every definition that did not compile.
@@ -275,48 +297,60 @@ pub fn assemble(
     let mut compiled_plans = HashMap::with_capacity(workflows.len());
     let mut compiled_count = 0;
     for (record, range) in workflows.iter().zip(&ranges) {
-        let mut def = record.to_json(Kind::Workflow);
-        if let Some(obj) = def.as_object_mut()
-            && !obj.contains_key("rollout")
-        {
-            obj.insert(
-                "rollout".into(),
-                serde_json::json!({"bucket_start": range.start, "bucket_end": range.end}),
-            );
-        }
         let key = (record.id.clone(), record.version);
         let reused = previous
             .compiled
             .get(&key)
-            .filter(|c| c.definition == def)
-            .map(|c| c.plan.clone());
-        let plan = match reused {
-            Some(plan) => plan,
-            None => match compile_workflow(&def) {
-                Ok(compiled) => {
-                    compiled_count += 1;
-                    Arc::new(compiled.plan)
+            .filter(|c| c.compiled_from(record, range))
+            .map(|c| (c.plan.clone(), c.definition.clone()));
+        let (plan, definition) = match reused {
+            Some(reused) => reused,
+            None => {
+                let mut def = record.to_json(Kind::Workflow);
+                if let Some(obj) = def.as_object_mut()
+                    && !obj.contains_key("rollout")
+                {
+                    obj.insert(
+                        "rollout".into(),
+                        serde_json::json!({"bucket_start": range.start, "bucket_end": range.end}),
+                    );
                 }
-                Err(errors) => {
-                    problems.extend(errors.into_iter().map(|d| Diagnostic {
-                        field: format!("workflows['{}'].v{}.{}", record.id, record.version, d.field),
-                        message: d.message,
-                    }));
-                    continue;
+                match compile_workflow(&def) {
+                    Ok(compiled) => {
+                        compiled_count += 1;
+                        (Arc::new(compiled.plan), Arc::new(record.definition.clone()))
+                    }
+                    Err(errors) => {
+                        problems.extend(errors.into_iter().map(|d| Diagnostic {
+                            field: format!(
+                                "workflows['{}'].v{}.{}",
+                                record.id, record.version, d.field
+                            ),
+                            message: d.message,
+                        }));
+                        continue;
+                    }
                 }
-            },
+            }
         };
-        if let Some(label) = def.get("channel").and_then(|c| c.as_str()) {
+        if let Some(label) = record.definition.get("channel").and_then(|c| c.as_str()) {
             by_label
                 .entry(label.to_owned())
                 .or_default()
                 .push(plan.clone());
         }
-        by_id.entry(record.id.as_str()).or_default().push(plan.clone());
+        by_id
+            .entry(record.id.as_str())
+            .or_default()
+            .push(plan.clone());
         compiled_plans.insert(
             key,
             CompiledPlan {
-                definition: def,
+                definition,
+                status: record.status,
+                rollout_percentage: record.rollout_percentage,
+                updated_at: record.updated_at.clone(),
+                range: *range,
                 plan,
             },
         );
@@ -330,76 +364,41 @@ pub fn assemble(
         ..Snapshot::default()
     };
     for record in channels {
-        let json = record.to_json(Kind::Channel);
-        let def: ChannelDef = match serde_json::from_value(json) {
-            Ok(d) => d,
-            Err(e) => {
-                problems.push(Diagnostic {
-                    field: format!("channels['{}']", record.id),
-                    message: e.to_string(),
-                });
-                continue;
-            }
-        };
-        let validation = match def.validation_logic.as_ref().map(logic::compile) {
-            Some(Ok(l)) => Some(l),
-            Some(Err(e)) => {
-                problems.push(Diagnostic {
-                    field: format!("channels['{}'].validation_logic", record.id),
-                    message: format!("invalid JSONLogic: {}", e.message),
-                });
-                continue;
-            }
-            None => None,
-        };
-        let mut plans: Vec<Arc<Plan>> = by_id
-            .get(def.workflow_id.as_str())
+        // The plans this channel serves (by its workflow_id, then by the
+        // workflows' `channel` label), most preferred first.
+        let workflow_id = record
+            .definition
+            .get("workflow_id")
+            .and_then(|w| w.as_str());
+        let name = record.definition.get("name").and_then(|n| n.as_str());
+        let mut plans: Vec<Arc<Plan>> = workflow_id
+            .and_then(|w| by_id.get(w))
             .cloned()
             .unwrap_or_default();
-        for plan in by_label.get(def.name.as_str()).into_iter().flatten() {
+        for plan in name.and_then(|n| by_label.get(n)).into_iter().flatten() {
             if !plans.iter().any(|p| Arc::ptr_eq(p, plan)) {
                 plans.push(plan.clone());
             }
         }
         plans.sort_by(|a, b| b.priority.cmp(&a.priority).then(b.version.cmp(&a.version)));
-        let rules = match crate::governance::Rules::compile(
-            &def.config_json,
-            &def.name,
-            record.version,
-            &plans,
-        ) {
-            Ok(r) => r,
-            Err(errors) => {
-                problems.extend(errors.into_iter().map(|d| Diagnostic {
-                    field: format!("channels['{}'].{}", record.id, d.field),
-                    message: d.message,
-                }));
-                continue;
-            }
-        };
-        let channel = Arc::new(Channel {
-            id: record.id.clone(),
-            name: def.name.clone(),
-            version: record.version,
-            timeout: Duration::from_millis(def.config_json.timeout_ms),
-            is_async: def.channel_type() == sluice_compiler::def::ChannelType::Async,
-            // Registered once per channel name, then carried over.
-            metrics: previous
-                .channels
-                .get(&def.name)
-                .map_or_else(|| ChannelMetrics::new(&def.name), |c| c.metrics.clone()),
-            scope: sluice_runtime::connectors::CallScope {
-                channel: def.name.clone(),
-                traceparent: None,
-                tracestate: None,
-                chain: vec![def.name.clone()],
-                observer: None,
-            },
-            validation,
-            rules,
-            plans,
-            def,
+        // An unchanged channel serving the same plans is carried over whole.
+        let unchanged = name.and_then(|n| previous.channels.get(n)).filter(|c| {
+            c.id == record.id
+                && c.version == record.version
+                && *c.source == record.definition
+                && c.plans.len() == plans.len()
+                && c.plans.iter().zip(&plans).all(|(a, b)| Arc::ptr_eq(a, b))
         });
+        let channel = match unchanged {
+            Some(channel) => channel.clone(),
+            None => match build_channel(record, plans, previous) {
+                Ok(channel) => channel,
+                Err(mut errors) => {
+                    problems.append(&mut errors);
+                    continue;
+                }
+            },
+        };
         if let (Some(pattern), sluice_compiler::def::Protocol::Rest) =
             (&channel.def.route_pattern, channel.def.protocol())
         {
@@ -438,6 +437,75 @@ pub fn assemble(
     } else {
         Err(ReloadError::Invalid(problems))
     }
+}
+
+/// Compiles one channel of a snapshot (its checks, rules and handles).
+fn build_channel(
+    record: &Record,
+    plans: Vec<Arc<Plan>>,
+    previous: &Snapshot,
+) -> Result<Arc<Channel>, Vec<Diagnostic>> {
+    let json = record.to_json(Kind::Channel);
+    let def: ChannelDef = match serde_json::from_value(json) {
+        Ok(d) => d,
+        Err(e) => {
+            return Err(vec![Diagnostic {
+                field: format!("channels['{}']", record.id),
+                message: e.to_string(),
+            }]);
+        }
+    };
+    let validation = match def.validation_logic.as_ref().map(logic::compile) {
+        Some(Ok(l)) => Some(l),
+        Some(Err(e)) => {
+            return Err(vec![Diagnostic {
+                field: format!("channels['{}'].validation_logic", record.id),
+                message: format!("invalid JSONLogic: {}", e.message),
+            }]);
+        }
+        None => None,
+    };
+    let rules = match crate::governance::Rules::compile(
+        &def.config_json,
+        &def.name,
+        record.version,
+        &plans,
+    ) {
+        Ok(r) => r,
+        Err(errors) => {
+            return Err(errors
+                .into_iter()
+                .map(|d| Diagnostic {
+                    field: format!("channels['{}'].{}", record.id, d.field),
+                    message: d.message,
+                })
+                .collect());
+        }
+    };
+    Ok(Arc::new(Channel {
+        id: record.id.clone(),
+        source: Arc::new(record.definition.clone()),
+        name: def.name.clone(),
+        version: record.version,
+        timeout: Duration::from_millis(def.config_json.timeout_ms),
+        is_async: def.channel_type() == sluice_compiler::def::ChannelType::Async,
+        // Registered once per channel name, then carried over.
+        metrics: previous
+            .channels
+            .get(&def.name)
+            .map_or_else(|| ChannelMetrics::new(&def.name), |c| c.metrics.clone()),
+        scope: sluice_runtime::connectors::CallScope {
+            channel: def.name.clone(),
+            traceparent: None,
+            tracestate: None,
+            chain: vec![def.name.clone()],
+            observer: None,
+        },
+        validation,
+        rules,
+        plans,
+        def,
+    }))
 }
 
 /// Canary ranges: for each workflow id, the newest active version gets
@@ -518,11 +586,11 @@ mod tests {
             workflow("b", 1, tasks("data.b")),
         ];
         let channels = vec![channel("ca", "a"), channel("cb", "b")];
-        let (first, compiled) =
-            assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
+        let (first, compiled) = assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
         assert_eq!(compiled, 2);
         let (second, compiled) = assemble(&workflows, &channels, 2, &first).unwrap();
         assert_eq!(compiled, 0, "nothing changed, nothing compiled");
+        assert!(Arc::ptr_eq(&first.channels["ca"], &second.channels["ca"]));
         for name in ["ca", "cb"] {
             assert!(Arc::ptr_eq(
                 &first.channels[name].plans[0],
@@ -544,8 +612,14 @@ mod tests {
             &second.channels["cb"].plans[0],
             &third.channels["cb"].plans[0]
         ));
+        // The channel of the changed plan is rebuilt; the other carried over.
+        assert!(!Arc::ptr_eq(&second.channels["ca"], &third.channels["ca"]));
+        assert!(Arc::ptr_eq(&second.channels["cb"], &third.channels["cb"]));
         // A new version is a new plan.
-        let newer = vec![workflow("a", 2, tasks("data.changed")), workflow("b", 1, tasks("data.b"))];
+        let newer = vec![
+            workflow("a", 2, tasks("data.changed")),
+            workflow("b", 1, tasks("data.b")),
+        ];
         let (_, compiled) = assemble(&newer, &channels, 4, &third).unwrap();
         assert_eq!(compiled, 1);
     }
@@ -579,7 +653,12 @@ mod tests {
             channels.push(c);
         }
         let (snapshot, _) = assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
-        let name = |parts: &[&str]| snapshot.routes.find("POST", parts).map(|m| m.channel.name.clone());
+        let name = |parts: &[&str]| {
+            snapshot
+                .routes
+                .find("POST", parts)
+                .map(|m| m.channel.name.clone())
+        };
         assert_eq!(name(&["orders", "1"]).as_deref(), Some("lit-high"));
         assert_eq!(name(&["users", "1"]).as_deref(), Some("other"));
         assert_eq!(name(&["things", "1"]).as_deref(), Some("param-mid"));

@@ -500,7 +500,10 @@ mod tests {
 
     #[test]
     fn decoding_borrows_when_there_is_nothing_to_decode() {
-        assert!(matches!(decode("ord-7f3a9c"), std::borrow::Cow::Borrowed(_)));
+        assert!(matches!(
+            decode("ord-7f3a9c"),
+            std::borrow::Cow::Borrowed(_)
+        ));
         assert_eq!(decode("a%20b"), "a b");
     }
 

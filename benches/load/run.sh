@@ -56,6 +56,11 @@ cargo build --release -q --bin sluice --example echo
 TARGET="${CARGO_TARGET_DIR:-target}"
 work="$(mktemp -d)"
 cleanup() {
+  local rc=$?
+  if ((rc != 0)) && [[ -s "$work/sluice.log" ]]; then
+    echo "--- last lines of the service log:" >&2
+    tail -n 20 "$work/sluice.log" >&2
+  fi
   kill "${SLUICE_PID:-}" "${ECHO_PID:-}" "${LOOP_PID:-}" 2>/dev/null || true
   wait 2>/dev/null || true
   rm -rf "$work"
