@@ -52,8 +52,13 @@ if ! have_wrk; then
   fi
 fi
 
-cargo build --release -q --bin sluice --example echo
+# SLUICE_BIN and ECHO_BIN run given binaries instead (A/B comparisons).
+if [[ -z "${SLUICE_BIN:-}" || -z "${ECHO_BIN:-}" ]]; then
+  cargo build --release -q --bin sluice --example echo
+fi
 TARGET="${CARGO_TARGET_DIR:-target}"
+SLUICE_BIN="${SLUICE_BIN:-$TARGET/release/sluice}"
+ECHO_BIN="${ECHO_BIN:-$TARGET/release/examples/echo}"
 work="$(mktemp -d)"
 cleanup() {
   local rc=$?
@@ -69,9 +74,9 @@ trap cleanup EXIT
 
 SERVICE_SERVER__PORT=$SLUICE_PORT SERVICE_STORAGE__URL="sqlite://$work/bench.db" \
   SERVICE_LOGGING__LEVEL=warn SERVICE_STORAGE__BACKUP_DIR="$work/backups" \
-  taskset -c 0 "$TARGET/release/sluice" serve > "$work/sluice.log" 2>&1 &
+  taskset -c 0 "$SLUICE_BIN" serve > "$work/sluice.log" 2>&1 &
 SLUICE_PID=$!
-taskset -c 0 "$TARGET/release/examples/echo" "127.0.0.1:$ECHO_PORT" > "$work/echo.log" 2>&1 &
+taskset -c 0 "$ECHO_BIN" "127.0.0.1:$ECHO_PORT" > "$work/echo.log" 2>&1 &
 ECHO_PID=$!
 for _ in $(seq 100); do curl -sf "127.0.0.1:$SLUICE_PORT/readyz" >/dev/null && break; sleep 0.1; done
 
