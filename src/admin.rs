@@ -28,10 +28,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// Dispatches an admin request (`segments` are the path after `/api/v1/admin`).
-pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[String], who: Principal) -> ApiResult {
-    let seg: Vec<&str> = segments.iter().map(String::as_str).collect();
+pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Principal) -> ApiResult {
     let m = &req.method;
-    match seg.as_slice() {
+    match segments {
         [kind @ ("workflows" | "channels")] => {
             let kind = kind_of(kind);
             match *m {
@@ -117,7 +116,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[String], who: Princ
         },
         _ => Err(ApiError::not_found(format!(
             "No admin endpoint at {}",
-            req.path
+            req.path()
         ))),
     }
 }
@@ -535,7 +534,7 @@ async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
             path: &p,
             method: "POST",
             channel: "",
-            request_id: &req.request_id,
+            request_id: req.request_id.as_str(),
             extra: &[],
         },
         bucket: None,

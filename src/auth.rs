@@ -45,7 +45,7 @@ pub fn authenticate(config: &AdminAuth, req: &Req) -> Result<Principal, ApiError
                 .or_else(|| v.strip_prefix("bearer "))
         })
         .map(str::trim);
-    let header_key = req.header(&config.api_key_header.to_ascii_lowercase());
+    let header_key = req.header(config.api_key_header.to_ascii_lowercase());
     let Some(key) = bearer.or(header_key) else {
         return Err(ApiError::new(
             Code::Unauthorized,

@@ -10,9 +10,9 @@ use crate::api::{ApiError, Code, HttpResponse, bytes_response};
 use crate::app::App;
 use crate::engine::{Channel, Snapshot};
 use crate::governance::{self, Stage, View};
-use crate::server::Req;
+use crate::server::{Req, TRACEPARENT, TRACESTATE};
 use bytes::Bytes;
-use http::{Method, StatusCode};
+use http::{Method, StatusCode, header};
 use serde_json::{Value as Json, json};
 use sluice_compiler::diag::Diagnostic;
 use sluice_runtime::connectors::CallScope;
@@ -21,50 +21,56 @@ use sluice_runtime::exec::{
 };
 use sluice_runtime::rollout;
 use smallvec::SmallVec;
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Instant;
 
-/// Handles a data-plane request (`segments` are the path after `/api/v1/data`).
+/// Handles a data-plane request (`segments` are the decoded path segments
+/// after `/api/v1/data`).
 pub async fn handle(
     app: &Arc<App>,
     req: &Req,
-    segments: &[String],
+    segments: &[&str],
 ) -> Result<HttpResponse, ApiError> {
     // Trace reads come before channel routing (a channel named "traces" is shadowed).
     if let [first, rest @ ..] = segments
-        && first == "traces"
+        && *first == "traces"
         && rest.len() <= 1
     {
-        return crate::traces::read(app, req, rest).await;
+        return Box::pin(crate::traces::read(app, req, rest)).await;
     }
-    let lock_started = Instant::now();
+    // Timed only for a profiled answer (two clock reads saved otherwise).
+    let profile = app.config.tracing.profile_enabled
+        && (req.header("x-service-profile") == Some("1") || req.query("profile") == Some("1"));
+    let lock_started = profile.then(Instant::now);
     let snapshot = app.engine.load_full();
-    let engine_lock_ms = lock_started.elapsed().as_secs_f64() * 1000.0;
-    let (segments, is_async) = match segments.split_last() {
-        Some((last, rest)) if last == "async" && !rest.is_empty() => (rest, true),
+    let engine_lock_ms = lock_started.map(|t| t.elapsed().as_secs_f64() * 1000.0);
+    let (parts, is_async) = match segments.split_last() {
+        Some((&"async", rest)) if !rest.is_empty() => (rest, true),
         _ => (segments, false),
     };
-    let parts: SmallVec<[&str; 8]> = segments.iter().map(String::as_str).collect();
     // A CORS preflight is routed by the method it asks about, and answered
     // by the channel's CORS settings alone (no checks, no workflow).
     if req.method == Method::OPTIONS
-        && let Some(asked) = req.header("access-control-request-method")
+        && let Some(asked) = req.header(header::ACCESS_CONTROL_REQUEST_METHOD)
     {
         let method = Method::from_bytes(asked.trim().as_bytes())
             .map_err(|_| ApiError::bad_request("Access-Control-Request-Method is not a method"))?;
-        let (channel, _) = resolve(&snapshot, &method, req, &parts)?;
+        let (channel, _) = resolve(&snapshot, &method, req, parts)?;
         return Ok(governance::preflight(
-            &channel,
-            req.header("origin"),
+            channel,
+            req.header(header::ORIGIN),
             method.as_str(),
         ));
     }
-    let (channel, params) = resolve(&snapshot, &req.method, req, &parts)?;
+    let (channel, params) = resolve(&snapshot, &req.method, req, parts)?;
     let result = if is_async || channel.is_async {
-        crate::traces::submit(app, req, &channel, &params).await
+        // Boxed, like every rare branch, so the sync path's future stays small.
+        Box::pin(crate::traces::submit(app, req, channel, &params)).await
     } else {
         let started = Instant::now();
-        let result = run_sync(app, req, &channel, &params, engine_lock_ms).await;
+        let result = run_sync(app, req, channel, &params, engine_lock_ms).await;
         let m = &channel.metrics;
         match &result {
             Ok(_) => m.ok.increment(1),
@@ -78,31 +84,28 @@ pub async fn handle(
     };
     // CORS headers go on errors too, so a browser client can read them.
     let mut response = result.unwrap_or_else(ApiError::into_response);
-    governance::decorate(&channel, req.header("origin"), &mut response);
+    governance::decorate(channel, req.header(header::ORIGIN), &mut response);
     Ok(response)
 }
 
-/// A resolved channel and its path parameters.
-type Resolved = (Arc<Channel>, Vec<(String, String)>);
+/// Path parameters of a route match: names from the route table, values
+/// from the request's decoded segments.
+type Params<'s, 'p> = SmallVec<[(&'s str, &'p str); 4]>;
 
-fn resolve(
-    snapshot: &Snapshot,
+/// Finds the channel of a request on the snapshot: the REST route table,
+/// then a channel named by the single remaining segment.
+fn resolve<'s, 'p>(
+    snapshot: &'s Snapshot,
     method: &Method,
     req: &Req,
-    parts: &[&str],
-) -> Result<Resolved, ApiError> {
+    parts: &[&'p str],
+) -> Result<(&'s Arc<Channel>, Params<'s, 'p>), ApiError> {
     if let Some(m) = snapshot.routes.find(method.as_str(), parts) {
-        let params = m
-            .params
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v))
-            .collect();
-        return Ok((m.channel.clone(), params));
+        return Ok((m.channel, m.params));
     }
     if let [name] = parts {
-        let name = crate::server::percent_decode(name);
-        return match snapshot.channels.get(&name) {
-            Some(channel) if method == Method::POST => Ok((channel.clone(), Vec::new())),
+        return match snapshot.channels.get(*name) {
+            Some(channel) if method == Method::POST => Ok((channel, SmallVec::new())),
             Some(_) => Err(ApiError::new(
                 Code::MethodNotAllowed,
                 format!("channel '{name}' is called with POST, not {method}"),
@@ -112,7 +115,8 @@ fn resolve(
     }
     Err(ApiError::not_found(format!(
         "No route matches {} {}",
-        req.method, req.path
+        req.method,
+        req.path()
     )))
 }
 
@@ -133,8 +137,8 @@ async fn run_sync(
     app: &Arc<App>,
     req: &Req,
     channel: &Arc<Channel>,
-    params: &[(String, String)],
-    engine_lock_ms: f64,
+    params: &[(&str, &str)],
+    engine_lock_ms: Option<f64>,
 ) -> Result<HttpResponse, ApiError> {
     let headers = header_pairs(req);
     let query: SmallVec<[(&str, &str); 8]> = req
@@ -142,17 +146,13 @@ async fn run_sync(
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    let path: SmallVec<[(&str, &str); 4]> = params
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
     let view = View {
         client_ip: &req.client_ip,
         method: req.method.as_str(),
-        target: &req.path,
+        target: req.path(),
         headers: &headers,
         query: &query,
-        path: &path,
+        path: params,
         body: &req.body,
         internal: false,
     };
@@ -165,69 +165,83 @@ async fn run_sync(
         return Ok(response);
     }
     let caller_id = req.caller_request_id.then_some(req.request_id.as_str());
-    let bucket = rollout::bucket_for(&headers, caller_id, Some(req.client_ip.as_str()));
+    let bucket = rollout::bucket_for(&headers, caller_id, Some(&req.client_ip));
     let input = Input {
         body: &req.body,
         payload_from: PayloadFrom::DataMember,
         meta: Meta {
             headers: &headers,
             query: &query,
-            path: &path,
+            path: params,
             method: req.method.as_str(),
             channel: &channel.name,
-            request_id: &req.request_id,
+            request_id: req.request_id.as_str(),
             extra: &[],
         },
         bucket,
     };
-    let profile = app.config.tracing.profile_enabled
-        && (req.header("x-service-profile") == Some("1") || req.query("profile") == Some("1"));
     // OpenTelemetry (only when enabled and sampled): the request's span.
     let traced = app.otel.as_ref().and_then(|o| {
         o.begin(
             format!("{} {}", req.method, channel.name),
             opentelemetry::trace::SpanKind::Server,
-            req.header("traceparent"),
-            req.header("tracestate"),
+            req.header(TRACEPARENT),
+            req.header(TRACESTATE),
         )
         .map(|span| (o, span))
     });
+    let deadline = Instant::now() + channel.timeout;
     let options = Options {
-        record_tasks: profile || traced.is_some(),
-        deadline: Some(Instant::now() + channel.timeout),
+        record_tasks: engine_lock_ms.is_some() || traced.is_some(),
+        deadline: Some(deadline),
         ..Options::default()
     };
-    let scope = CallScope {
-        channel: channel.name.clone(),
-        // W3C trace context from the caller is forwarded to connector calls.
-        traceparent: req.header("traceparent").map(str::to_owned),
-        tracestate: req.header("tracestate").map(str::to_owned),
-        // channel_call's cycle and depth checks start from this channel.
-        chain: vec![channel.name.clone()],
-        observer: traced.as_ref().map(|(_, span)| span.observer()),
+    // W3C trace context from the caller is forwarded to connector calls;
+    // without it (and without a span to report to) the channel's prebuilt
+    // scope serves: no per-request copies.
+    let owned_scope;
+    let scope = match (req.header(TRACEPARENT), req.header(TRACESTATE), &traced) {
+        (None, None, None) => &channel.scope,
+        (parent, state, traced) => {
+            owned_scope = CallScope {
+                traceparent: parent.map(str::to_owned),
+                tracestate: state.map(str::to_owned),
+                observer: traced.as_ref().map(|(_, span)| span.observer()),
+                ..channel.scope.clone()
+            };
+            &owned_scope
+        }
     };
     channel.metrics.executions.increment(1);
-    let run = exec::execute(
+    // Boxed: the execution future is large, and boxing it once keeps every
+    // future above it small (they are moved as they are built and awaited).
+    let mut run = Box::pin(exec::execute(
         channel.plans.iter().map(|p| &**p),
         input,
         &app.services,
-        &scope,
+        scope,
         &options,
-    );
-    let execution = match tokio::time::timeout(channel.timeout, run).await {
-        Ok(result) => result.map_err(|e| ApiError::bad_request(e.to_string())),
-        Err(_) => Err(ApiError::new(
-            Code::Timeout,
-            format!(
-                "channel '{}' did not finish within {} ms",
-                channel.name,
-                channel.timeout.as_millis()
-            ),
-        )),
+    ));
+    // A workflow without connector calls finishes in its first poll: no
+    // timer is armed for it (the executor checks `deadline` between steps).
+    let first = std::future::poll_fn(|cx| Poll::Ready(run.as_mut().poll(cx))).await;
+    let execution = match first {
+        Poll::Ready(result) => result.map_err(|e| ApiError::bad_request(e.to_string())),
+        Poll::Pending => match tokio::time::timeout_at(deadline.into(), run).await {
+            Ok(result) => result.map_err(|e| ApiError::bad_request(e.to_string())),
+            Err(_) => Err(ApiError::new(
+                Code::Timeout,
+                format!(
+                    "channel '{}' did not finish within {} ms",
+                    channel.name,
+                    channel.timeout.as_millis()
+                ),
+            )),
+        },
     };
     if let Some((otel, mut span)) = traced {
         span.attribute("sluice.channel", channel.name.clone());
-        span.attribute("sluice.request_id", req.request_id.clone());
+        span.attribute("sluice.request_id", req.request_id.as_str().to_owned());
         let (tasks, error) = match &execution {
             Ok(e) => (
                 e.tasks.as_slice(),
@@ -242,9 +256,9 @@ async fn run_sync(
         };
         otel.finish(span, tasks, error.as_deref());
     }
-    let body = respond(channel, execution?, profile.then_some(engine_lock_ms))?;
+    let body = respond(channel, execution?, engine_lock_ms)?;
     // A profiled answer is not cached: its timings belong to this run only.
-    if !profile {
+    if engine_lock_ms.is_none() {
         app.governance.store(&admitted, body.clone());
     }
     Ok(bytes_response(StatusCode::OK, body))
@@ -286,7 +300,11 @@ fn respond(
     out.extend_from_slice(b"{\"status\":\"ok\",\"data\":");
     out.extend_from_slice(&execution.data);
     out.extend_from_slice(b",\"errors\":");
-    serde_json::to_writer(&mut out, &execution.errors).unwrap_or_default();
+    if execution.errors.is_empty() {
+        out.extend_from_slice(b"[]");
+    } else {
+        serde_json::to_writer(&mut out, &execution.errors).unwrap_or_default();
+    }
     if let Some(lock_ms) = engine_lock_ms {
         let profile = json!({"_service": {"profile": {
             "version": execution.matched.as_ref().map_or(0, |m| m.version),

@@ -19,6 +19,9 @@ use std::time::{Duration, Instant, SystemTime};
 #[derive(Debug)]
 pub struct Channel {
     pub id: String,
+    /// The stored definition this channel was built from (a rebuild carries
+    /// an unchanged channel over instead of building it again).
+    source: Arc<serde_json::Value>,
     pub name: String,
     pub version: i64,
     pub def: ChannelDef,
@@ -31,11 +34,14 @@ pub struct Channel {
     pub timeout: Duration,
     pub is_async: bool,
     pub metrics: ChannelMetrics,
+    /// The connector-call scope of a request without W3C trace context,
+    /// built once (a request that carries `traceparent` builds its own).
+    pub scope: sluice_runtime::connectors::CallScope,
 }
 
 /// Metric handles registered once per channel when the snapshot is built, so
 /// the request path records without a registry lookup.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ChannelMetrics {
     pub ok: metrics::Counter,
     pub failed: metrics::Counter,
@@ -75,16 +81,30 @@ struct Route {
 }
 
 /// REST routes grouped by segment count, each group in match order
-/// (priority, then specificity).
+/// (priority, then specificity), and indexed by first segment: a request
+/// only looks at the routes that start with its first segment or with a
+/// parameter, however many channels there are.
 #[derive(Debug, Default)]
 pub struct RouteTable {
-    by_len: HashMap<usize, Vec<Route>>,
+    by_len: HashMap<usize, Group>,
 }
 
-/// A route match: the channel and the path parameters.
-pub struct RouteMatch<'s> {
+#[derive(Debug, Default)]
+struct Group {
+    routes: Vec<Route>,
+    /// Positions in `routes` (ascending) of the routes whose first segment
+    /// is this literal.
+    by_first: HashMap<String, Vec<usize>>,
+    /// Positions of the routes whose first segment is a parameter (or that
+    /// have no segment).
+    open_first: Vec<usize>,
+}
+
+/// A route match: the channel and the path parameters (names borrowed from
+/// the table, values from the request's already-decoded segments).
+pub struct RouteMatch<'s, 'p> {
     pub channel: &'s Arc<Channel>,
-    pub params: Vec<(&'s str, String)>,
+    pub params: smallvec::SmallVec<[(&'s str, &'p str); 4]>,
 }
 
 impl RouteTable {
@@ -92,34 +112,59 @@ impl RouteTable {
         self.by_len
             .entry(route.segments.len())
             .or_default()
+            .routes
             .push(route);
     }
 
     fn finish(&mut self) {
-        for routes in self.by_len.values_mut() {
-            routes.sort_by(|a, b| {
+        for group in self.by_len.values_mut() {
+            group.routes.sort_by(|a, b| {
                 b.priority
                     .cmp(&a.priority)
                     .then(b.literals.cmp(&a.literals))
             });
+            for (i, route) in group.routes.iter().enumerate() {
+                match route.segments.first() {
+                    Some(Seg::Literal(l)) => group.by_first.entry(l.clone()).or_default().push(i),
+                    _ => group.open_first.push(i),
+                }
+            }
         }
     }
 
-    /// Finds the route for `method` and `path` (segments after `/api/v1/data`).
-    pub fn find<'s>(&'s self, method: &str, segments: &[&str]) -> Option<RouteMatch<'s>> {
-        let routes = self.by_len.get(&segments.len())?;
-        routes.iter().find_map(|route| {
+    /// Finds the route for `method` and `path` (the decoded segments after
+    /// `/api/v1/data`).
+    pub fn find<'s, 'p>(
+        &'s self,
+        method: &str,
+        segments: &[&'p str],
+    ) -> Option<RouteMatch<'s, 'p>> {
+        let group = self.by_len.get(&segments.len())?;
+        let literal: &[usize] = segments
+            .first()
+            .and_then(|first| group.by_first.get(*first))
+            .map_or(&[], Vec::as_slice);
+        // Both lists ascend: merge them to keep the group's match order.
+        let (mut a, mut b) = (
+            literal.iter().peekable(),
+            group.open_first.iter().peekable(),
+        );
+        let candidates = std::iter::from_fn(|| match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) if x < y => a.next(),
+            (Some(_), Some(_)) | (None, Some(_)) => b.next(),
+            (Some(_), None) => a.next(),
+            (None, None) => None,
+        });
+        candidates.map(|&i| &group.routes[i]).find_map(|route| {
             if !route.methods.iter().any(|m| m == method) {
                 return None;
             }
-            let mut params = Vec::new();
+            let mut params = smallvec::SmallVec::new();
             for (seg, part) in route.segments.iter().zip(segments) {
                 match seg {
                     Seg::Literal(l) if l == part => {}
                     Seg::Literal(_) => return None,
-                    Seg::Param(name) => {
-                        params.push((name.as_str(), crate::server::percent_decode(part)))
-                    }
+                    Seg::Param(name) => params.push((name.as_str(), *part)),
                 }
             }
             Some(RouteMatch {
@@ -130,7 +175,7 @@ impl RouteTable {
     }
 
     pub fn len(&self) -> usize {
-        self.by_len.values().map(Vec::len).sum()
+        self.by_len.values().map(|g| g.routes.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -150,6 +195,32 @@ pub struct Snapshot {
     pub active_workflows: usize,
     /// Compiled active workflow versions.
     pub workflows_loaded: usize,
+    /// Every plan of this snapshot by workflow id and version, with the
+    /// definition it was compiled from: the next build reuses a plan whose
+    /// definition is unchanged instead of compiling it again.
+    compiled: HashMap<(String, i64), CompiledPlan>,
+}
+
+#[derive(Debug)]
+struct CompiledPlan {
+    /// The stored definition and the server-managed fields the plan was
+    /// compiled with (shared with the next snapshot, never copied).
+    definition: Arc<serde_json::Value>,
+    status: Status,
+    rollout_percentage: i64,
+    updated_at: String,
+    range: Rollout,
+    plan: Arc<Plan>,
+}
+
+impl CompiledPlan {
+    fn compiled_from(&self, record: &Record, range: &Rollout) -> bool {
+        self.status == record.status
+            && self.rollout_percentage == record.rollout_percentage
+            && self.range == *range
+            && self.updated_at == record.updated_at
+            && *self.definition == record.definition
+    }
 }
 
 /// Why a reload failed: every definition that did not compile.
@@ -163,11 +234,21 @@ pub enum ReloadError {
 pub struct Built {
     pub snapshot: Snapshot,
     pub elapsed: Duration,
+    /// Workflow versions compiled by this build (the others were reused).
+    pub compiled: usize,
 }
 
 /// Builds a snapshot from storage. Fails (building nothing) if any active
-/// definition does not compile.
-pub async fn build(store: &Store, generation: u64) -> Result<Built, ReloadError> {
+/// definition does not compile. Plans of `previous` whose definitions did
+/// not change are reused.
+///
+/// The CPU part (compiling, indexing) runs on a thread of its own, not on a
+/// runtime worker: requests keep being served while a large engine builds.
+pub async fn build(
+    store: &Store,
+    generation: u64,
+    previous: Arc<Snapshot>,
+) -> Result<Built, ReloadError> {
     let started = Instant::now();
     let workflows = store
         .active(Kind::Workflow)
@@ -177,118 +258,147 @@ pub async fn build(store: &Store, generation: u64) -> Result<Built, ReloadError>
         .active(Kind::Channel)
         .await
         .map_err(ReloadError::Storage)?;
-    let snapshot = assemble(&workflows, &channels, generation)?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("sluice-reload".into())
+        .spawn(move || {
+            let built = assemble(&workflows, &channels, generation, &previous);
+            let _ = tx.send(built);
+        })
+        .map_err(|e| {
+            ReloadError::Storage(StorageError::Database(format!(
+                "cannot start the reload thread: {e}"
+            )))
+        })?;
+    let (snapshot, compiled) = rx.await.map_err(|_| {
+        ReloadError::Storage(StorageError::Database("the reload thread panicked".into()))
+    })??;
     Ok(Built {
         snapshot,
         elapsed: started.elapsed(),
+        compiled,
     })
 }
 
-/// The pure part of a build (no I/O): compile and index.
+/// The pure part of a build (no I/O): compile (reusing the plans of
+/// `previous` whose definitions are unchanged) and index. Returns the
+/// snapshot and how many workflow versions were compiled.
 pub fn assemble(
     workflows: &[Record],
     channels: &[Record],
     generation: u64,
-) -> Result<Snapshot, ReloadError> {
+    previous: &Snapshot,
+) -> Result<(Snapshot, usize), ReloadError> {
     let mut problems = Vec::new();
     let ranges = rollout_ranges(workflows);
     // Plans by workflow id and by the engine-schema `channel` label.
     let mut by_id: HashMap<&str, Vec<Arc<Plan>>> = HashMap::new();
     let mut by_label: HashMap<String, Vec<Arc<Plan>>> = HashMap::new();
+    let mut compiled_plans = HashMap::with_capacity(workflows.len());
+    let mut compiled_count = 0;
     for (record, range) in workflows.iter().zip(&ranges) {
-        let mut def = record.to_json(Kind::Workflow);
-        if let Some(obj) = def.as_object_mut()
-            && !obj.contains_key("rollout")
-        {
-            obj.insert(
-                "rollout".into(),
-                serde_json::json!({"bucket_start": range.start, "bucket_end": range.end}),
-            );
-        }
-        match compile_workflow(&def) {
-            Ok(compiled) => {
-                let plan = Arc::new(compiled.plan);
-                if let Some(label) = def.get("channel").and_then(|c| c.as_str()) {
-                    by_label
-                        .entry(label.to_owned())
-                        .or_default()
-                        .push(plan.clone());
+        let key = (record.id.clone(), record.version);
+        let reused = previous
+            .compiled
+            .get(&key)
+            .filter(|c| c.compiled_from(record, range))
+            .map(|c| (c.plan.clone(), c.definition.clone()));
+        let (plan, definition) = match reused {
+            Some(reused) => reused,
+            None => {
+                let mut def = record.to_json(Kind::Workflow);
+                if let Some(obj) = def.as_object_mut()
+                    && !obj.contains_key("rollout")
+                {
+                    obj.insert(
+                        "rollout".into(),
+                        serde_json::json!({"bucket_start": range.start, "bucket_end": range.end}),
+                    );
                 }
-                by_id.entry(record.id.as_str()).or_default().push(plan);
+                match compile_workflow(&def) {
+                    Ok(compiled) => {
+                        compiled_count += 1;
+                        (Arc::new(compiled.plan), Arc::new(record.definition.clone()))
+                    }
+                    Err(errors) => {
+                        problems.extend(errors.into_iter().map(|d| Diagnostic {
+                            field: format!(
+                                "workflows['{}'].v{}.{}",
+                                record.id, record.version, d.field
+                            ),
+                            message: d.message,
+                        }));
+                        continue;
+                    }
+                }
             }
-            Err(errors) => problems.extend(errors.into_iter().map(|d| Diagnostic {
-                field: format!("workflows['{}'].v{}.{}", record.id, record.version, d.field),
-                message: d.message,
-            })),
+        };
+        if let Some(label) = record.definition.get("channel").and_then(|c| c.as_str()) {
+            by_label
+                .entry(label.to_owned())
+                .or_default()
+                .push(plan.clone());
         }
+        by_id
+            .entry(record.id.as_str())
+            .or_default()
+            .push(plan.clone());
+        compiled_plans.insert(
+            key,
+            CompiledPlan {
+                definition,
+                status: record.status,
+                rollout_percentage: record.rollout_percentage,
+                updated_at: record.updated_at.clone(),
+                range: *range,
+                plan,
+            },
+        );
     }
     let mut snapshot = Snapshot {
         generation,
         built_at: Some(SystemTime::now()),
         active_workflows: by_id.len(),
         workflows_loaded: by_id.values().map(Vec::len).sum(),
+        compiled: compiled_plans,
         ..Snapshot::default()
     };
     for record in channels {
-        let json = record.to_json(Kind::Channel);
-        let def: ChannelDef = match serde_json::from_value(json) {
-            Ok(d) => d,
-            Err(e) => {
-                problems.push(Diagnostic {
-                    field: format!("channels['{}']", record.id),
-                    message: e.to_string(),
-                });
-                continue;
-            }
-        };
-        let validation = match def.validation_logic.as_ref().map(logic::compile) {
-            Some(Ok(l)) => Some(l),
-            Some(Err(e)) => {
-                problems.push(Diagnostic {
-                    field: format!("channels['{}'].validation_logic", record.id),
-                    message: format!("invalid JSONLogic: {}", e.message),
-                });
-                continue;
-            }
-            None => None,
-        };
-        let mut plans: Vec<Arc<Plan>> = by_id
-            .get(def.workflow_id.as_str())
+        // The plans this channel serves (by its workflow_id, then by the
+        // workflows' `channel` label), most preferred first.
+        let workflow_id = record
+            .definition
+            .get("workflow_id")
+            .and_then(|w| w.as_str());
+        let name = record.definition.get("name").and_then(|n| n.as_str());
+        let mut plans: Vec<Arc<Plan>> = workflow_id
+            .and_then(|w| by_id.get(w))
             .cloned()
             .unwrap_or_default();
-        for plan in by_label.get(def.name.as_str()).into_iter().flatten() {
+        for plan in name.and_then(|n| by_label.get(n)).into_iter().flatten() {
             if !plans.iter().any(|p| Arc::ptr_eq(p, plan)) {
                 plans.push(plan.clone());
             }
         }
         plans.sort_by(|a, b| b.priority.cmp(&a.priority).then(b.version.cmp(&a.version)));
-        let rules = match crate::governance::Rules::compile(
-            &def.config_json,
-            &def.name,
-            record.version,
-            &plans,
-        ) {
-            Ok(r) => r,
-            Err(errors) => {
-                problems.extend(errors.into_iter().map(|d| Diagnostic {
-                    field: format!("channels['{}'].{}", record.id, d.field),
-                    message: d.message,
-                }));
-                continue;
-            }
-        };
-        let channel = Arc::new(Channel {
-            id: record.id.clone(),
-            name: def.name.clone(),
-            version: record.version,
-            timeout: Duration::from_millis(def.config_json.timeout_ms),
-            is_async: def.channel_type() == sluice_compiler::def::ChannelType::Async,
-            metrics: ChannelMetrics::new(&def.name),
-            validation,
-            rules,
-            plans,
-            def,
+        // An unchanged channel serving the same plans is carried over whole.
+        let unchanged = name.and_then(|n| previous.channels.get(n)).filter(|c| {
+            c.id == record.id
+                && c.version == record.version
+                && *c.source == record.definition
+                && c.plans.len() == plans.len()
+                && c.plans.iter().zip(&plans).all(|(a, b)| Arc::ptr_eq(a, b))
         });
+        let channel = match unchanged {
+            Some(channel) => channel.clone(),
+            None => match build_channel(record, plans, previous) {
+                Ok(channel) => channel,
+                Err(mut errors) => {
+                    problems.append(&mut errors);
+                    continue;
+                }
+            },
+        };
         if let (Some(pattern), sluice_compiler::def::Protocol::Rest) =
             (&channel.def.route_pattern, channel.def.protocol())
         {
@@ -323,10 +433,79 @@ pub fn assemble(
     }
     snapshot.routes.finish();
     if problems.is_empty() {
-        Ok(snapshot)
+        Ok((snapshot, compiled_count))
     } else {
         Err(ReloadError::Invalid(problems))
     }
+}
+
+/// Compiles one channel of a snapshot (its checks, rules and handles).
+fn build_channel(
+    record: &Record,
+    plans: Vec<Arc<Plan>>,
+    previous: &Snapshot,
+) -> Result<Arc<Channel>, Vec<Diagnostic>> {
+    let json = record.to_json(Kind::Channel);
+    let def: ChannelDef = match serde_json::from_value(json) {
+        Ok(d) => d,
+        Err(e) => {
+            return Err(vec![Diagnostic {
+                field: format!("channels['{}']", record.id),
+                message: e.to_string(),
+            }]);
+        }
+    };
+    let validation = match def.validation_logic.as_ref().map(logic::compile) {
+        Some(Ok(l)) => Some(l),
+        Some(Err(e)) => {
+            return Err(vec![Diagnostic {
+                field: format!("channels['{}'].validation_logic", record.id),
+                message: format!("invalid JSONLogic: {}", e.message),
+            }]);
+        }
+        None => None,
+    };
+    let rules = match crate::governance::Rules::compile(
+        &def.config_json,
+        &def.name,
+        record.version,
+        &plans,
+    ) {
+        Ok(r) => r,
+        Err(errors) => {
+            return Err(errors
+                .into_iter()
+                .map(|d| Diagnostic {
+                    field: format!("channels['{}'].{}", record.id, d.field),
+                    message: d.message,
+                })
+                .collect());
+        }
+    };
+    Ok(Arc::new(Channel {
+        id: record.id.clone(),
+        source: Arc::new(record.definition.clone()),
+        name: def.name.clone(),
+        version: record.version,
+        timeout: Duration::from_millis(def.config_json.timeout_ms),
+        is_async: def.channel_type() == sluice_compiler::def::ChannelType::Async,
+        // Registered once per channel name, then carried over.
+        metrics: previous
+            .channels
+            .get(&def.name)
+            .map_or_else(|| ChannelMetrics::new(&def.name), |c| c.metrics.clone()),
+        scope: sluice_runtime::connectors::CallScope {
+            channel: def.name.clone(),
+            traceparent: None,
+            tracestate: None,
+            chain: vec![def.name.clone()],
+            observer: None,
+        },
+        validation,
+        rules,
+        plans,
+        def,
+    }))
 }
 
 /// Canary ranges: for each workflow id, the newest active version gets
@@ -359,4 +538,130 @@ fn newest_percentage(workflows: &[Record], id: &str, version: i64) -> i64 {
         .iter()
         .find(|r| r.id == id && r.version == version)
         .map_or(100, |r| r.rollout_percentage)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn workflow(id: &str, version: i64, tasks: serde_json::Value) -> Record {
+        Record {
+            id: id.into(),
+            version,
+            status: Status::Active,
+            rollout_percentage: 100,
+            definition: json!({"name": id, "priority": 1, "tasks": tasks}),
+            created_at: "2026-01-01T00:00:00Z".into(),
+            updated_at: "2026-01-01T00:00:00Z".into(),
+        }
+    }
+
+    fn channel(name: &str, workflow_id: &str) -> Record {
+        Record {
+            id: name.into(),
+            version: 1,
+            status: Status::Active,
+            rollout_percentage: 100,
+            definition: json!({
+                "name": name, "channel_type": "sync", "protocol": "rest",
+                "route_pattern": format!("/{name}/{{id}}"), "methods": ["POST"],
+                "workflow_id": workflow_id, "config_json": {"timeout_ms": 1000}
+            }),
+            created_at: "2026-01-01T00:00:00Z".into(),
+            updated_at: "2026-01-01T00:00:00Z".into(),
+        }
+    }
+
+    fn tasks(target: &str) -> serde_json::Value {
+        json!([{"id": "t", "name": "t", "function": {"name": "map", "input": {"mappings": [
+            {"path": target, "logic": {"var": "payload.x"}}
+        ]}}}])
+    }
+
+    #[test]
+    fn a_rebuild_reuses_the_plans_of_unchanged_definitions() {
+        let workflows = vec![
+            workflow("a", 1, tasks("data.a")),
+            workflow("b", 1, tasks("data.b")),
+        ];
+        let channels = vec![channel("ca", "a"), channel("cb", "b")];
+        let (first, compiled) = assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
+        assert_eq!(compiled, 2);
+        let (second, compiled) = assemble(&workflows, &channels, 2, &first).unwrap();
+        assert_eq!(compiled, 0, "nothing changed, nothing compiled");
+        assert!(Arc::ptr_eq(&first.channels["ca"], &second.channels["ca"]));
+        for name in ["ca", "cb"] {
+            assert!(Arc::ptr_eq(
+                &first.channels[name].plans[0],
+                &second.channels[name].plans[0]
+            ));
+        }
+        // A changed definition under the same id and version is compiled again.
+        let changed = vec![
+            workflow("a", 1, tasks("data.changed")),
+            workflow("b", 1, tasks("data.b")),
+        ];
+        let (third, compiled) = assemble(&changed, &channels, 3, &second).unwrap();
+        assert_eq!(compiled, 1);
+        assert!(!Arc::ptr_eq(
+            &second.channels["ca"].plans[0],
+            &third.channels["ca"].plans[0]
+        ));
+        assert!(Arc::ptr_eq(
+            &second.channels["cb"].plans[0],
+            &third.channels["cb"].plans[0]
+        ));
+        // The channel of the changed plan is rebuilt; the other carried over.
+        assert!(!Arc::ptr_eq(&second.channels["ca"], &third.channels["ca"]));
+        assert!(Arc::ptr_eq(&second.channels["cb"], &third.channels["cb"]));
+        // A new version is a new plan.
+        let newer = vec![
+            workflow("a", 2, tasks("data.changed")),
+            workflow("b", 1, tasks("data.b")),
+        ];
+        let (_, compiled) = assemble(&newer, &channels, 4, &third).unwrap();
+        assert_eq!(compiled, 1);
+    }
+
+    #[test]
+    fn routes_match_decoded_segments_once() {
+        let workflows = vec![workflow("a", 1, tasks("data.a"))];
+        let channels = vec![channel("ca", "a")];
+        let (snapshot, _) = assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
+        // The router decoded `%2541` to `%41`; the table must not decode again.
+        let m = snapshot.routes.find("POST", &["ca", "%41"]).unwrap();
+        assert_eq!(m.params.as_slice(), &[("id", "%41")]);
+        assert_eq!(m.channel.name, "ca");
+        assert!(snapshot.routes.find("GET", &["ca", "x"]).is_none());
+        assert!(snapshot.routes.find("POST", &["cb", "x"]).is_none());
+    }
+
+    #[test]
+    fn literal_and_parameter_first_routes_keep_their_order() {
+        let workflows = vec![workflow("a", 1, tasks("data.a"))];
+        let mut channels = Vec::new();
+        for (name, pattern, priority) in [
+            ("lit-low", "/orders/{id}", 1),
+            ("param-mid", "/{kind}/{id}", 5),
+            ("lit-high", "/orders/{id}", 9),
+            ("other", "/users/{id}", 9),
+        ] {
+            let mut c = channel(name, "a");
+            c.definition["route_pattern"] = json!(pattern);
+            c.definition["priority"] = json!(priority);
+            channels.push(c);
+        }
+        let (snapshot, _) = assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
+        let name = |parts: &[&str]| {
+            snapshot
+                .routes
+                .find("POST", parts)
+                .map(|m| m.channel.name.clone())
+        };
+        assert_eq!(name(&["orders", "1"]).as_deref(), Some("lit-high"));
+        assert_eq!(name(&["users", "1"]).as_deref(), Some("other"));
+        assert_eq!(name(&["things", "1"]).as_deref(), Some("param-mid"));
+        assert_eq!(snapshot.routes.len(), 4);
+    }
 }

@@ -3,23 +3,29 @@
 
 use crate::api::{ApiError, HttpResponse};
 use crate::app::App;
-use crate::server::{Req, percent_decode};
+use crate::server::{Req, decode};
 use crate::{admin, auth, data, ops};
 use http::Method;
+use smallvec::SmallVec;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 pub async fn route(app: &Arc<App>, req: Req) -> HttpResponse {
-    let segments: Vec<String> = req
-        .path
+    // Decoded once, here; a segment without escapes borrows the path.
+    let segments: SmallVec<[Cow<'_, str>; 8]> = req
+        .path()
         .split('/')
         .filter(|s| !s.is_empty())
-        .map(percent_decode)
+        .map(decode)
         .collect();
-    let seg: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let seg: SmallVec<[&str; 8]> = segments.iter().map(|s| &**s).collect();
+    // Handlers are awaited boxed: their futures (the admin plane's most of
+    // all) are large, and every future above this one would otherwise carry
+    // and copy the largest of them on every request.
     let result = match seg.as_slice() {
-        ["health"] => get_only(&req).and(ops::health(app).await),
+        ["health"] => get_only(&req).and(Box::pin(ops::health(app)).await),
         ["healthz"] => get_only(&req).and(ops::healthz()),
-        ["readyz"] => get_only(&req).and(ops::readyz(app).await),
+        ["readyz"] => get_only(&req).and(Box::pin(ops::readyz(app)).await),
         ["metrics"] => match auth::authenticate(&app.config.admin_auth, &req) {
             Ok(_) => get_only(&req).and(ops::metrics(app)),
             Err(e) => Err(e),
@@ -37,13 +43,16 @@ pub async fn route(app: &Arc<App>, req: Req) -> HttpResponse {
             "text/javascript; charset=utf-8",
         ))),
         ["api", "v1", "admin", ..] => match auth::authenticate(&app.config.admin_auth, &req) {
-            Ok(who) => admin::dispatch(app, &req, &segments[3..], who).await,
+            Ok(who) => Box::pin(admin::dispatch(app, &req, &seg[3..], who)).await,
             Err(e) => Err(e),
         },
-        ["api", "v1", "data", ..] if seg.len() > 3 => data::handle(app, &req, &segments[3..]).await,
+        ["api", "v1", "data", ..] if seg.len() > 3 => {
+            Box::pin(data::handle(app, &req, &seg[3..])).await
+        }
         _ => Err(ApiError::not_found(format!(
             "No route matches {} {}",
-            req.method, req.path
+            req.method,
+            req.path()
         ))),
     };
     result.unwrap_or_else(ApiError::into_response)
@@ -70,15 +79,23 @@ fn get_only(req: &Req) -> Result<(), ApiError> {
     } else {
         Err(ApiError::new(
             crate::api::Code::MethodNotAllowed,
-            format!("method {} is not allowed on {}", req.method, req.path),
+            format!("method {} is not allowed on {}", req.method, req.path()),
         ))
     }
 }
 
 /// A low-cardinality label for a request path: identifiers become `{id}`,
 /// data-plane paths one label, unknown paths `unmatched`.
-pub fn route_label(path: &str) -> std::borrow::Cow<'static, str> {
-    let seg: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+pub fn route_label(path: &str) -> Cow<'static, str> {
+    // The data plane first, without splitting (it is most of the traffic).
+    if let Some(rest) = path.strip_prefix("/api/v1/data/")
+        && !rest.is_empty()
+        && !rest.starts_with("traces")
+        && !rest.starts_with('/')
+    {
+        return DATA_PLANE_ROUTE.into();
+    }
+    let seg: SmallVec<[&str; 8]> = path.split('/').filter(|s| !s.is_empty()).collect();
     match seg.as_slice() {
         ["health"] => "/health".into(),
         ["healthz"] => "/healthz".into(),
@@ -137,6 +154,10 @@ mod tests {
             "/api/v1/admin/workflows/import"
         );
         assert_eq!(route_label("/api/v1/data/orders/7"), "/api/v1/data/{path}");
+        assert_eq!(route_label("/api/v1/data//orders"), "/api/v1/data/{path}");
+        assert_eq!(route_label("/api/v1/data/traces/x"), "/api/v1/data/traces");
+        assert_eq!(route_label("/api/v1/data/tracesx"), "/api/v1/data/{path}");
+        assert_eq!(route_label("/api/v1/data"), "/api/v1/data/{path}");
         assert_eq!(route_label("/health"), "/health");
         assert_eq!(route_label("/x/y"), "unmatched");
     }

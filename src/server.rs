@@ -10,15 +10,15 @@ use crate::app::App;
 use crate::router;
 use bytes::Bytes;
 use futures_util::FutureExt;
-use http::{HeaderMap, HeaderValue, Method, Request, header};
-use http_body_util::{BodyExt, Limited};
+use http::header::HeaderName;
+use http::{HeaderMap, HeaderValue, Method, Request, Uri, header};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -27,20 +27,77 @@ use tokio::net::TcpListener;
 use tracing::Instrument;
 
 /// A request as handlers see it: the body already read (and bounded).
+///
+/// Nothing here is copied out of what hyper parsed except the query pairs
+/// (decoded, and empty without a query string): the path is read from the
+/// URI, the request id is a header value, the client address is formatted
+/// once per connection.
 #[derive(Debug)]
 pub struct Req {
     pub method: Method,
-    pub path: String,
+    pub uri: Uri,
     pub query: Vec<(String, String)>,
     pub headers: HeaderMap,
     pub body: Bytes,
-    pub request_id: String,
+    pub request_id: RequestId,
     /// Whether the caller sent the request id (it then seeds rollout buckets).
     pub caller_request_id: bool,
-    pub client_ip: String,
+    pub client_ip: Arc<str>,
 }
 
+/// The effective request id: the caller's `X-Request-Id` when it is a UUID
+/// (shared with the request's header bytes, not copied), else a fresh v4
+/// UUID. Held as a header value because it goes back out as one.
+#[derive(Debug, Clone)]
+pub struct RequestId(HeaderValue);
+
+impl RequestId {
+    /// The caller's id if it is a UUID (`Some(.., true)`), else a new one.
+    pub fn of(headers: &HeaderMap) -> (RequestId, bool) {
+        match headers.get(X_REQUEST_ID) {
+            Some(v) if v.to_str().is_ok_and(|s| uuid::Uuid::parse_str(s).is_ok()) => {
+                (RequestId(v.clone()), true)
+            }
+            _ => (RequestId::generate(), false),
+        }
+    }
+
+    pub fn generate() -> RequestId {
+        let mut buf = [0u8; uuid::fmt::Hyphenated::LENGTH];
+        let text = uuid::Uuid::new_v4().hyphenated().encode_lower(&mut buf);
+        RequestId(HeaderValue::from_str(text).expect("a UUID is a valid header value"))
+    }
+
+    pub fn as_str(&self) -> &str {
+        // Both constructors hold visible ASCII only.
+        self.0.to_str().unwrap_or_default()
+    }
+
+    pub fn header_value(&self) -> HeaderValue {
+        self.0.clone()
+    }
+}
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// W3C trace context, forwarded to connector calls.
+pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+pub const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
+const X_CONTENT_TYPE_OPTIONS: HeaderName = HeaderName::from_static("x-content-type-options");
+const X_FRAME_OPTIONS: HeaderName = HeaderName::from_static("x-frame-options");
+const REFERRER_POLICY: HeaderName = HeaderName::from_static("referrer-policy");
+
 impl Req {
+    /// The path as requested (still percent-encoded).
+    pub fn path(&self) -> &str {
+        self.uri.path()
+    }
+
     pub fn query(&self, name: &str) -> Option<&str> {
         self.query
             .iter()
@@ -48,7 +105,9 @@ impl Req {
             .map(|(_, v)| v.as_str())
     }
 
-    pub fn header(&self, name: &str) -> Option<&str> {
+    /// A header's value as text; pass a `HeaderName` constant on hot paths
+    /// (a `&str` name is parsed on every lookup).
+    pub fn header(&self, name: impl http::header::AsHeaderName) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
 
@@ -82,7 +141,11 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
                 };
                 let _ = stream.set_nodelay(true);
                 let app = app.clone();
-                let service = hyper::service::service_fn(move |req| handle(app.clone(), peer, req));
+                // Formatted once per connection, shared by its requests.
+                let client_ip: Arc<str> = peer.ip().to_string().into();
+                let service = hyper::service::service_fn(move |req| {
+                    handle(app.clone(), client_ip.clone(), req)
+                });
                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                 let conn = graceful.watch(conn.into_owned());
                 tokio::spawn(async move {
@@ -131,17 +194,12 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
 
 async fn handle(
     app: Arc<App>,
-    peer: SocketAddr,
+    client_ip: Arc<str>,
     req: Request<Incoming>,
 ) -> Result<HttpResponse, Infallible> {
-    let (request_id, caller_request_id) = match req
-        .headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-    {
-        Some(v) if uuid::Uuid::parse_str(v).is_ok() => (v.to_owned(), true),
-        _ => (uuid::Uuid::new_v4().to_string(), false),
-    };
+    let (request_id, caller_request_id) = RequestId::of(req.headers());
+    // Fields are formatted only when a subscriber records the span (it is
+    // disabled below `info`).
     let span = tracing::info_span!("request", request_id = %request_id, method = %req.method(), path = %req.uri().path());
     let started = std::time::Instant::now();
     let method = req.method().clone();
@@ -161,7 +219,7 @@ async fn handle(
     } else {
         isolate(read_and_route(
             &app,
-            peer,
+            client_ip,
             req,
             request_id.clone(),
             caller_request_id,
@@ -204,32 +262,30 @@ fn is_operational(path: &str) -> bool {
     matches!(path, "/health" | "/healthz" | "/readyz" | "/metrics")
 }
 
-/// Security headers and the request id on every response.
-fn finish(mut response: HttpResponse, request_id: &str) -> HttpResponse {
+/// Security headers and the request id on every response (header names are
+/// constants: no name parsing per response).
+fn finish(mut response: HttpResponse, request_id: &RequestId) -> HttpResponse {
+    // With `Content-Type` these are the six entries a header map holds
+    // before it first grows.
     let headers = response.headers_mut();
-    headers.insert(
-        "x-content-type-options",
-        HeaderValue::from_static("nosniff"),
-    );
-    headers.insert("x-frame-options", HeaderValue::from_static("DENY"));
-    headers.insert("referrer-policy", HeaderValue::from_static("no-referrer"));
+    headers.insert(X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert(X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers.insert(REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
     if !headers.contains_key(header::CONTENT_SECURITY_POLICY) {
         headers.insert(
             header::CONTENT_SECURITY_POLICY,
             HeaderValue::from_static("default-src 'none'; frame-ancestors 'none'"),
         );
     }
-    if let Ok(v) = HeaderValue::from_str(request_id) {
-        headers.insert("x-request-id", v);
-    }
+    headers.insert(X_REQUEST_ID, request_id.header_value());
     response
 }
 
 async fn read_and_route(
     app: &Arc<App>,
-    peer: SocketAddr,
+    client_ip: Arc<str>,
     req: Request<Incoming>,
-    request_id: String,
+    request_id: RequestId,
     caller_request_id: bool,
 ) -> HttpResponse {
     let (parts, body) = req.into_parts();
@@ -242,15 +298,10 @@ async fn read_and_route(
     {
         return too_large(limit);
     }
-    let body = match Limited::new(body, limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            return too_large(limit);
-        }
-        Err(e) => {
+    let body = match read_body(body, limit).await {
+        Ok(body) => body,
+        Err(BodyError::TooLarge) => return too_large(limit),
+        Err(BodyError::Read(e)) => {
             return ApiError::bad_request(format!("could not read the request body: {e}"))
                 .into_response();
         }
@@ -265,15 +316,52 @@ async fn read_and_route(
     let query = parts.uri.query().map(parse_query).unwrap_or_default();
     let req = Req {
         method: parts.method,
-        path: parts.uri.path().to_owned(),
+        uri: parts.uri,
         query,
         headers: parts.headers,
         body,
         request_id,
         caller_request_id,
-        client_ip: peer.ip().to_string(),
+        client_ip,
     };
     router::route(app, req).await
+}
+
+enum BodyError {
+    TooLarge,
+    Read(hyper::Error),
+}
+
+/// Reads the whole body, at most `limit` bytes. A body that arrives in one
+/// frame (the usual case) is kept as hyper's buffer, without a copy or an
+/// intermediate list; only a body in several frames is joined.
+async fn read_body(mut body: Incoming, limit: usize) -> Result<Bytes, BodyError> {
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<bytes::BytesMut> = None;
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(BodyError::Read)?.into_data() else {
+            continue; // trailers
+        };
+        len += data.len();
+        if len > limit {
+            return Err(BodyError::TooLarge);
+        }
+        match (&mut joined, first.take()) {
+            (Some(buf), _) => buf.extend_from_slice(&data),
+            (None, None) => first = Some(data),
+            (None, Some(head)) => {
+                let mut buf = bytes::BytesMut::with_capacity(len);
+                buf.extend_from_slice(&head);
+                buf.extend_from_slice(&data);
+                joined = Some(buf);
+            }
+        }
+    }
+    Ok(match joined {
+        Some(buf) => buf.freeze(),
+        None => first.unwrap_or_default(),
+    })
 }
 
 fn too_large(limit: usize) -> HttpResponse {
@@ -291,13 +379,17 @@ fn is_json(headers: &HeaderMap) -> bool {
     else {
         return false;
     };
-    let mime = ct
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
+    let mime = ct.split(';').next().unwrap_or("").trim().as_bytes();
+    let prefix = b"application/";
+    let Some(sub) = mime
+        .get(..prefix.len())
+        .filter(|p| p.eq_ignore_ascii_case(prefix))
+        .map(|_| &mime[prefix.len()..])
+    else {
+        return false;
+    };
+    sub.eq_ignore_ascii_case(b"json")
+        || (sub.len() >= 5 && sub[sub.len() - 5..].eq_ignore_ascii_case(b"+json"))
 }
 
 /// Decodes `a=1&b=x%20y` (percent-decoding, `+` as space).
@@ -312,6 +404,15 @@ pub fn parse_query(q: &str) -> Vec<(String, String)> {
 }
 
 pub fn percent_decode(s: &str) -> String {
+    decode(s).into_owned()
+}
+
+/// [`percent_decode`] that borrows `s` when there is nothing to decode (the
+/// common case: no allocation).
+pub fn decode(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.bytes().any(|b| b == b'%' || b == b'+') {
+        return std::borrow::Cow::Borrowed(s);
+    }
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -330,7 +431,10 @@ pub fn percent_decode(s: &str) -> String {
         }
         i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    std::borrow::Cow::Owned(
+        String::from_utf8(out)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()),
+    )
 }
 
 fn hex(b: u8) -> Option<u8> {
@@ -358,6 +462,49 @@ mod tests {
         assert_eq!(json["error"]["code"], "INTERNAL_ERROR");
         let fine = isolate(async { ApiError::not_found("x").into_response() }).await;
         assert_eq!(fine.status(), http::StatusCode::NOT_FOUND);
+    }
+
+    #[test]
+    fn json_content_types() {
+        let with = |ct: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_str(ct).unwrap());
+            is_json(&h)
+        };
+        assert!(with("application/json"));
+        assert!(with("Application/JSON; charset=utf-8"));
+        assert!(with(" application/problem+json "));
+        assert!(!with("text/json"));
+        assert!(!with("application/jsonx"));
+        assert!(!with("application/xml"));
+        assert!(!is_json(&HeaderMap::new()));
+    }
+
+    #[test]
+    fn request_ids_are_the_callers_uuid_or_fresh() {
+        let mut h = HeaderMap::new();
+        let (fresh, caller) = RequestId::of(&h);
+        assert!(!caller);
+        assert!(uuid::Uuid::parse_str(fresh.as_str()).is_ok());
+        assert_ne!(fresh.as_str(), RequestId::generate().as_str());
+        h.insert(
+            X_REQUEST_ID,
+            HeaderValue::from_static("0b6c3f0e-8d8e-4c5e-9a57-2f1f6d1f7c11"),
+        );
+        let (id, caller) = RequestId::of(&h);
+        assert!(caller);
+        assert_eq!(id.as_str(), "0b6c3f0e-8d8e-4c5e-9a57-2f1f6d1f7c11");
+        h.insert(X_REQUEST_ID, HeaderValue::from_static("not-a-uuid"));
+        assert!(!RequestId::of(&h).1);
+    }
+
+    #[test]
+    fn decoding_borrows_when_there_is_nothing_to_decode() {
+        assert!(matches!(
+            decode("ord-7f3a9c"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        assert_eq!(decode("a%20b"), "a b");
     }
 
     #[test]

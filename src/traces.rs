@@ -24,7 +24,7 @@ pub async fn submit(
     app: &Arc<App>,
     req: &Req,
     channel: &Arc<Channel>,
-    params: &[(String, String)],
+    params: &[(&str, &str)],
 ) -> ApiResult {
     let headers = crate::data::header_pairs(req);
     let query: Vec<(&str, &str)> = req
@@ -32,7 +32,7 @@ pub async fn submit(
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    let path = crate::data::borrow_pairs(params);
+    let path = params;
     // Dedup, rate limits and validation run now (backpressure and the
     // response cache belong to the run; see `governance::Stage`).
     app.governance.admit(
@@ -40,10 +40,10 @@ pub async fn submit(
         &crate::governance::View {
             client_ip: &req.client_ip,
             method: req.method.as_str(),
-            target: &req.path,
+            target: req.path(),
             headers: &headers,
             query: &query,
-            path: &path,
+            path,
             body: &req.body,
             internal: false,
         },
@@ -66,7 +66,7 @@ pub async fn submit(
     };
     let caller_id = req.caller_request_id.then_some(req.request_id.as_str());
     // Fixed now: its inputs (authorization, client IP) are not stored.
-    let bucket = rollout::bucket_for(&headers, caller_id, Some(req.client_ip.as_str()));
+    let bucket = rollout::bucket_for(&headers, caller_id, Some(&req.client_ip));
     let object = |pairs: &[(&str, &str)]| {
         Json::Object(
             pairs
@@ -78,10 +78,10 @@ pub async fn submit(
     let mut metadata = json!({
         "headers": object(&headers),
         "query": object(&query),
-        "path": object(&path),
+        "path": object(path),
         "method": req.method.as_str(),
         "channel": channel.name,
-        "request_id": req.request_id,
+        "request_id": req.request_id.as_str(),
     });
     // Header values named like credentials (and secret-named keys anywhere)
     // are masked before they are stored: a trace never holds them.
@@ -106,11 +106,11 @@ pub async fn submit(
 }
 
 /// `GET /api/v1/data/traces` (`rest` empty) and `GET /api/v1/data/traces/{id}`.
-pub async fn read(app: &Arc<App>, req: &Req, rest: &[String]) -> ApiResult {
+pub async fn read(app: &Arc<App>, req: &Req, rest: &[&str]) -> ApiResult {
     if req.method != Method::GET && req.method != Method::HEAD {
         return Err(ApiError::new(
             Code::MethodNotAllowed,
-            format!("method {} is not allowed on {}", req.method, req.path),
+            format!("method {} is not allowed on {}", req.method, req.path()),
         ));
     }
     if let [id] = rest {
