@@ -219,7 +219,9 @@ fn per_case(engine: &Engine, set: &str) {
         }
         rows.push((ours, theirs, i));
     }
-    rows.sort_by(|a, b| (b.0.as_secs_f64() - b.1.as_secs_f64()).total_cmp(&(a.0.as_secs_f64() - a.1.as_secs_f64())));
+    rows.sort_by(|a, b| {
+        (b.0.as_secs_f64() - b.1.as_secs_f64()).total_cmp(&(a.0.as_secs_f64() - a.1.as_secs_f64()))
+    });
     for (ours, theirs, i) in rows {
         println!(
             "{:7.1}ns {:7.1}ns {:5.2}  {}",

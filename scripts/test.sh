@@ -19,3 +19,7 @@ cargo run -q --bin sluice -- test examples/
 # The JSONLogic conformance counts, printed (they are asserted above too).
 cargo test -q -p sluice-compiler --test jsonlogic_conformance -- --nocapture --test-threads 1 2>&1 | grep -E "passed$"
 cargo test --workspace --doc
+# Benchmarks always compile; the load benchmark runs in its smoke mode (1 s,
+# every response checked against the reference's expected.json).
+cargo bench --workspace --no-run
+bash benches/load/run.sh --smoke

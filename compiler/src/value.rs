@@ -426,7 +426,9 @@ mod tests {
     fn strings_are_escaped_in_every_position() {
         // Each special byte at every offset of a string longer than one
         // eight-byte chunk, against serde_json's escaping.
-        for special in ['"', '\\', '\n', '\r', '\t', '\u{8}', '\u{c}', '\u{0}', '\u{1f}', 'é', '\u{7f}'] {
+        for special in [
+            '"', '\\', '\n', '\r', '\t', '\u{8}', '\u{c}', '\u{0}', '\u{1f}', 'é', '\u{7f}',
+        ] {
             for at in 0..20 {
                 let mut text: String = "abcdefghijklmnopqrs".into();
                 text.insert(at, special);
@@ -442,10 +444,31 @@ mod tests {
     #[test]
     fn key_eq_matches_str_eq() {
         let keys = [
-            "", "a", "b", "ab", "ba", "abc", "abd", "xbc", "abcd", "abce", "abcde", "abcdf",
-            "bbcde", "abcdefg", "abcdefh", "abcdefgh", "abcdefgi", "bbcdefgh", "abcdefghi",
-            "abcdefghijklmnop", "abcdefghijklmnoq", "abcdefghijklmnopq", "abcdefghijklmnopr",
-            "é", "ée",
+            "",
+            "a",
+            "b",
+            "ab",
+            "ba",
+            "abc",
+            "abd",
+            "xbc",
+            "abcd",
+            "abce",
+            "abcde",
+            "abcdf",
+            "bbcde",
+            "abcdefg",
+            "abcdefh",
+            "abcdefgh",
+            "abcdefgi",
+            "bbcdefgh",
+            "abcdefghi",
+            "abcdefghijklmnop",
+            "abcdefghijklmnoq",
+            "abcdefghijklmnopq",
+            "abcdefghijklmnopr",
+            "é",
+            "ée",
         ];
         for a in keys {
             for b in keys {

@@ -840,7 +840,11 @@ fn a_passed_deadline_stops_cpu_bound_work_and_connector_calls() {
         http: Some(http.clone()),
         ..Default::default()
     };
-    let p = plan(wf(json!([task("call", "http_call", json!({"connector": "api"}))])));
+    let p = plan(wf(json!([task(
+        "call",
+        "http_call",
+        json!({"connector": "api"})
+    )])));
     let r = run_with(
         &[&p],
         json!({"data": {}}),

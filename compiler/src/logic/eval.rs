@@ -917,7 +917,11 @@ impl<'a> Ev<'a, '_> {
                     |_, item, acc| self.apply(body_op, a.read(item, acc), b.read(item, acc)),
                     #[inline(always)]
                     |_, item| {
-                        self.holds(body_op, a.read(item, Value::Null), b.read(item, Value::Null))
+                        self.holds(
+                            body_op,
+                            a.read(item, Value::Null),
+                            b.read(item, Value::Null),
+                        )
                     },
                 )
             }
