@@ -59,9 +59,18 @@ pub fn parse_str<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, JsonError
 }
 
 fn build<'a>(nodes: &[Node<'a>], pos: &mut usize, arena: &'a Bump) -> Value<'a> {
+    let mut out = Value::Null;
+    build_into(nodes, pos, arena, &mut out);
+    out
+}
+
+/// Builds the value at `nodes[*pos]` straight into its slot: each element is
+/// written once, where it lives (returning it and copying it into the
+/// parent's slot would reload a just-written value, which stalls).
+fn build_into<'a>(nodes: &[Node<'a>], pos: &mut usize, arena: &'a Bump, out: &mut Value<'a>) {
     let node = nodes[*pos];
     *pos += 1;
-    match node {
+    *out = match node {
         Node::String(s) => Value::Str(s),
         Node::Static(s) => match s {
             StaticNode::Null => Value::Null,
@@ -71,25 +80,24 @@ fn build<'a>(nodes: &[Node<'a>], pos: &mut usize, arena: &'a Bump) -> Value<'a> 
             StaticNode::F64(f) => Value::Float(f),
         },
         Node::Array { len, .. } => {
-            let items = arena.alloc_slice_fill_with(len, |_| Value::Null);
+            let items = arena.alloc_slice_fill_copy(len, Value::Null);
             for item in items.iter_mut() {
-                *item = build(nodes, pos, arena);
+                build_into(nodes, pos, arena, item);
             }
             Value::Array(items)
         }
         Node::Object { len, .. } => {
-            let members = arena.alloc_slice_fill_with(len, |_| ("", Value::Null));
+            let members = arena.alloc_slice_fill_copy(len, ("", Value::Null));
             for member in members.iter_mut() {
-                let key = match nodes[*pos] {
-                    Node::String(k) => k,
-                    _ => "",
-                };
+                if let Node::String(k) = nodes[*pos] {
+                    member.0 = k;
+                }
                 *pos += 1;
-                *member = (key, build(nodes, pos, arena));
+                build_into(nodes, pos, arena, &mut member.1);
             }
             Value::Object(dedup_keys(members, arena))
         }
-    }
+    };
 }
 
 /// JSON allows repeated keys; like serde_json, the last one wins. Small objects

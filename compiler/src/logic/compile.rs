@@ -370,11 +370,12 @@ impl Compiler {
         let arena = Bump::new();
         let node = match op {
             Op::Var => {
-                let path_id = *ids.first()?;
-                if !self.is_const(path_id) {
-                    return None;
-                }
-                let path = eval::const_value(&self.prog, path_id);
+                // `{"var": []}` reads the whole data, like a null path.
+                let path = match ids.first() {
+                    None => Value::Null,
+                    Some(&id) if self.is_const(id) => eval::const_value(&self.prog, id),
+                    Some(_) => return None,
+                };
                 let segments: Box<[Segment]> = match path {
                     Value::Null => Box::default(),
                     other => Path::parse(key_text(other, &arena)).segments().into(),

@@ -702,11 +702,11 @@ impl<'a> Ev<'a, '_> {
             },
             Op::Log => self.arg(args, 0, scope),
             Op::Array => {
-                let mut out = BVec::with_capacity_in(n, self.arena);
-                for i in 0..n {
-                    out.push(self.arg(args, i, scope)?);
+                let out = self.arena.alloc_slice_fill_copy(n, Value::Null);
+                for (i, slot) in out.iter_mut().enumerate() {
+                    *slot = self.arg(args, i, scope)?;
                 }
-                Ok(Value::Array(out.into_bump_slice()))
+                Ok(Value::Array(out))
             }
             Op::Var => self.var_dynamic(args, scope),
             Op::Val | Op::Exists => self.val_dynamic(op, args, scope),
@@ -982,11 +982,11 @@ impl<'a> Ev<'a, '_> {
         match op {
             Op::Map => {
                 self.charge(size_of_val(items))?;
-                let mut out = BVec::with_capacity_in(items.len(), self.arena);
-                for (i, item) in items.iter().enumerate() {
-                    out.push(value(i, *item, Value::Null)?);
+                let out = self.arena.alloc_slice_fill_copy(items.len(), Value::Null);
+                for (i, (slot, item)) in out.iter_mut().zip(items).enumerate() {
+                    *slot = value(i, *item, Value::Null)?;
                 }
-                Ok(Value::Array(out.into_bump_slice()))
+                Ok(Value::Array(out))
             }
             Op::Filter => {
                 let mut out = BVec::with_capacity_in(items.len(), self.arena);
