@@ -114,27 +114,12 @@ struct Step {
 
 // ---------------------------------------------------------------- reading the directory
 
-fn read_dir_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| format!("cannot read {}: {e}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .collect();
-    entries.sort();
-    for path in entries {
-        if path.is_dir() {
-            read_dir_files(&path, out)?;
-        } else {
-            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            let definition = [".json", ".yaml", ".yml"].iter().any(|s| name.ends_with(s))
-                && !crate::testing::TEST_FILE_SUFFIXES
-                    .iter()
-                    .any(|s| name.ends_with(s));
-            if definition {
-                out.push(path);
-            }
-        }
-    }
-    Ok(())
+/// Definition files: JSON or YAML, but not workflow test files.
+fn is_definition(name: &str) -> bool {
+    [".json", ".yaml", ".yml"].iter().any(|s| name.ends_with(s))
+        && !crate::testing::TEST_FILE_SUFFIXES
+            .iter()
+            .any(|s| name.ends_with(s))
 }
 
 /// Reads and validates every definition of the directory; all problems of
@@ -151,7 +136,7 @@ fn read_locals(dir: &Path) -> Result<Vec<Local>, Vec<String>> {
             continue;
         }
         let mut files = Vec::new();
-        if let Err(e) = read_dir_files(&sub, &mut files) {
+        if let Err(e) = crate::testing::files_under(&sub, &is_definition, &mut files) {
             problems.push(e);
             continue;
         }

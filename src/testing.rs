@@ -485,32 +485,35 @@ fn load(path: &Path) -> Result<TestFile, String> {
     }
 }
 
+/// Files under `dir` (recursively, in name order) whose name `keep` accepts.
+pub(crate) fn files_under(
+    dir: &Path,
+    keep: &dyn Fn(&str) -> bool,
+    out: &mut Vec<PathBuf>,
+) -> Result<(), String> {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| format!("cannot read {}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    entries.sort();
+    for path in entries {
+        if path.is_dir() {
+            files_under(&path, keep, out)?;
+        } else if path.file_name().and_then(|n| n.to_str()).is_some_and(keep) {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
 /// Test files named by the arguments: files as given, directories searched
 /// recursively for the [`TEST_FILE_SUFFIXES`], in name order.
 fn collect(paths: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
-        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| format!("cannot read {}: {e}", dir.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .collect();
-        entries.sort();
-        for path in entries {
-            if path.is_dir() {
-                walk(&path, out)?;
-            } else if path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| TEST_FILE_SUFFIXES.iter().any(|s| n.ends_with(s)))
-            {
-                out.push(path);
-            }
-        }
-        Ok(())
-    }
+    let is_test = |name: &str| TEST_FILE_SUFFIXES.iter().any(|s| name.ends_with(s));
     let mut out = Vec::new();
     for path in paths {
         if path.is_dir() {
-            walk(path, &mut out)?;
+            files_under(path, &is_test, &mut out)?;
         } else if path.is_file() {
             out.push(path.clone());
         } else {
