@@ -4,7 +4,7 @@
 //! `scripts/test.sh` starts (`../shared/services/`). The first test is the
 //! README's worked example.
 
-use crate::support::{Db, TestServer, fresh_database, start_with};
+use crate::support::{Db, TestServer, fresh_database, start_with, unique};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::service::service_fn;
@@ -18,10 +18,6 @@ use std::time::Duration;
 const REDIS: &str = "redis://127.0.0.1:6379/";
 const MONGO: &str = "mongodb://127.0.0.1:27017/";
 const KAFKA: &str = "127.0.0.1:9092";
-
-fn unique(prefix: &str) -> String {
-    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
-}
 
 async fn service(kafka: bool) -> TestServer {
     start_with(Db::Sqlite, |c| {

@@ -4,7 +4,7 @@
 //! dead-letter topic (failed and non-JSON messages), and at-least-once
 //! delivery across a SIGKILL of the real binary.
 
-use crate::support::{Db, TestServer, start_with};
+use crate::support::{Db, TestServer, free_port, start_with, unique};
 use rdkafka::Message as _;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders};
@@ -15,10 +15,6 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 const KAFKA: &str = "127.0.0.1:9092";
-
-fn unique(prefix: &str) -> String {
-    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
-}
 
 fn producer() -> FutureProducer {
     rdkafka::ClientConfig::new()
@@ -404,14 +400,6 @@ async fn config_file_topics_are_consumed() {
     want.sort();
     assert_eq!(topics, want);
     assert_eq!(s.app.kafka.running().len(), 2);
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn spawn_service(port: u16, db: &str) -> std::process::Child {

@@ -3,7 +3,7 @@
 //! NOTIFY; MariaDB: a poll of the generation row), and every replica reports
 //! the same generation.
 
-use crate::support::{Db, fresh_database};
+use crate::support::{Db, free_port, fresh_database};
 use serde_json::{Value as Json, json};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -18,14 +18,6 @@ impl Drop for Replica {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 async fn replica(db: &str) -> Replica {

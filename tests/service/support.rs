@@ -20,7 +20,8 @@ pub enum Db {
 const PG_ADMIN: &str = "postgres://postgres@127.0.0.1:5432/test";
 const MY_ADMIN: &str = "mysql://root@127.0.0.1:3306/test";
 
-fn unique(prefix: &str) -> String {
+/// A name nobody else uses (databases, topics, groups, keys).
+pub fn unique(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
 }
 
@@ -59,6 +60,15 @@ pub async fn fresh_database(db: Db) -> String {
             format!("mysql://root@127.0.0.1:3306/{name}")
         }
     }
+}
+
+/// A loopback port free right now (for a spawned `sluice serve`).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Installs the TLS crypto provider reqwest needs (start-up does it too;
