@@ -2,7 +2,7 @@
 //! `sluice apply`, and the worked examples under `examples/`, each applied to
 //! a real server and sent one real request.
 
-use crate::support::{Db, TestServer, start, start_with};
+use crate::support::{Db, TestServer, kafka_reader, start, start_with};
 use serde_json::{Value as Json, json};
 use sluice_compiler::plan::compile_workflow;
 use sluice_compiler::schema::{DefinitionKind, definition_schema};
@@ -1112,7 +1112,6 @@ async fn example_composition_calls_pricing_and_rolls_out_a_canary() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn example_kafka_dead_letter_consumes_and_routes_bad_events() {
     use rdkafka::Message as _;
-    use rdkafka::consumer::{Consumer as _, StreamConsumer};
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let s = start_with(Db::Sqlite, |c| {
         c.kafka.enabled = true;
@@ -1122,17 +1121,7 @@ async fn example_kafka_dead_letter_consumes_and_routes_bad_events() {
     .await;
     applied(&s, &repo("examples/kafka-dead-letter"), &[]);
     let order = format!("o-{}", uuid::Uuid::new_v4().simple());
-    let consumer: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", "127.0.0.1:9092")
-        .set(
-            "group.id",
-            format!("sluice-example-{}", uuid::Uuid::new_v4().simple()),
-        )
-        .set("auto.offset.reset", "earliest")
-        .set("enable.auto.commit", "false")
-        .create()
-        .unwrap();
-    consumer.subscribe(&["orders.dead-letter"]).unwrap();
+    let consumer = kafka_reader(&["orders.dead-letter"]).await;
     // One real event on the channel's topic: the channel consumes it.
     let producer: FutureProducer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", "127.0.0.1:9092")

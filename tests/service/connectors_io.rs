@@ -4,13 +4,12 @@
 //! `scripts/test.sh` starts (`../shared/services/`). The first test is the
 //! README's worked example.
 
-use crate::support::{Db, TestServer, fresh_database, start_with, unique};
+use crate::support::{Db, TestServer, fresh_database, kafka_reader, start_with, unique};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use rdkafka::Message as _;
-use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::Headers as _;
 use serde_json::{Value as Json, json};
 use std::time::Duration;
@@ -382,19 +381,6 @@ async fn mongo_read_through_the_data_plane() {
     client.database(&dbname).drop().await.unwrap();
 }
 
-fn test_consumer(topic: &str) -> StreamConsumer {
-    let consumer: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", KAFKA)
-        .set("group.id", unique("sluice-test"))
-        .set("auto.offset.reset", "earliest")
-        .set("session.timeout.ms", "6000")
-        .set("enable.auto.commit", "false")
-        .create()
-        .unwrap();
-    consumer.subscribe(&[topic]).unwrap();
-    consumer
-}
-
 /// `publish_kafka`: the message is read back from the broker with its key,
 /// the data document as value and the request's trace context in headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -444,7 +430,7 @@ async fn publish_kafka_is_consumed_back() {
         .await;
     assert_eq!(r.status, 200, "{}", r.text);
 
-    let consumer = test_consumer(&topic);
+    let consumer = kafka_reader(&[&topic]).await;
     let mut got = Vec::new();
     while got.len() < 2 {
         let m = tokio::time::timeout(Duration::from_secs(30), consumer.recv())

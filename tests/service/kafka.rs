@@ -4,9 +4,8 @@
 //! dead-letter topic (failed and non-JSON messages), and at-least-once
 //! delivery across a SIGKILL of the real binary.
 
-use crate::support::{Db, TestServer, free_port, start_with, unique};
+use crate::support::{Db, TestServer, free_port, kafka_reader, start_with, unique};
 use rdkafka::Message as _;
-use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
@@ -106,19 +105,6 @@ async fn wait_traces(
         assert!(Instant::now() < until, "timed out; traces so far: {t:#?}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-}
-
-fn dlq_consumer(topic: &str) -> StreamConsumer {
-    let c: StreamConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", KAFKA)
-        .set("group.id", unique("dlq-reader"))
-        .set("auto.offset.reset", "earliest")
-        .set("session.timeout.ms", "6000")
-        .set("enable.auto.commit", "false")
-        .create()
-        .unwrap();
-    c.subscribe(&[topic]).unwrap();
-    c
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,7 +208,7 @@ async fn consumes_records_dead_letters_and_keeps_order() {
     assert_eq!(f["errors"][0]["code"], "TASK_ERROR", "{f}");
 
     // Both dead letters, with the documented fields.
-    let c = dlq_consumer(&dlq);
+    let c = kafka_reader(&[&dlq]).await;
     let mut letters = Vec::new();
     while letters.len() < 2 {
         let m = tokio::time::timeout(Duration::from_secs(30), c.recv())

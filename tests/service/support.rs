@@ -407,3 +407,54 @@ pub async fn deploy_io_slow(s: &TestServer, id: &str, upstream: &str, config_jso
     )
     .await;
 }
+
+/// The test broker (../shared/services/kafka.sh).
+pub const KAFKA_BROKERS: &str = "127.0.0.1:9092";
+
+/// Creates `topics` (with `partitions` each) unless they exist, so consumers
+/// that subscribe before anything was produced see them at once instead of
+/// after librdkafka's next metadata refresh.
+pub async fn kafka_topics(topics: &[&str], partitions: i32) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", KAFKA_BROKERS)
+        .create()
+        .expect("kafka admin client");
+    let new: Vec<NewTopic> = topics
+        .iter()
+        .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(1)))
+        .collect();
+    let results = admin
+        .create_topics(&new, &AdminOptions::new())
+        .await
+        .expect("create topics");
+    for r in results {
+        if let Err((topic, code)) = r {
+            assert_eq!(
+                code,
+                rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists,
+                "creating {topic}"
+            );
+        }
+    }
+}
+
+/// A consumer of `topics` in a group of its own, reading from the start,
+/// with the short session timeout the stand-in broker needs (README of
+/// ../shared/services) and a fast metadata refresh.
+pub async fn kafka_reader(topics: &[&str]) -> rdkafka::consumer::StreamConsumer {
+    use rdkafka::consumer::Consumer as _;
+    kafka_topics(topics, 1).await;
+    let c: rdkafka::consumer::StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", KAFKA_BROKERS)
+        .set("group.id", unique("test-reader"))
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .set("enable.auto.commit", "false")
+        .set("topic.metadata.refresh.interval.ms", "1000")
+        .create()
+        .expect("kafka consumer");
+    c.subscribe(topics).expect("subscribe");
+    c
+}
