@@ -77,7 +77,7 @@ impl App {
         App {
             connectors,
             queue: crate::queue::Queue::new(&config.queue),
-            governance: crate::governance::Governance::new(config.rate_limit.clone()),
+            governance: crate::governance::Governance::new(&config),
             invoker,
             kafka: crate::kafka::Consumers::default(),
             otel: None,

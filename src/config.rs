@@ -24,6 +24,7 @@ pub struct Config {
     pub queue: Queue,
     pub kafka: Kafka,
     pub rate_limit: RateLimit,
+    pub governance: GovernanceCfg,
     pub security: Security,
     pub admin_auth: AdminAuth,
 }
@@ -172,6 +173,34 @@ pub struct RateLimit {
     pub enabled: bool,
     pub requests_per_second: u64,
     pub burst: u64,
+    /// With `governance.backend = "redis"`: admit requests while Redis is
+    /// unreachable (default: refuse them with 503).
+    pub fail_open: bool,
+}
+
+/// Where channel governance keeps its state: `memory` (per process) or
+/// `redis` (shared by every replica: rate-limit buckets, deduplication
+/// windows, the response cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GovernanceBackend {
+    Memory,
+    Redis,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GovernanceCfg {
+    pub backend: GovernanceBackend,
+    /// `redis://[user:password@]host:port[/db]` (or `rediss://`); required
+    /// with the redis backend. Never logged.
+    pub redis_url: String,
+    /// Prefix of every key Sluice writes to Redis (`<prefix>:rate:…`,
+    /// `:dedup:`, `:cache:`), so several fleets can share one Redis.
+    pub key_prefix: String,
+    /// Longest wait for one Redis round trip; past it the backend counts as
+    /// unreachable for that request (and the check fails open or closed).
+    pub timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -259,6 +288,13 @@ impl Default for Config {
                 enabled: false,
                 requests_per_second: 1000,
                 burst: 2000,
+                fail_open: false,
+            },
+            governance: GovernanceCfg {
+                backend: GovernanceBackend::Memory,
+                redis_url: String::new(),
+                key_prefix: "sluice".into(),
+                timeout_ms: 250,
             },
             security: Security {
                 allow_private_networks: false,
@@ -285,7 +321,8 @@ macro_rules! default_impl {
 
 default_impl!(Server => server, Storage => storage, Ingest => ingest, Metrics => metrics,
     Logging => logging, Tracing => tracing, Engine => engine, Queue => queue, Kafka => kafka,
-    RateLimit => rate_limit, Security => security, AdminAuth => admin_auth);
+    RateLimit => rate_limit, GovernanceCfg => governance, Security => security,
+    AdminAuth => admin_auth);
 
 impl Default for CircuitBreaker {
     fn default() -> Self {
@@ -370,6 +407,23 @@ impl Config {
         }
         if self.kafka.session_timeout_ms < 1000 {
             return fail("kafka.session_timeout_ms", "must be at least 1000");
+        }
+        if self.governance.backend == GovernanceBackend::Redis {
+            let url = self.governance.redis_url.trim();
+            if url.is_empty() {
+                return fail(
+                    "governance.redis_url",
+                    "governance.backend is \"redis\" but no URL is set",
+                );
+            }
+            // The redis crate's parse errors do not echo the URL (which may
+            // hold a password).
+            if let Err(e) = redis::Client::open(url) {
+                return fail("governance.redis_url", &e.to_string());
+            }
+        }
+        if self.governance.timeout_ms == 0 {
+            return fail("governance.timeout_ms", "must be at least 1");
         }
         if self.admin_auth.enabled
             && self.admin_auth.api_key.is_empty()
@@ -563,16 +617,18 @@ mod tests {
                     }
                 }
                 toml::Value::String(s) if name.ends_with("API_KEY_HEADER") => format!("x-{s}"),
+                toml::Value::String(_) if name == "GOVERNANCE__BACKEND" => "redis".into(),
                 toml::Value::String(s) => format!("{s}x"),
                 toml::Value::Array(_) => "[{topic = \"t\", channel = \"c\"}]".into(),
                 other => panic!("unexpected leaf {other:?}"),
             };
             let var = format!("SERVICE_{name}");
-            let extra = [("SERVICE_ADMIN_AUTH__API_KEY", "k")];
+            let extra = [
+                ("SERVICE_ADMIN_AUTH__API_KEY", "k"),
+                ("SERVICE_GOVERNANCE__REDIS_URL", "redis://127.0.0.1:6379/"),
+            ];
             let mut vars = vec![(var.as_str(), raw.as_str())];
-            if var != "SERVICE_ADMIN_AUTH__API_KEY" {
-                vars.extend(extra);
-            }
+            vars.extend(extra.iter().filter(|(k, _)| *k != var));
             let cfg = load(None, &vars).unwrap_or_else(|e| panic!("{var}={raw}: {e}"));
             let tree = toml::Table::try_from(cfg).unwrap();
             let default_tree = toml::Table::try_from(Config::default()).unwrap();
@@ -611,5 +667,20 @@ mod tests {
         assert!(e.contains("tracing.sample_rate"), "{e}");
         // Variables without a section separator are not ours (e.g. SERVICE_NAME).
         assert!(load(None, &[("SERVICE_NAME", "x")]).is_ok());
+        let e = load(None, &[("SERVICE_GOVERNANCE__BACKEND", "redis")])
+            .unwrap_err()
+            .0;
+        assert!(e.contains("'governance.redis_url'"), "{e}");
+        let e = load(
+            Some("[governance]\nbackend = \"redis\"\nredis_url = \"http://u:secret@h\"\n"),
+            &[],
+        )
+        .unwrap_err()
+        .0;
+        assert!(e.contains("'governance.redis_url'") && !e.contains("secret"), "{e}");
+        let e = load(Some("[governance]\nbackend = \"etcd\"\n"), &[])
+            .unwrap_err()
+            .0;
+        assert!(e.contains("backend"), "{e}");
     }
 }

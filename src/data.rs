@@ -156,7 +156,7 @@ async fn run_sync(
         body: &req.body,
         internal: false,
     };
-    let admitted = app.governance.admit(channel, &view, Stage::Run)?;
+    let admitted = app.governance.admit(channel, &view, Stage::Run).await?;
     if let Some(hit) = &admitted.hit {
         let mut response = bytes_response(StatusCode::OK, hit.clone());
         response
@@ -259,7 +259,7 @@ async fn run_sync(
     let body = respond(channel, execution?, engine_lock_ms)?;
     // A profiled answer is not cached: its timings belong to this run only.
     if engine_lock_ms.is_none() {
-        app.governance.store(&admitted, body.clone());
+        app.governance.store(&admitted, body.clone()).await;
     }
     Ok(bytes_response(StatusCode::OK, body))
 }

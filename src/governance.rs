@@ -218,6 +218,9 @@ pub struct Governance {
     buckets: Cache<String, Arc<Bucket>>,
     seen: Cache<String, Duration>,
     responses: Cache<String, Stored>,
+    /// `governance.backend = "redis"`: buckets, dedup windows and cached
+    /// responses live there instead of in the caches above.
+    shared: Option<Shared>,
     inflight: DashMap<String, Arc<AtomicU32>>,
     client_labels: DashMap<String, ()>,
     client_label_count: AtomicUsize,
@@ -226,6 +229,7 @@ pub struct Governance {
 impl std::fmt::Debug for Governance {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Governance")
+            .field("shared", &self.shared.is_some())
             .field("buckets", &self.buckets.entry_count())
             .field("dedup_keys", &self.seen.entry_count())
             .field("cached_responses", &self.responses.entry_count())
@@ -233,11 +237,37 @@ impl std::fmt::Debug for Governance {
     }
 }
 
+/// The keys and verdicts of one request, computed before any I/O (the
+/// request's arena is not `Send`, so nothing borrowed from it may live
+/// across an await on the shared backend).
+struct Keys {
+    /// Full dedup key, window, fail_open.
+    dedup: Option<(String, Duration, bool)>,
+    /// Full key of the platform bucket.
+    platform: Option<String>,
+    /// Full key of the channel bucket, the client it meters and whether
+    /// that client is a hashed `key_logic` value.
+    rate: Option<(String, String, bool)>,
+    /// `validation_logic`'s rejection message, applied in its turn.
+    invalid: Option<String>,
+    /// An async submission: the checks stop after validation.
+    submit: bool,
+    /// Full cache key and TTL.
+    cache: Option<(String, Duration)>,
+}
+
 impl Governance {
-    pub fn new(platform: crate::config::RateLimit) -> Governance {
+    /// Governance state per `config`. The Redis connection is lazy: nothing
+    /// is dialled until the first request that needs it, and a Redis that is
+    /// down at start-up does not stop the service.
+    pub fn new(config: &crate::config::Config) -> Governance {
+        let shared = match config.governance.backend {
+            crate::config::GovernanceBackend::Memory => None,
+            crate::config::GovernanceBackend::Redis => Shared::new(&config.governance),
+        };
         Governance {
             epoch: Instant::now(),
-            platform,
+            platform: config.rate_limit.clone(),
             buckets: Cache::builder()
                 .max_capacity(MAX_BUCKETS)
                 .time_to_idle(BUCKET_IDLE)
@@ -253,6 +283,7 @@ impl Governance {
                 })
                 .expire_after(PerEntry)
                 .build(),
+            shared,
             inflight: DashMap::new(),
             client_labels: DashMap::new(),
             client_label_count: AtomicUsize::new(0),
@@ -262,14 +293,63 @@ impl Governance {
     /// Runs the channel's checks in the spec's order. A rejection by a later
     /// check gives the dedup key back, so a client that retries after a 429
     /// or 503 is not told its retry is a duplicate.
-    pub fn admit(
+    pub async fn admit(
         &self,
         channel: &Channel,
         view: &View<'_>,
         stage: Stage,
     ) -> Result<Admitted, ApiError> {
+        let keys = self.keys(channel, view, stage)?;
+
+        // 1. Deduplication.
+        let mut claimed = None;
+        if let Some((key, window, fail_open)) = keys.dedup.as_ref() {
+            let fresh = match &self.shared {
+                None => {
+                    let entry = self.seen.entry(key.clone()).or_insert(*window);
+                    entry.is_fresh()
+                }
+                Some(shared) => match shared.claim(key, *window).await {
+                    Ok(fresh) => fresh,
+                    Err(e) => {
+                        shared.failed("deduplication", *fail_open, &e);
+                        if !fail_open {
+                            return Err(unavailable(channel, "deduplication"));
+                        }
+                        // Unchecked: there is no key to give back.
+                        true
+                    }
+                },
+            };
+            if !fresh {
+                return Err(ApiError::new(
+                    Code::Conflict,
+                    format!(
+                        "duplicate request: channel '{}' saw the same deduplication key within the last {} s",
+                        channel.name,
+                        window.as_secs()
+                    ),
+                ));
+            }
+            claimed = Some(key.as_str());
+        }
+        let rest = self.admit_rest(channel, &keys).await;
+        if rest.is_err()
+            && let Some(key) = claimed
+        {
+            match &self.shared {
+                None => self.seen.invalidate(key),
+                Some(shared) => shared.release(key).await,
+            }
+        }
+        rest
+    }
+
+    /// Evaluates every key and the validation rule (pure, in one arena).
+    fn keys(&self, channel: &Channel, view: &View<'_>, stage: Stage) -> Result<Keys, ApiError> {
         let arena = Bump::new();
         let rules = &channel.rules;
+        let cfg = &channel.def.config_json;
         let needs_context = rules.rate_key.is_some()
             || rules.dedup_key.is_some()
             || rules.cache_key.is_some()
@@ -283,99 +363,100 @@ impl Governance {
             let (rule, parts) = (rule.as_ref()?, parts.as_ref()?);
             eval_key(rule, parts.key_root, &arena)
         };
-
-        // 1. Deduplication.
-        let cfg = &channel.def.config_json;
-        let mut dedup = None;
-        if let Some(d) = &cfg.deduplication {
+        let dedup = cfg.deduplication.as_ref().and_then(|d| {
             let key = key_of(&rules.dedup_key).or_else(|| {
                 view.headers
                     .iter()
                     .find(|(k, _)| k.eq_ignore_ascii_case(&d.header))
                     .map(|(_, v)| (*v).to_owned())
                     .filter(|v| !v.is_empty())
-            });
-            if let Some(key) = key {
-                let full = format!("{}\0{key}", channel.name);
-                let entry = self
-                    .seen
-                    .entry(full.clone())
-                    .or_insert(Duration::from_secs(d.window_secs));
-                if !entry.is_fresh() {
-                    return Err(ApiError::new(
-                        Code::Conflict,
-                        format!(
-                            "duplicate request: channel '{}' saw the same deduplication key within the last {} s",
-                            channel.name, d.window_secs
-                        ),
-                    ));
-                }
-                dedup = Some(full);
-            }
-        }
-        let rest = self.admit_rest(channel, view, stage, parts.as_ref(), &key_of, &arena);
-        if rest.is_err()
-            && let Some(key) = dedup
-        {
-            self.seen.invalidate(&key);
-        }
-        rest
-    }
-
-    fn admit_rest(
-        &self,
-        channel: &Channel,
-        view: &View<'_>,
-        stage: Stage,
-        parts: Option<&Parts<'_>>,
-        key_of: &dyn Fn(&Option<Logic>) -> Option<String>,
-        arena: &Bump,
-    ) -> Result<Admitted, ApiError> {
-        let cfg = &channel.def.config_json;
-        let rules = &channel.rules;
-
-        // 2. Rate limits: the platform's (outside clients only), then the channel's.
-        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        if self.platform.enabled && !view.internal {
-            let rps = self.platform.requests_per_second.max(1) as f64;
-            let burst = u32::try_from(self.platform.burst.max(1)).unwrap_or(u32::MAX);
-            let key = format!("\0platform\0{}", view.client_ip);
-            if let Err(wait) = self.take(key, rps, burst, now) {
-                return Err(self.limited("platform", channel, view.client_ip, false, wait));
-            }
-        }
-        if let Some(rl) = &cfg.rate_limit {
+            })?;
+            Some((
+                format!("{}\0{key}", channel.name),
+                Duration::from_secs(d.window_secs),
+                d.fail_open,
+            ))
+        });
+        let platform = (self.platform.enabled && !view.internal)
+            .then(|| format!("\0platform\0{}", view.client_ip));
+        let rate = cfg.rate_limit.as_ref().map(|_| {
             let (client, hashed) = match key_of(&rules.rate_key) {
                 Some(k) => (k, true),
                 None => (view.client_ip.to_owned(), false),
             };
-            let key = format!("{}\0{client}", channel.name);
-            if let Err(wait) = self.take(key, rl.requests_per_second, rl.effective_burst(), now) {
-                return Err(self.limited("channel", channel, &client, hashed, wait));
+            (format!("{}\0{client}", channel.name), client, hashed)
+        });
+        let invalid = match (&channel.validation, parts.as_ref()) {
+            (Some(rule), Some(parts)) => match rule.eval(parts.validation_root, &arena) {
+                Ok(v) if truthy(&v) => None,
+                Ok(_) => Some(
+                    "input validation failed: the channel's validation_logic rejected the request"
+                        .to_owned(),
+                ),
+                Err(e) => Some(format!("input validation failed: {e}")),
+            },
+            _ => None,
+        };
+        let cache = match cfg.cache.as_ref().filter(|c| c.enabled) {
+            Some(c) if stage == Stage::Run => {
+                let key = key_of(&rules.cache_key).unwrap_or_else(|| default_cache_key(view));
+                let kind = if view.internal { "call" } else { "http" };
+                Some((
+                    format!("{}\0{kind}\0{key}", rules.cache_scope),
+                    Duration::from_secs(c.ttl_secs),
+                ))
             }
+            _ => None,
+        };
+        Ok(Keys {
+            dedup,
+            platform,
+            rate,
+            invalid,
+            submit: stage == Stage::Submit,
+            cache,
+        })
+    }
+
+    async fn admit_rest(&self, channel: &Channel, keys: &Keys) -> Result<Admitted, ApiError> {
+        let cfg = &channel.def.config_json;
+
+        // 2. Rate limits: the platform's (outside clients only), then the channel's.
+        if let Some(key) = &keys.platform {
+            let rps = self.platform.requests_per_second.max(1) as f64;
+            let burst = u32::try_from(self.platform.burst.max(1)).unwrap_or(u32::MAX);
+            let client = &key["\0platform\0".len()..];
+            if let Err(wait) = self
+                .take(channel, key, rps, burst, self.platform.fail_open)
+                .await?
+            {
+                return Err(self.limited("platform", channel, client, false, wait));
+            }
+        }
+        if let (Some(rl), Some((key, client, hashed))) = (&cfg.rate_limit, &keys.rate)
+            && let Err(wait) = self
+                .take(
+                    channel,
+                    key,
+                    rl.requests_per_second,
+                    rl.effective_burst(),
+                    rl.fail_open,
+                )
+                .await?
+        {
+            return Err(self.limited("channel", channel, client, *hashed, wait));
         }
 
         // 3. validation_logic over {data, headers, query, path}.
-        if let (Some(rule), Some(parts)) = (&channel.validation, parts) {
-            match rule.eval(parts.validation_root, arena) {
-                Ok(v) if truthy(&v) => {}
-                Ok(_) => {
-                    return Err(ApiError::bad_request(
-                        "input validation failed: the channel's validation_logic rejected the request",
-                    ));
-                }
-                Err(e) => {
-                    return Err(ApiError::bad_request(format!(
-                        "input validation failed: {e}"
-                    )));
-                }
-            }
+        if let Some(message) = &keys.invalid {
+            return Err(ApiError::bad_request(message.clone()));
         }
-        if stage == Stage::Submit {
+        if keys.submit || (keys.cache.is_none() && cfg.backpressure.is_none()) {
             return Ok(Admitted::default());
         }
 
-        // 4. Backpressure: a per-channel counter of running requests.
+        // 4. Backpressure: a per-channel counter of running requests (per
+        // replica, like circuit breakers: it bounds this process's work).
         let mut admitted = Admitted::default();
         if let Some(bp) = &cfg.backpressure {
             let counter = match self.inflight.get(&channel.name) {
@@ -402,36 +483,78 @@ impl Governance {
             admitted._slot = Some(slot);
         }
 
-        // 5. Response cache lookup.
-        if let Some(c) = cfg.cache.as_ref().filter(|c| c.enabled) {
-            let key = key_of(&rules.cache_key).unwrap_or_else(|| default_cache_key(view));
-            let kind = if view.internal { "call" } else { "http" };
-            let full = format!("{}\0{kind}\0{key}", rules.cache_scope);
-            match self.responses.get(&full) {
-                Some(stored) => admitted.hit = Some(stored.body),
-                None => admitted.store_as = Some((full, Duration::from_secs(c.ttl_secs))),
+        // 5. Response cache lookup (a backend failure is a miss).
+        if let Some((key, ttl)) = &keys.cache {
+            let hit = match &self.shared {
+                None => self.responses.get(key).map(|s| s.body),
+                Some(shared) => match shared.cached(key).await {
+                    Ok(hit) => hit,
+                    Err(e) => {
+                        shared.failed("cache_read", true, &e);
+                        None
+                    }
+                },
+            };
+            match hit {
+                Some(body) => admitted.hit = Some(body),
+                None => admitted.store_as = Some((key.clone(), *ttl)),
             }
         }
         Ok(admitted)
     }
 
     /// Stores a successful response for the cache key the request was
-    /// admitted with (a no-op when the channel does not cache).
-    pub fn store(&self, admitted: &Admitted, body: Bytes) {
-        if let Some((key, ttl)) = &admitted.store_as {
-            self.responses
-                .insert(key.clone(), Stored { body, ttl: *ttl });
+    /// admitted with (a no-op when the channel does not cache). With Redis
+    /// the write is awaited (one round trip, bounded by
+    /// `governance.timeout_ms`), so the next request on any replica sees it.
+    pub async fn store(&self, admitted: &Admitted, body: Bytes) {
+        let Some((key, ttl)) = &admitted.store_as else {
+            return;
+        };
+        match &self.shared {
+            None => self
+                .responses
+                .insert(key.clone(), Stored { body, ttl: *ttl }),
+            Some(shared) => {
+                if let Err(e) = shared.cache(key, &body, *ttl).await {
+                    shared.failed("cache_write", true, &e);
+                }
+            }
         }
     }
 
-    fn take(&self, key: String, rps: f64, burst: u32, now: u64) -> Result<(), u64> {
+    /// Takes a token from the bucket under `key`: `Ok(Ok(()))` admitted,
+    /// `Ok(Err(ns))` limited for `ns` more nanoseconds, `Err` when the shared
+    /// backend is unreachable and the limit fails closed.
+    async fn take(
+        &self,
+        channel: &Channel,
+        key: &str,
+        rps: f64,
+        burst: u32,
+        fail_open: bool,
+    ) -> Result<Result<(), u64>, ApiError> {
         let interval = if rps > 0.0 {
             (1e9 / rps).max(1.0) as u64
         } else {
             u64::MAX
         };
-        let bucket = self.buckets.get_with(key, Arc::default);
-        bucket.take(now, interval, burst)
+        let Some(shared) = &self.shared else {
+            let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let bucket = self.buckets.get_with_by_ref(key, Arc::default);
+            return Ok(bucket.take(now, interval, burst));
+        };
+        match shared.take(key, interval, burst).await {
+            Ok(verdict) => Ok(verdict),
+            Err(e) => {
+                shared.failed("rate_limit", fail_open, &e);
+                if fail_open {
+                    Ok(Ok(()))
+                } else {
+                    Err(unavailable(channel, "the rate limit"))
+                }
+            }
+        }
     }
 
     fn limited(
@@ -484,6 +607,172 @@ impl Governance {
         } else {
             self.client_label_count.fetch_sub(1, Ordering::AcqRel);
             "other".to_owned()
+        }
+    }
+}
+
+/// The 503 of a check that cannot reach the shared backend and fails closed.
+fn unavailable(channel: &Channel, check: &str) -> ApiError {
+    ApiError::new(
+        Code::ServiceUnavailable,
+        format!(
+            "channel '{}' cannot check {check}: the shared governance backend is unreachable; retry shortly",
+            channel.name
+        ),
+    )
+    .with_retry_after(1)
+}
+
+/// A `governance_backend_errors_total` warning is logged at most this often
+/// (a Redis outage fails every request; one line per second says enough).
+const WARN_EVERY_NANOS: u64 = 1_000_000_000;
+
+/// GCRA in one round trip, on Redis's clock (so replicas with skewed clocks
+/// share one timeline). KEYS[1]: the bucket; ARGV: emission interval and
+/// tolerance (interval × (burst − 1)), both in µs. Returns 0 when a token was
+/// taken, else the µs until one is available. The TAT is stored with a TTL
+/// of its distance from now, so idle buckets vanish.
+const GCRA: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local interval = tonumber(ARGV[1])
+local tolerance = tonumber(ARGV[2])
+local tat = tonumber(redis.call('GET', KEYS[1])) or now
+if tat < now then tat = now end
+local allowed_from = tat - tolerance
+if now < allowed_from then return allowed_from - now end
+local new_tat = tat + interval
+redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.ceil((new_tat - now) / 1000) + 1)
+return 0
+";
+
+/// The Redis side of governance: one multiplexed connection (the redis
+/// crate's `ConnectionManager` reconnects on its own), every call bounded by
+/// `governance.timeout_ms`.
+struct Shared {
+    conn: redis::aio::ConnectionManager,
+    prefix: String,
+    timeout: Duration,
+    gcra: redis::Script,
+    epoch: Instant,
+    last_warn: AtomicU64,
+}
+
+type SharedResult<T> = Result<T, String>;
+
+impl Shared {
+    fn new(cfg: &crate::config::GovernanceCfg) -> Option<Shared> {
+        // The URL was checked when the configuration was loaded.
+        let client = redis::Client::open(cfg.redis_url.trim()).ok()?;
+        let timeout = Duration::from_millis(cfg.timeout_ms);
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1);
+        let conn = redis::aio::ConnectionManager::new_lazy_with_config(client, config).ok()?;
+        Some(Shared {
+            conn,
+            prefix: cfg.key_prefix.clone(),
+            timeout,
+            gcra: redis::Script::new(GCRA),
+            epoch: Instant::now(),
+            last_warn: AtomicU64::new(0),
+        })
+    }
+
+    async fn run<T>(
+        &self,
+        call: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> SharedResult<T> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {} ms", self.timeout.as_millis())),
+        }
+    }
+
+    fn key(&self, kind: &str, key: &str) -> String {
+        format!("{}:{kind}:{key}", self.prefix)
+    }
+
+    /// `SET NX PX`: true when the key was new (the request is not a duplicate).
+    async fn claim(&self, key: &str, window: Duration) -> SharedResult<bool> {
+        let mut conn = self.conn.clone();
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.key("dedup", key))
+            .arg(1)
+            .arg("NX")
+            .arg("PX")
+            .arg(u64::try_from(window.as_millis()).unwrap_or(u64::MAX));
+        let set: Option<String> = self.run(cmd.query_async(&mut conn)).await?;
+        Ok(set.is_some())
+    }
+
+    /// Gives a dedup key back (best effort: at worst the window stays).
+    async fn release(&self, key: &str) {
+        let mut conn = self.conn.clone();
+        let mut cmd = redis::cmd("DEL");
+        cmd.arg(self.key("dedup", key));
+        if let Err(e) = self.run(cmd.query_async::<i64>(&mut conn)).await {
+            self.failed("deduplication_release", true, &e);
+        }
+    }
+
+    /// One GCRA step; the verdict as in `Bucket::take` (nanoseconds).
+    async fn take(&self, key: &str, interval_ns: u64, burst: u32) -> SharedResult<Result<(), u64>> {
+        let interval = (interval_ns / 1000).max(1);
+        let tolerance = interval.saturating_mul(u64::from(burst.max(1) - 1));
+        let mut conn = self.conn.clone();
+        let mut call = self.gcra.key(self.key("rate", key));
+        call.arg(interval).arg(tolerance);
+        let wait_us: i64 = self.run(call.invoke_async(&mut conn)).await?;
+        Ok(match u64::try_from(wait_us) {
+            Ok(0) | Err(_) => Ok(()),
+            Ok(us) => Err(us.saturating_mul(1000)),
+        })
+    }
+
+    async fn cached(&self, key: &str) -> SharedResult<Option<Bytes>> {
+        let mut conn = self.conn.clone();
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.key("cache", key));
+        let body: Option<Vec<u8>> = self.run(cmd.query_async(&mut conn)).await?;
+        Ok(body.map(Bytes::from))
+    }
+
+    async fn cache(&self, key: &str, body: &[u8], ttl: Duration) -> SharedResult<()> {
+        let mut conn = self.conn.clone();
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.key("cache", key))
+            .arg(body)
+            .arg("PX")
+            .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
+        self.run(cmd.query_async::<()>(&mut conn)).await
+    }
+
+    /// Counts a backend failure and logs it (at most once a second).
+    fn failed(&self, operation: &'static str, fail_open: bool, error: &str) {
+        let direction = if fail_open { "open" } else { "closed" };
+        metrics::counter!(
+            crate::telemetry::names::GOVERNANCE_BACKEND_ERRORS_TOTAL,
+            "operation" => operation,
+            "direction" => direction,
+        )
+        .increment(1);
+        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let last = self.last_warn.load(Ordering::Relaxed);
+        if (last == 0 || now.saturating_sub(last) >= WARN_EVERY_NANOS)
+            && self
+                .last_warn
+                .compare_exchange(last, now.max(1), Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                operation,
+                direction,
+                error,
+                "governance backend (redis) unreachable; the check fails {direction}"
+            );
         }
     }
 }

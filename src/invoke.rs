@@ -106,6 +106,7 @@ impl ChannelInvoker for Invoker {
         let admitted = app
             .governance
             .admit(channel, &view, Stage::Run)
+            .await
             .map_err(refused)?;
         if let Some(hit) = &admitted.hit {
             return serde_json::from_slice(hit)
@@ -185,7 +186,8 @@ impl ChannelInvoker for Invoker {
             ));
         }
         app.governance
-            .store(&admitted, bytes::Bytes::from(execution.data.clone()));
+            .store(&admitted, bytes::Bytes::from(execution.data.clone()))
+            .await;
         serde_json::from_slice(&execution.data)
             .map_err(|e| task_error(format!("channel_call: the callee's data is not JSON: {e}")))
     }

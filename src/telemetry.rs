@@ -46,6 +46,7 @@ pub mod names {
     pub const CIRCUIT_BREAKER_REJECTIONS_TOTAL: &str = "circuit_breaker_rejections_total";
     pub const CHANNEL_EXECUTIONS_TOTAL: &str = "channel_executions_total";
     pub const RATE_LIMIT_REJECTIONS_TOTAL: &str = "rate_limit_rejections_total";
+    pub const GOVERNANCE_BACKEND_ERRORS_TOTAL: &str = "governance_backend_errors_total";
 
     /// Every name, for describing them once at start-up.
     pub const ALL: &[(&str, &str)] = &[
@@ -85,6 +86,10 @@ pub mod names {
             "Calls rejected by an open breaker, by connector and channel",
         ),
         (CHANNEL_EXECUTIONS_TOTAL, "Workflow executions by channel"),
+        (
+            GOVERNANCE_BACKEND_ERRORS_TOTAL,
+            "Shared governance backend (Redis) calls that failed, by operation and the direction taken",
+        ),
         (
             RATE_LIMIT_REJECTIONS_TOTAL,
             "Requests rejected by a rate limit, by client",

@@ -35,20 +35,22 @@ pub async fn submit(
     let path = params;
     // Dedup, rate limits and validation run now (backpressure and the
     // response cache belong to the run; see `governance::Stage`).
-    app.governance.admit(
-        channel,
-        &crate::governance::View {
-            client_ip: &req.client_ip,
-            method: req.method.as_str(),
-            target: req.path(),
-            headers: &headers,
-            query: &query,
-            path,
-            body: &req.body,
-            internal: false,
-        },
-        crate::governance::Stage::Submit,
-    )?;
+    app.governance
+        .admit(
+            channel,
+            &crate::governance::View {
+                client_ip: &req.client_ip,
+                method: req.method.as_str(),
+                target: req.path(),
+                headers: &headers,
+                query: &query,
+                path,
+                body: &req.body,
+                internal: false,
+            },
+            crate::governance::Stage::Submit,
+        )
+        .await?;
     // The payload is the body's `data` member, as on the sync path; no body
     // (a route-matched GET) is a null payload.
     let payload = if req.body.iter().all(u8::is_ascii_whitespace) {

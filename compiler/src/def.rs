@@ -499,10 +499,16 @@ pub struct RateLimitConfig {
     pub burst: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_logic: Option<Json>,
+    /// With a shared governance backend (`governance.backend = "redis"`):
+    /// admit requests while the backend is unreachable (default: refuse them
+    /// with 503).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub fail_open: bool,
 }
 
 impl RateLimitConfig {
-    pub const KEYS: &'static [&'static str] = &["requests_per_second", "burst", "key_logic"];
+    pub const KEYS: &'static [&'static str] =
+        &["requests_per_second", "burst", "key_logic", "fail_open"];
 
     /// Bucket size: `burst`, else one second's worth of requests (at least 1).
     pub fn effective_burst(&self) -> u32 {
@@ -520,10 +526,14 @@ pub struct DedupConfig {
     pub header: String,
     #[serde(default = "DedupConfig::default_window_secs")]
     pub window_secs: u64,
+    /// With a shared governance backend: let requests through unchecked
+    /// while the backend is unreachable (default: refuse them with 503).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub fail_open: bool,
 }
 
 impl DedupConfig {
-    pub const KEYS: &'static [&'static str] = &["key_logic", "header", "window_secs"];
+    pub const KEYS: &'static [&'static str] = &["key_logic", "header", "window_secs", "fail_open"];
     pub const DEFAULT_HEADER: &'static str = "idempotency-key";
     pub const DEFAULT_WINDOW_SECS: u64 = 300;
 

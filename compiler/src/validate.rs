@@ -727,6 +727,7 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
             Some(_) => {}
         }
         c.integer(rl, "burst", &at, false, Some(1), Some(i64::from(u32::MAX)));
+        c.boolean(rl, "fail_open", &at);
         key_logic(c, rl, &at);
     }
     if let Some(d) = c.object(cfg, "deduplication", at, false) {
@@ -734,6 +735,7 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
         unknown_keys(c, d, &at, crate::def::DedupConfig::KEYS);
         c.nonempty_string(d, "header", &at, false);
         c.integer(d, "window_secs", &at, false, Some(1), None);
+        c.boolean(d, "fail_open", &at);
         key_logic(c, d, &at);
     }
     if let Some(k) = c.object(cfg, "cache", at, false) {

@@ -52,9 +52,13 @@ fn retry_after(r: &Resp) -> u64 {
 
 // ------------------------------------------------------------ deduplication
 
-#[tokio::test]
-async fn deduplication_rejects_a_repeat_inside_the_window() {
-    let s = start(Db::Sqlite).await;
+crate::on_both_governance_backends!(
+    deduplication_rejects_a_repeat_inside_the_window,
+    deduplication_rejects_a_repeat_inside_the_window_body
+);
+
+async fn deduplication_rejects_a_repeat_inside_the_window_body(gov: Gov) {
+    let s = start_gov(gov, |_| {}).await;
     s.deploy(
         echo("d"),
         named("dd", "d", json!({"deduplication": {"window_secs": 1}})),
@@ -98,9 +102,13 @@ async fn deduplication_rejects_a_repeat_inside_the_window() {
     .error(409, "CONFLICT");
 }
 
-#[tokio::test]
-async fn deduplication_keys_from_key_logic_or_a_custom_header() {
-    let s = start(Db::Sqlite).await;
+crate::on_both_governance_backends!(
+    deduplication_keys_from_key_logic_or_a_custom_header,
+    deduplication_keys_from_key_logic_or_a_custom_header_body
+);
+
+async fn deduplication_keys_from_key_logic_or_a_custom_header_body(gov: Gov) {
+    let s = start_gov(gov, |_| {}).await;
     s.deploy(
         echo("d"),
         named(
@@ -157,9 +165,13 @@ async fn deduplication_keys_from_key_logic_or_a_custom_header() {
 
 // --------------------------------------------------------------- rate limit
 
-#[tokio::test]
-async fn the_channel_rate_limit_answers_429_with_retry_after_past_the_burst() {
-    let s = start(Db::Sqlite).await;
+crate::on_both_governance_backends!(
+    the_channel_rate_limit_answers_429_with_retry_after_past_the_burst,
+    the_channel_rate_limit_answers_429_with_retry_after_past_the_burst_body
+);
+
+async fn the_channel_rate_limit_answers_429_with_retry_after_past_the_burst_body(gov: Gov) {
+    let s = start_gov(gov, |_| {}).await;
     s.deploy(
         echo("r"),
         named(
@@ -191,9 +203,13 @@ async fn the_channel_rate_limit_answers_429_with_retry_after_past_the_burst() {
     assert!(line.contains("client=\"127.0.0.1\""), "{line}");
 }
 
-#[tokio::test]
-async fn the_rate_limit_key_logic_isolates_clients() {
-    let s = start(Db::Sqlite).await;
+crate::on_both_governance_backends!(
+    the_rate_limit_key_logic_isolates_clients,
+    the_rate_limit_key_logic_isolates_clients_body
+);
+
+async fn the_rate_limit_key_logic_isolates_clients_body(gov: Gov) {
+    let s = start_gov(gov, |_| {}).await;
     s.deploy(
         echo("r"),
         named(
@@ -224,9 +240,13 @@ async fn the_rate_limit_key_logic_isolates_clients() {
     );
 }
 
-#[tokio::test]
-async fn the_platform_rate_limit_applies_to_every_channel_when_enabled() {
-    let s = start_with(Db::Sqlite, |c| {
+crate::on_both_governance_backends!(
+    the_platform_rate_limit_applies_to_every_channel_when_enabled,
+    the_platform_rate_limit_body
+);
+
+async fn the_platform_rate_limit_body(gov: Gov) {
+    let s = start_gov(gov, |c| {
         c.rate_limit.enabled = true;
         c.rate_limit.requests_per_second = 1;
         c.rate_limit.burst = 3;
@@ -245,11 +265,140 @@ async fn the_platform_rate_limit_applies_to_every_channel_when_enabled() {
     assert_eq!(s.admin("GET", "/channels", None).await.status, 200);
 
     // Off (the default): no platform limit.
-    let off = start(Db::Sqlite).await;
+    let off = start_gov(gov, |_| {}).await;
     off.deploy(echo("a"), named("pa", "a", json!({}))).await;
     for _ in 0..6 {
         assert_eq!(post_with(&off, "pa", json!({}), &[]).await.status, 200);
     }
+}
+
+// ------------------------------------------------- shared state (Redis)
+
+/// Two servers with one Redis (same key prefix) share dedup windows, rate
+/// buckets and cached responses; a server with another prefix does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_backend_shares_state_between_servers() {
+    let prefix = unique("sluice-shared");
+    let shared = |c: &mut sluice::config::Config| {
+        governance(c, Gov::Redis);
+        c.governance.key_prefix = prefix.clone();
+    };
+    let a = start_with(Db::Sqlite, shared).await;
+    let b = start_with(Db::Sqlite, shared).await;
+    let other = start_gov(Gov::Redis, |_| {}).await;
+    for s in [&a, &b, &other] {
+        s.deploy(
+            echo("sh"),
+            named(
+                "sh",
+                "sh",
+                json!({
+                    "deduplication": {"window_secs": 60},
+                    "rate_limit": {"requests_per_second": 0.01, "burst": 3},
+                    "cache": {"ttl_secs": 60, "key_logic": {"var": "data.q"}}
+                }),
+            ),
+        )
+        .await;
+    }
+    // A dedup key used on one server is a duplicate on the other.
+    let key = [("idempotency-key", "k-shared")];
+    assert_eq!(post_with(&a, "sh", json!({"q": 1}), &key).await.status, 200);
+    post_with(&b, "sh", json!({"q": 1}), &key)
+        .await
+        .error(409, "CONFLICT");
+    // The response cached by a is a hit on b (a's request id inside).
+    let first = post_with(&a, "sh", json!({"q": 2}), &[]).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let hit = post_with(&b, "sh", json!({"q": 2}), &[]).await;
+    assert_eq!(hit.headers["x-cache"], "hit", "{}", hit.text);
+    assert_eq!(hit.body, first.body);
+    // Burst 3 for the whole fleet: a's two runs and b's cache hit took the
+    // tokens (the 409 came before the rate limit and took none): the next
+    // request on either server is limited.
+    post_with(&b, "sh", json!({"q": 3}), &[])
+        .await
+        .error(429, "RATE_LIMITED");
+    post_with(&a, "sh", json!({"q": 4}), &[])
+        .await
+        .error(429, "RATE_LIMITED");
+    // Another prefix is another fleet: fresh windows and buckets.
+    assert_eq!(
+        post_with(&other, "sh", json!({"q": 1}), &key).await.status,
+        200
+    );
+}
+
+/// Redis unreachable: dedup and rate limits fail closed (503) unless the
+/// channel chose `fail_open`; the cache degrades to a miss; the failures are
+/// counted. The server starts and serves regardless.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_redis_fails_in_the_direction_the_channel_chose() {
+    let port = free_port();
+    let s = start_gov(Gov::Redis, |c| {
+        c.governance.redis_url = format!("redis://:hunter2@127.0.0.1:{port}/");
+        c.governance.timeout_ms = 200;
+    })
+    .await;
+    s.deploy(
+        echo("closed"),
+        named(
+            "closed",
+            "closed",
+            json!({"deduplication": {}, "rate_limit": {"requests_per_second": 100}}),
+        ),
+    )
+    .await;
+    s.deploy(
+        echo("open"),
+        named(
+            "open",
+            "open",
+            json!({
+                "deduplication": {"fail_open": true},
+                "rate_limit": {"requests_per_second": 100, "fail_open": true},
+                "cache": {"ttl_secs": 60}
+            }),
+        ),
+    )
+    .await;
+    s.deploy(echo("plain"), named("plain", "plain", json!({})))
+        .await;
+    let key = [("idempotency-key", "k-1")];
+    let r = post_with(&s, "closed", json!({}), &key).await;
+    let e = r.error(503, "SERVICE_UNAVAILABLE");
+    assert!(
+        e["message"].as_str().unwrap().contains("deduplication"),
+        "{e}"
+    );
+    assert!(retry_after(&r) >= 1);
+    // Without a dedup key only the rate limit needs Redis.
+    let e = post_with(&s, "closed", json!({}), &[]).await;
+    let e = e.error(503, "SERVICE_UNAVAILABLE");
+    assert!(e["message"].as_str().unwrap().contains("rate limit"), "{e}");
+    // fail_open: admitted, twice with the same key (nothing remembered it),
+    // and the cache is a miss every time (each answer is a new run).
+    let one = post_with(&s, "open", json!({}), &key).await;
+    let two = post_with(&s, "open", json!({}), &key).await;
+    assert_eq!((one.status, two.status), (200, 200), "{}", two.text);
+    assert_ne!(one.body["data"]["rid"], two.body["data"]["rid"]);
+    assert!(two.headers.get("x-cache").is_none());
+    // A channel without governance does not touch Redis at all.
+    assert_eq!(post_with(&s, "plain", json!({}), &[]).await.status, 200);
+    let metrics = s.get("/metrics").await.text;
+    for needle in [
+        "operation=\"deduplication\"",
+        "operation=\"rate_limit\"",
+        "operation=\"cache_read\"",
+    ] {
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l.starts_with("governance_backend_errors_total{") && l.contains(needle)),
+            "{needle} not counted:\n{metrics}"
+        );
+    }
+    assert!(!metrics.contains("hunter2"));
 }
 
 // ------------------------------------------------------------- backpressure
@@ -297,9 +446,13 @@ async fn backpressure_sheds_concurrent_requests_with_503() {
 
 // ----------------------------------------------------------- response cache
 
-#[tokio::test]
-async fn the_response_cache_serves_hits_without_running_the_workflow() {
-    let s = start(Db::Sqlite).await;
+crate::on_both_governance_backends!(
+    the_response_cache_serves_hits_without_running_the_workflow,
+    the_response_cache_serves_hits_without_running_the_workflow_body
+);
+
+async fn the_response_cache_serves_hits_without_running_the_workflow_body(gov: Gov) {
+    let s = start_gov(gov, |_| {}).await;
     s.deploy(
         echo("c"),
         named("cached", "c", json!({"cache": {"ttl_secs": 1}})),

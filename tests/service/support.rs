@@ -339,6 +339,53 @@ macro_rules! on_every_backend {
     };
 }
 
+/// Where governance keeps its state in a test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gov {
+    Memory,
+    Redis,
+}
+
+/// The test Redis (../shared/services/redis.sh).
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379/";
+
+/// Points `c` at `gov`; with Redis, under a key prefix of its own so runs
+/// and parallel tests never share buckets or windows.
+pub fn governance(c: &mut Config, gov: Gov) {
+    if gov == Gov::Redis {
+        c.governance.backend = sluice::config::GovernanceBackend::Redis;
+        c.governance.redis_url = REDIS_URL.into();
+        c.governance.key_prefix = unique("sluice-test");
+    }
+}
+
+/// A SQLite-backed server with governance state in `gov`.
+pub async fn start_gov(gov: Gov, adjust: impl FnOnce(&mut Config)) -> TestServer {
+    start_with(Db::Sqlite, |c| {
+        governance(c, gov);
+        adjust(c);
+    })
+    .await
+}
+
+/// Runs an async test body once per governance backend.
+#[macro_export]
+macro_rules! on_both_governance_backends {
+    ($name:ident, $body:path) => {
+        mod $name {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                $body($crate::support::Gov::Memory).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis() {
+                $body($crate::support::Gov::Redis).await
+            }
+        }
+    };
+}
+
 /// A local upstream that answers every request after `delay`: an I/O-bound
 /// slow request (a CPU-bound one would hold a runtime worker and make what
 /// the test observes depend on the scheduler).

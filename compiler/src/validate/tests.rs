@@ -790,7 +790,7 @@ fn channel_config_json() {
     check(
         cfg(json!({
             "timeout_ms": 5000,
-            "rate_limit": {"requests_per_second": 0.5, "burst": 1, "key_logic": {"var": "client_ip"}},
+            "rate_limit": {"requests_per_second": 0.5, "burst": 1, "key_logic": {"var": "client_ip"}, "fail_open": true},
             "deduplication": {"key_logic": {"var": "data.id"}, "header": "x-idem", "window_secs": 1},
             "cache": {"enabled": false, "ttl_secs": 1, "key_logic": null},
             "backpressure": {"max_concurrent": 1},
@@ -803,7 +803,7 @@ fn channel_config_json() {
             "timeout_ms": 0,
             "timeout": 5,
             "rate_limit": {"requests_per_second": 0, "burst": 0, "per": "ip"},
-            "deduplication": {"header": "", "window_secs": 0},
+            "deduplication": {"header": "", "window_secs": 0, "fail_open": "no"},
             "cache": {"enabled": "yes", "ttl_secs": -5},
             "backpressure": {},
             "cors": {"allowed_origins": "*", "allowed_methods": ["FETCH"], "max_age_secs": -1},
@@ -817,7 +817,7 @@ fn channel_config_json() {
             ("config_json.timeout_ms", "must be at least 1"),
             (
                 "config_json.rate_limit.per",
-                "unknown field; expected one of requests_per_second, burst, key_logic",
+                "unknown field; expected one of requests_per_second, burst, key_logic, fail_open",
             ),
             (
                 "config_json.rate_limit.requests_per_second",
@@ -831,6 +831,10 @@ fn channel_config_json() {
             (
                 "config_json.deduplication.window_secs",
                 "must be at least 1",
+            ),
+            (
+                "config_json.deduplication.fail_open",
+                "expected boolean, got string",
             ),
             ("config_json.cache.enabled", "expected boolean, got string"),
             ("config_json.cache.ttl_secs", "must be at least 1"),
