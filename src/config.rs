@@ -677,7 +677,10 @@ mod tests {
         )
         .unwrap_err()
         .0;
-        assert!(e.contains("'governance.redis_url'") && !e.contains("secret"), "{e}");
+        assert!(
+            e.contains("'governance.redis_url'") && !e.contains("secret"),
+            "{e}"
+        );
         let e = load(Some("[governance]\nbackend = \"etcd\"\n"), &[])
             .unwrap_err()
             .0;

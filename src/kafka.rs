@@ -18,6 +18,11 @@
 //!   finish, skips queued ones (they are redelivered) and commits
 //!   synchronously what finished. A killed process loses no committed work and
 //!   reruns what it had not committed.
+//! - **Rebalances** (replicas joining or leaving the group): before a
+//!   partition is revoked, its queued messages are dropped (the new owner
+//!   reads them from the committed offset), the one running is let finish
+//!   (bounded by half the session timeout) and what finished is committed
+//!   synchronously, so the new owner neither loses nor repeats work.
 //! - **Each message** becomes a trace with `mode: kafka` (stored once, in its
 //!   final state). The value is the payload: `{"data": ...}` or any other JSON
 //!   value as a whole. Its key, topic, partition and offset are `metadata.key`
@@ -35,14 +40,17 @@
 
 use crate::app::App;
 use crate::storage::{NewTrace, Outcome};
-use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
+use rdkafka::ClientContext;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer,
+};
 use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
 use serde_json::{Map, Value as Json, json};
 use sluice_compiler::def::Protocol;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
@@ -234,10 +242,133 @@ async fn stop_consumer(r: Running) {
     let _ = r.handle.await;
 }
 
+/// What the lanes of one consumer and its rebalance callback share.
+#[derive(Default)]
+struct Partitions {
+    state: Mutex<PartitionState>,
+    /// Signalled whenever a lane finishes a message.
+    idle: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct PartitionState {
+    /// Per partition, the offset after the last message that finished: what
+    /// to commit.
+    finished: HashMap<i32, i64>,
+    /// Per partition, bumped on every revocation: a message fetched under an
+    /// older epoch belongs to a previous ownership and is not run.
+    epoch: HashMap<i32, u64>,
+    /// Partitions with a message running now.
+    busy: HashSet<i32>,
+    /// Revoked partitions whose running message the rebalance callback is
+    /// waiting for: that message still counts (and is committed).
+    draining: HashSet<i32>,
+}
+
+impl PartitionState {
+    /// Whether a message of `partition` fetched under `epoch` may still be
+    /// committed.
+    fn owns(&self, partition: i32, epoch: u64) -> bool {
+        self.epoch.get(&partition).copied().unwrap_or(0) == epoch
+            || self.draining.contains(&partition)
+    }
+}
+
+impl Partitions {
+    fn epoch(&self, partition: i32) -> u64 {
+        lock(&self.state)
+            .epoch
+            .get(&partition)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+type Kafka = StreamConsumer<Rebalancer>;
+
+/// The consumer context: runs before librdkafka gives partitions away.
+struct Rebalancer {
+    topic: String,
+    partitions: Arc<Partitions>,
+    /// Longest wait for a running message of a revoked partition.
+    drain: Duration,
+}
+
+impl ClientContext for Rebalancer {}
+
+impl ConsumerContext for Rebalancer {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let Rebalance::Revoke(revoked) = rebalance else {
+            return;
+        };
+        let ids: Vec<i32> = revoked
+            .elements_for_topic(&self.topic)
+            .iter()
+            .map(|e| e.partition())
+            .collect();
+        if ids.is_empty() {
+            return;
+        }
+        let settle = || {
+            let mut st = lock(&self.partitions.state);
+            for p in &ids {
+                *st.epoch.entry(*p).or_default() += 1;
+                st.draining.insert(*p);
+            }
+            let deadline = Instant::now() + self.drain;
+            while ids.iter().any(|p| st.busy.contains(p)) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    tracing::warn!(topic = %self.topic, "a message still running on a revoked partition; its new owner runs it again");
+                    break;
+                }
+                st = self
+                    .partitions
+                    .idle
+                    .wait_timeout(st, left)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .0;
+            }
+            let mut commit = TopicPartitionList::new();
+            for p in &ids {
+                st.draining.remove(p);
+                if let Some(next) = st.finished.remove(p) {
+                    let _ = commit.add_partition_offset(&self.topic, *p, Offset::Offset(next));
+                }
+            }
+            commit
+        };
+        // This runs inside the consumer's `recv` on a runtime worker; lanes
+        // are other tasks, so hand this worker's queue to another thread
+        // while waiting for them.
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        let commit = if multi_thread {
+            tokio::task::block_in_place(settle)
+        } else {
+            settle()
+        };
+        if commit.count() > 0 {
+            match consumer.commit(&commit, CommitMode::Sync) {
+                Ok(()) => {
+                    tracing::info!(topic = %self.topic, partitions = ?ids, "committed finished messages of revoked partitions")
+                }
+                Err(e) => {
+                    tracing::warn!(topic = %self.topic, error = %e, "commit on revocation failed; finished messages may be redelivered")
+                }
+            }
+        }
+    }
+}
+
+/// A fetched message waiting on its partition's lane.
+type Queued = (OwnedMessage, u64, OwnedSemaphorePermit);
+
 /// One consumer's loop; returns when `stop` is set (after committing).
 async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<bool>) {
     let k = &app.config.kafka;
-    let consumer: Arc<StreamConsumer> = loop {
+    let partitions = Arc::new(Partitions::default());
+    let consumer: Arc<Kafka> = loop {
         let mut cfg = crate::connectors::kafka::client_config(&k.brokers, None, None);
         cfg.set("group.id", &sub.group)
             .set("enable.auto.commit", "true")
@@ -250,7 +381,12 @@ async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<boo
             // (librdkafka's default re-checks every 5 minutes).
             .set("allow.auto.create.topics", "true")
             .set("topic.metadata.refresh.interval.ms", "5000");
-        match cfg.create::<StreamConsumer>() {
+        let context = Rebalancer {
+            topic: sub.topic.clone(),
+            partitions: partitions.clone(),
+            drain: Duration::from_millis(k.session_timeout_ms / 2),
+        };
+        match cfg.create_with_context::<_, Kafka>(context) {
             Ok(c) => match c.subscribe(&[&sub.topic]) {
                 Ok(()) => break Arc::new(c),
                 Err(e) => {
@@ -267,9 +403,7 @@ async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<boo
         }
     };
     let permits = Arc::new(Semaphore::new(k.max_in_flight.max(1)));
-    let finished: Arc<Mutex<HashMap<i32, i64>>> = Arc::default();
-    let mut lanes: HashMap<i32, mpsc::UnboundedSender<(OwnedMessage, OwnedSemaphorePermit)>> =
-        HashMap::new();
+    let mut lanes: HashMap<i32, mpsc::UnboundedSender<Queued>> = HashMap::new();
     let mut lane_tasks = Vec::new();
     let mut last_error: Option<Instant> = None;
     loop {
@@ -295,6 +429,7 @@ async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<boo
             }
         };
         let partition = message.partition();
+        let epoch = partitions.epoch(partition);
         let lane = lanes.entry(partition).or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             lane_tasks.push(tokio::spawn(lane(
@@ -303,17 +438,17 @@ async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<boo
                 consumer.clone(),
                 rx,
                 stop.clone(),
-                finished.clone(),
+                partitions.clone(),
             )));
             tx
         });
         // The permit travels with the message: the semaphore bounds the lanes.
-        let _ = lane.send((message, permit));
+        let _ = lane.send((message, epoch, permit));
     }
     drop(lanes);
     futures_util::future::join_all(lane_tasks).await;
     // Commit exactly what finished (never the fetch position).
-    let done = std::mem::take(&mut *lock(&finished));
+    let done = std::mem::take(&mut lock(&partitions.state).finished);
     if !done.is_empty() {
         let mut tpl = TopicPartitionList::new();
         for (partition, next) in &done {
@@ -330,26 +465,46 @@ async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<boo
 async fn lane(
     app: Arc<App>,
     sub: Subscription,
-    consumer: Arc<StreamConsumer>,
-    mut rx: mpsc::UnboundedReceiver<(OwnedMessage, OwnedSemaphorePermit)>,
+    consumer: Arc<Kafka>,
+    mut rx: mpsc::UnboundedReceiver<Queued>,
     stop: watch::Receiver<bool>,
-    finished: Arc<Mutex<HashMap<i32, i64>>>,
+    partitions: Arc<Partitions>,
 ) {
-    while let Some((message, _permit)) = rx.recv().await {
+    while let Some((message, epoch, _permit)) = rx.recv().await {
         if *stop.borrow() {
             // Not started: left uncommitted, redelivered to the next consumer.
             break;
         }
-        if !handle(&app, &sub, &message, &stop).await {
+        let partition = message.partition();
+        {
+            let mut st = lock(&partitions.state);
+            if st.epoch.get(&partition).copied().unwrap_or(0) != epoch {
+                // Fetched before the partition was revoked: its new owner
+                // reads it from the committed offset.
+                continue;
+            }
+            st.busy.insert(partition);
+        }
+        let ok = handle(&app, &sub, &message, &stop).await;
+        let keep = ok && lock(&partitions.state).owns(partition, epoch);
+        if keep {
+            // Fails only when the partition is gone meanwhile: the new owner
+            // redelivers from the last commit (at least once).
+            if let Err(e) = consumer.store_offset(&sub.topic, partition, message.offset()) {
+                tracing::debug!(topic = %sub.topic, partition, error = %e, "offset not stored");
+            }
+        }
+        {
+            let mut st = lock(&partitions.state);
+            st.busy.remove(&partition);
+            if keep && st.owns(partition, epoch) {
+                st.finished.insert(partition, message.offset() + 1);
+            }
+        }
+        partitions.idle.notify_all();
+        if !ok {
             break;
         }
-        let (partition, next) = (message.partition(), message.offset() + 1);
-        // Fails only when the partition was revoked meanwhile: the new owner
-        // redelivers from the last commit (at least once).
-        if let Err(e) = consumer.store_offset(&sub.topic, partition, message.offset()) {
-            tracing::debug!(topic = %sub.topic, partition, error = %e, "offset not stored");
-        }
-        lock(&finished).insert(partition, next);
     }
 }
 

@@ -312,3 +312,299 @@ async fn async_work_survives_a_killed_replica() {
     ns.sort();
     assert_eq!(ns, (0..300).collect::<Vec<i64>>());
 }
+
+// ------------------------------------------------- shared governance (Redis)
+
+/// Creates and activates `workflow`, then `channel`, through `base`.
+async fn deploy_on(c: &reqwest::Client, base: &str, workflow: Json, channel: Json) {
+    let wf = workflow["workflow_id"].as_str().unwrap().to_owned();
+    let ch = channel["channel_id"].as_str().unwrap().to_owned();
+    admin(c, base, "POST", "/workflows", workflow).await;
+    let status = json!({"status": "active"});
+    admin(
+        c,
+        base,
+        "PATCH",
+        &format!("/workflows/{wf}/status"),
+        status.clone(),
+    )
+    .await;
+    admin(c, base, "POST", "/channels", channel).await;
+    admin(c, base, "PATCH", &format!("/channels/{ch}/status"), status).await;
+}
+
+/// Waits until every replica serves the generation of the first.
+async fn settle(c: &reqwest::Client, bases: &[String]) {
+    let want = generation(c, &bases[0]).await;
+    let until = Instant::now() + Duration::from_secs(10);
+    for base in &bases[1..] {
+        while generation(c, base).await < want {
+            assert!(
+                Instant::now() < until,
+                "{base} stays behind generation {want}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Three replicas on one PostgreSQL database and one Redis (own key prefix).
+async fn governed_fleet(extra: &[(&str, &str)]) -> (Vec<Replica>, Vec<String>) {
+    crate::support::install_crypto();
+    let url = fresh_database(Db::Postgres).await;
+    let prefix = crate::support::unique("fleet");
+    let mut env = vec![
+        ("SERVICE_GOVERNANCE__BACKEND", "redis"),
+        ("SERVICE_GOVERNANCE__REDIS_URL", crate::support::REDIS_URL),
+        ("SERVICE_GOVERNANCE__KEY_PREFIX", prefix.as_str()),
+    ];
+    env.extend_from_slice(extra);
+    let mut replicas = vec![replica_with(&url, &env).await];
+    replicas.push(replica_with(&url, &env).await);
+    replicas.push(replica_with(&url, &env).await);
+    let bases = replicas.iter().map(|r| r.base.clone()).collect();
+    (replicas, bases)
+}
+
+fn stamp_workflow(id: &str) -> Json {
+    json!({"workflow_id": id, "name": id, "tasks": [
+        {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+            {"path": "n", "logic": {"var": "payload.n"}}
+        ]}}}
+    ]})
+}
+
+/// A limit of 50 requests/s holds for the fleet: hammering three replicas
+/// for about three seconds admits about burst + 50/s × elapsed, not three
+/// times that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limit_holds_for_the_whole_fleet() {
+    let (_replicas, bases) = governed_fleet(&[]).await;
+    let c = reqwest::Client::new();
+    deploy_on(
+        &c,
+        &bases[0],
+        stamp_workflow("limited"),
+        json!({"channel_id": "limited", "name": "limited", "channel_type": "sync", "protocol": "http",
+            "workflow_id": "limited", "config_json": {"rate_limit": {"requests_per_second": 50, "burst": 50}}}),
+    )
+    .await;
+    settle(&c, &bases).await;
+    let started = Instant::now();
+    let run_for = Duration::from_secs(3);
+    // Four callers per replica, each sending as fast as it is answered.
+    let callers = (0..12).map(|i| {
+        let (c, base) = (c.clone(), bases[i % 3].clone());
+        async move {
+            let (mut ok, mut limited, mut last) = (0u32, 0u32, started);
+            while started.elapsed() < run_for {
+                let r = c
+                    .post(format!("{base}/api/v1/data/limited"))
+                    .json(&json!({"data": {"n": i}}))
+                    .send()
+                    .await
+                    .unwrap();
+                last = Instant::now();
+                match r.status().as_u16() {
+                    200 => ok += 1,
+                    429 => limited += 1,
+                    other => panic!("unexpected {other}: {}", r.text().await.unwrap()),
+                }
+            }
+            (ok, limited, last)
+        }
+    });
+    let results = futures_util::future::join_all(callers).await;
+    let admitted: u32 = results.iter().map(|r| r.0).sum();
+    let limited: u32 = results.iter().map(|r| r.1).sum();
+    let elapsed = results
+        .iter()
+        .map(|r| r.2.duration_since(started))
+        .max()
+        .unwrap()
+        .as_secs_f64();
+    let expected = 50.0 + 50.0 * elapsed;
+    eprintln!(
+        "fleet rate limit: {admitted} admitted, {limited} limited in {elapsed:.2} s (expected about {expected:.0})"
+    );
+    assert!(
+        limited > admitted,
+        "the callers did not outrun the limit: {admitted} admitted, {limited} limited"
+    );
+    assert!(
+        f64::from(admitted) <= expected * 1.1 + 5.0 && f64::from(admitted) >= expected * 0.75,
+        "{admitted} admitted in {elapsed:.2} s across three replicas; a fleet-wide 50/s with burst 50 admits about {expected:.0}"
+    );
+}
+
+/// A deduplication key used on one replica is a duplicate on the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dedup_key_is_seen_by_every_replica() {
+    let (_replicas, bases) = governed_fleet(&[]).await;
+    let c = reqwest::Client::new();
+    deploy_on(
+        &c,
+        &bases[0],
+        stamp_workflow("orders"),
+        json!({"channel_id": "orders", "name": "orders", "channel_type": "sync", "protocol": "http",
+            "workflow_id": "orders", "config_json": {"deduplication": {"window_secs": 60}}}),
+    )
+    .await;
+    settle(&c, &bases).await;
+    let post = |base: &String, key: &str| {
+        c.post(format!("{base}/api/v1/data/orders"))
+            .header("idempotency-key", key)
+            .json(&json!({"data": {"n": 1}}))
+            .send()
+    };
+    assert_eq!(post(&bases[0], "order-1").await.unwrap().status(), 200);
+    for base in &bases[1..] {
+        let r = post(base, "order-1").await.unwrap();
+        assert_eq!(r.status(), 409, "{base}");
+        let body: Json = r.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "CONFLICT");
+    }
+    // Another key is fresh, wherever it arrives first.
+    assert_eq!(post(&bases[2], "order-2").await.unwrap().status(), 200);
+    assert_eq!(post(&bases[0], "order-2").await.unwrap().status(), 409);
+}
+
+// ------------------------------------------------ Kafka across replicas
+
+/// `messages_total{channel, status="ok"}` of one replica.
+async fn processed(c: &reqwest::Client, base: &str, channel: &str) -> u64 {
+    let text = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("messages_total{")
+                && l.contains(&format!("channel=\"{channel}\""))
+                && l.contains("status=\"ok\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Replicas consume one 3-partition topic in one consumer group: one replica
+/// starts alone and takes every partition, two more join while messages keep
+/// coming (rebalances: what finished is committed, what was only fetched is
+/// left to the new owner), and in the end every message has run exactly once
+/// and the partitions are split between the three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_partitions_are_split_and_each_message_runs_once() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    crate::support::install_crypto();
+    let topic = crate::support::unique("fleet-events");
+    let group = crate::support::unique("fleet-group");
+    crate::support::kafka_topics(&[&topic], 3).await;
+    let url = fresh_database(Db::Postgres).await;
+    let env = [
+        ("SERVICE_KAFKA__ENABLED", "true"),
+        ("SERVICE_KAFKA__BROKERS", crate::support::KAFKA_BROKERS),
+        ("SERVICE_KAFKA__SESSION_TIMEOUT_MS", "6000"),
+    ];
+    let first = replica_with(&url, &env).await;
+    let c = reqwest::Client::new();
+    deploy_on(
+        &c,
+        &first.base,
+        stamp_workflow("events"),
+        json!({"channel_id": "events", "name": "events", "channel_type": "async", "protocol": "kafka",
+            "workflow_id": "events", "config_json": {"topic": topic, "consumer_group": group}}),
+    )
+    .await;
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", crate::support::KAFKA_BROKERS)
+        .create()
+        .unwrap();
+    let produce = |range: std::ops::Range<u32>, pause: Duration| {
+        let (producer, topic) = (producer.clone(), topic.clone());
+        async move {
+            for n in range {
+                let value = json!({"data": {"n": n}}).to_string();
+                let key = format!("k{n}");
+                producer
+                    .send(
+                        FutureRecord::to(&topic)
+                            .key(&key)
+                            .payload(&value)
+                            .partition((n % 3) as i32),
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .map_err(|(e, _)| e)
+                    .unwrap();
+                tokio::time::sleep(pause).await;
+            }
+        }
+    };
+    // The first replica alone: it owns all three partitions.
+    produce(0..60, Duration::ZERO).await;
+    let until = Instant::now() + Duration::from_secs(30);
+    while processed(&c, &first.base, "events").await < 60 {
+        assert!(Instant::now() < until, "the first replica does not consume");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Two more join while messages keep arriving (about 4 s of traffic
+    // across their joins and the rebalances).
+    let (second, third, ()) = tokio::join!(
+        replica_with(&url, &env),
+        replica_with(&url, &env),
+        produce(60..160, Duration::from_millis(40)),
+    );
+    // Settled: a last wave.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    produce(160..220, Duration::ZERO).await;
+
+    let total = 220;
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut counts: std::collections::BTreeMap<i64, usize>;
+    loop {
+        let traces: Json = c
+            .get(format!(
+                "{}/api/v1/data/traces?channel=events&mode=kafka&limit=1000",
+                second.base
+            ))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        counts = Default::default();
+        for t in traces["data"].as_array().unwrap() {
+            assert_eq!(t["status"], "completed", "{t}");
+            *counts.entry(t["data"]["n"].as_i64().unwrap()).or_default() += 1;
+        }
+        if counts.len() == total || Instant::now() > until {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(counts.len(), total, "messages never processed");
+    let repeated: Vec<_> = counts.iter().filter(|(_, k)| **k > 1).collect();
+    assert!(
+        repeated.is_empty(),
+        "processed more than once: {repeated:?}"
+    );
+    let mut per_replica = Vec::new();
+    for r in [&first, &second, &third] {
+        per_replica.push(processed(&c, &r.base, "events").await);
+    }
+    eprintln!("kafka messages per replica: {per_replica:?}");
+    assert_eq!(
+        per_replica.iter().sum::<u64>(),
+        total as u64,
+        "{per_replica:?}"
+    );
+    assert!(
+        per_replica[1] > 0 && per_replica[2] > 0,
+        "the joining replicas got no partition: {per_replica:?}"
+    );
+}
