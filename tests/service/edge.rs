@@ -181,7 +181,10 @@ async fn metrics_are_served_in_prometheus_format() {
         assert!(r.text.contains(needle), "missing {needle} in\n{}", r.text);
     }
     // Every metric the spec lists is exported once there has been traffic.
-    for (name, _) in sluice::telemetry::names::ALL {
+    for (name, _) in sluice::telemetry::names::ALL
+        .iter()
+        .chain(sluice::telemetry::names::EXTRA)
+    {
         assert!(
             r.text.lines().any(|l| l.starts_with(name)),
             "metric {name} missing"
