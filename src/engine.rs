@@ -6,7 +6,7 @@
 //! Requests load the snapshot once and keep it for their whole life, so a
 //! reload never disturbs requests in flight.
 
-use crate::storage::{Kind, Record, Status, StorageError, Store};
+use crate::storage::{Kind, Record, Status, StorageError, Store, StoredRecord};
 use sluice_compiler::def::ChannelDef;
 use sluice_compiler::diag::Diagnostic;
 use sluice_compiler::logic::{self, Logic};
@@ -19,9 +19,10 @@ use std::time::{Duration, Instant, SystemTime};
 #[derive(Debug)]
 pub struct Channel {
     pub id: String,
-    /// The stored definition this channel was built from (a rebuild carries
-    /// an unchanged channel over instead of building it again).
-    source: Arc<serde_json::Value>,
+    /// The stored definition text this channel was built from (a rebuild
+    /// carries an unchanged channel over instead of parsing and building it
+    /// again).
+    source: Arc<str>,
     pub name: String,
     pub version: i64,
     pub def: ChannelDef,
@@ -203,23 +204,25 @@ pub struct Snapshot {
 
 #[derive(Debug)]
 struct CompiledPlan {
-    /// The stored definition and the server-managed fields the plan was
+    /// The stored definition text and the server-managed fields the plan was
     /// compiled with (shared with the next snapshot, never copied).
-    definition: Arc<serde_json::Value>,
+    text: Arc<str>,
     status: Status,
     rollout_percentage: i64,
     updated_at: String,
     range: Rollout,
+    /// The engine-schema `channel` label, if any.
+    label: Option<String>,
     plan: Arc<Plan>,
 }
 
 impl CompiledPlan {
-    fn compiled_from(&self, record: &Record, range: &Rollout) -> bool {
+    fn compiled_from(&self, record: &StoredRecord, range: &Rollout) -> bool {
         self.status == record.status
             && self.rollout_percentage == record.rollout_percentage
             && self.range == *range
             && self.updated_at == record.updated_at
-            && *self.definition == record.definition
+            && (Arc::ptr_eq(&self.text, &record.text) || *self.text == *record.text)
     }
 }
 
@@ -284,8 +287,8 @@ pub async fn build(
 /// `previous` whose definitions are unchanged) and index. Returns the
 /// snapshot and how many workflow versions were compiled.
 pub fn assemble(
-    workflows: &[Record],
-    channels: &[Record],
+    workflows: &[StoredRecord],
+    channels: &[StoredRecord],
     generation: u64,
     previous: &Snapshot,
 ) -> Result<(Snapshot, usize), ReloadError> {
@@ -296,16 +299,26 @@ pub fn assemble(
     let mut by_label: HashMap<String, Vec<Arc<Plan>>> = HashMap::new();
     let mut compiled_plans = HashMap::with_capacity(workflows.len());
     let mut compiled_count = 0;
-    for (record, range) in workflows.iter().zip(&ranges) {
-        let key = (record.id.clone(), record.version);
+    for (stored, range) in workflows.iter().zip(&ranges) {
+        let key = (stored.id.clone(), stored.version);
         let reused = previous
             .compiled
             .get(&key)
-            .filter(|c| c.compiled_from(record, range))
-            .map(|c| (c.plan.clone(), c.definition.clone()));
-        let (plan, definition) = match reused {
+            .filter(|c| c.compiled_from(stored, range))
+            .map(|c| (c.plan.clone(), c.label.clone()));
+        let (plan, label) = match reused {
             Some(reused) => reused,
             None => {
+                let record = match stored.parse() {
+                    Ok(r) => r,
+                    Err(e) => {
+                        problems.push(Diagnostic {
+                            field: format!("workflows['{}'].v{}", stored.id, stored.version),
+                            message: e.to_string(),
+                        });
+                        continue;
+                    }
+                };
                 let mut def = record.to_json(Kind::Workflow);
                 if let Some(obj) = def.as_object_mut()
                     && !obj.contains_key("rollout")
@@ -318,13 +331,18 @@ pub fn assemble(
                 match compile_workflow(&def) {
                     Ok(compiled) => {
                         compiled_count += 1;
-                        (Arc::new(compiled.plan), Arc::new(record.definition.clone()))
+                        let label = record
+                            .definition
+                            .get("channel")
+                            .and_then(|c| c.as_str())
+                            .map(str::to_owned);
+                        (Arc::new(compiled.plan), label)
                     }
                     Err(errors) => {
                         problems.extend(errors.into_iter().map(|d| Diagnostic {
                             field: format!(
                                 "workflows['{}'].v{}.{}",
-                                record.id, record.version, d.field
+                                stored.id, stored.version, d.field
                             ),
                             message: d.message,
                         }));
@@ -333,24 +351,25 @@ pub fn assemble(
                 }
             }
         };
-        if let Some(label) = record.definition.get("channel").and_then(|c| c.as_str()) {
+        if let Some(label) = &label {
             by_label
-                .entry(label.to_owned())
+                .entry(label.clone())
                 .or_default()
                 .push(plan.clone());
         }
         by_id
-            .entry(record.id.as_str())
+            .entry(stored.id.as_str())
             .or_default()
             .push(plan.clone());
         compiled_plans.insert(
             key,
             CompiledPlan {
-                definition,
-                status: record.status,
-                rollout_percentage: record.rollout_percentage,
-                updated_at: record.updated_at.clone(),
+                text: stored.text.clone(),
+                status: stored.status,
+                rollout_percentage: stored.rollout_percentage,
+                updated_at: stored.updated_at.clone(),
                 range: *range,
+                label,
                 plan,
             },
         );
@@ -363,14 +382,42 @@ pub fn assemble(
         compiled: compiled_plans,
         ..Snapshot::default()
     };
-    for record in channels {
+    // The previous snapshot's channels by id: an unchanged stored channel is
+    // recognised before its text is parsed.
+    let previous_by_id: HashMap<&str, &Arc<Channel>> = previous
+        .channels
+        .values()
+        .map(|c| (c.id.as_str(), c))
+        .collect();
+    for stored in channels {
+        let before = previous_by_id.get(stored.id.as_str()).filter(|c| {
+            c.version == stored.version
+                && (Arc::ptr_eq(&c.source, &stored.text) || *c.source == *stored.text)
+        });
+        // Parsed only when the text changed.
+        let record = match before {
+            Some(_) => None,
+            None => match stored.parse() {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    problems.push(Diagnostic {
+                        field: format!("channels['{}']", stored.id),
+                        message: e.to_string(),
+                    });
+                    continue;
+                }
+            },
+        };
         // The plans this channel serves (by its workflow_id, then by the
         // workflows' `channel` label), most preferred first.
-        let workflow_id = record
-            .definition
-            .get("workflow_id")
-            .and_then(|w| w.as_str());
-        let name = record.definition.get("name").and_then(|n| n.as_str());
+        let (workflow_id, name) = match (&record, before) {
+            (Some(r), _) => (
+                r.definition.get("workflow_id").and_then(|w| w.as_str()),
+                r.definition.get("name").and_then(|n| n.as_str()),
+            ),
+            (None, Some(c)) => (Some(c.def.workflow_id.as_str()), Some(c.name.as_str())),
+            (None, None) => unreachable!("either parsed or carried over"),
+        };
         let mut plans: Vec<Arc<Plan>> = workflow_id
             .and_then(|w| by_id.get(w))
             .cloned()
@@ -382,22 +429,34 @@ pub fn assemble(
         }
         plans.sort_by(|a, b| b.priority.cmp(&a.priority).then(b.version.cmp(&a.version)));
         // An unchanged channel serving the same plans is carried over whole.
-        let unchanged = name.and_then(|n| previous.channels.get(n)).filter(|c| {
-            c.id == record.id
-                && c.version == record.version
-                && *c.source == record.definition
-                && c.plans.len() == plans.len()
+        let unchanged = before.filter(|c| {
+            c.plans.len() == plans.len()
                 && c.plans.iter().zip(&plans).all(|(a, b)| Arc::ptr_eq(a, b))
         });
-        let channel = match unchanged {
-            Some(channel) => channel.clone(),
-            None => match build_channel(record, plans, previous) {
-                Ok(channel) => channel,
-                Err(mut errors) => {
-                    problems.append(&mut errors);
-                    continue;
+        let channel = match (unchanged, record) {
+            (Some(channel), _) => Arc::clone(channel),
+            (None, record) => {
+                let record = match record {
+                    Some(r) => r,
+                    None => match stored.parse() {
+                        Ok(r) => r,
+                        Err(e) => {
+                            problems.push(Diagnostic {
+                                field: format!("channels['{}']", stored.id),
+                                message: e.to_string(),
+                            });
+                            continue;
+                        }
+                    },
+                };
+                match build_channel(&record, stored.text.clone(), plans, previous) {
+                    Ok(channel) => channel,
+                    Err(mut errors) => {
+                        problems.append(&mut errors);
+                        continue;
+                    }
                 }
-            },
+            }
         };
         if let (Some(pattern), sluice_compiler::def::Protocol::Rest) =
             (&channel.def.route_pattern, channel.def.protocol())
@@ -442,6 +501,7 @@ pub fn assemble(
 /// Compiles one channel of a snapshot (its checks, rules and handles).
 fn build_channel(
     record: &Record,
+    source: Arc<str>,
     plans: Vec<Arc<Plan>>,
     previous: &Snapshot,
 ) -> Result<Arc<Channel>, Vec<Diagnostic>> {
@@ -484,7 +544,7 @@ fn build_channel(
     };
     Ok(Arc::new(Channel {
         id: record.id.clone(),
-        source: Arc::new(record.definition.clone()),
+        source,
         name: def.name.clone(),
         version: record.version,
         timeout: Duration::from_millis(def.config_json.timeout_ms),
@@ -510,7 +570,7 @@ fn build_channel(
 
 /// Canary ranges: for each workflow id, the newest active version gets
 /// `[0, p)` and an older active version the rest `[p, 100)`.
-fn rollout_ranges(workflows: &[Record]) -> Vec<Rollout> {
+fn rollout_ranges(workflows: &[StoredRecord]) -> Vec<Rollout> {
     let mut newest: HashMap<&str, i64> = HashMap::new();
     let mut count: HashMap<&str, usize> = HashMap::new();
     for r in workflows.iter().filter(|r| r.status == Status::Active) {
@@ -533,7 +593,7 @@ fn rollout_ranges(workflows: &[Record]) -> Vec<Rollout> {
         .collect()
 }
 
-fn newest_percentage(workflows: &[Record], id: &str, version: i64) -> i64 {
+fn newest_percentage(workflows: &[StoredRecord], id: &str, version: i64) -> i64 {
     workflows
         .iter()
         .find(|r| r.id == id && r.version == version)
@@ -544,6 +604,10 @@ fn newest_percentage(workflows: &[Record], id: &str, version: i64) -> i64 {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn stored(records: &[Record]) -> Vec<StoredRecord> {
+        records.iter().map(StoredRecord::from).collect()
+    }
 
     fn workflow(id: &str, version: i64, tasks: serde_json::Value) -> Record {
         Record {
@@ -586,9 +650,16 @@ mod tests {
             workflow("b", 1, tasks("data.b")),
         ];
         let channels = vec![channel("ca", "a"), channel("cb", "b")];
-        let (first, compiled) = assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
+        let (first, compiled) = assemble(
+            &stored(&workflows),
+            &stored(&channels),
+            1,
+            &Snapshot::default(),
+        )
+        .unwrap();
         assert_eq!(compiled, 2);
-        let (second, compiled) = assemble(&workflows, &channels, 2, &first).unwrap();
+        let (second, compiled) =
+            assemble(&stored(&workflows), &stored(&channels), 2, &first).unwrap();
         assert_eq!(compiled, 0, "nothing changed, nothing compiled");
         assert!(Arc::ptr_eq(&first.channels["ca"], &second.channels["ca"]));
         for name in ["ca", "cb"] {
@@ -602,7 +673,8 @@ mod tests {
             workflow("a", 1, tasks("data.changed")),
             workflow("b", 1, tasks("data.b")),
         ];
-        let (third, compiled) = assemble(&changed, &channels, 3, &second).unwrap();
+        let (third, compiled) =
+            assemble(&stored(&changed), &stored(&channels), 3, &second).unwrap();
         assert_eq!(compiled, 1);
         assert!(!Arc::ptr_eq(
             &second.channels["ca"].plans[0],
@@ -620,7 +692,7 @@ mod tests {
             workflow("a", 2, tasks("data.changed")),
             workflow("b", 1, tasks("data.b")),
         ];
-        let (_, compiled) = assemble(&newer, &channels, 4, &third).unwrap();
+        let (_, compiled) = assemble(&stored(&newer), &stored(&channels), 4, &third).unwrap();
         assert_eq!(compiled, 1);
     }
 
@@ -628,7 +700,13 @@ mod tests {
     fn routes_match_decoded_segments_once() {
         let workflows = vec![workflow("a", 1, tasks("data.a"))];
         let channels = vec![channel("ca", "a")];
-        let (snapshot, _) = assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
+        let (snapshot, _) = assemble(
+            &stored(&workflows),
+            &stored(&channels),
+            1,
+            &Snapshot::default(),
+        )
+        .unwrap();
         // The router decoded `%2541` to `%41`; the table must not decode again.
         let m = snapshot.routes.find("POST", &["ca", "%41"]).unwrap();
         assert_eq!(m.params.as_slice(), &[("id", "%41")]);
@@ -652,7 +730,13 @@ mod tests {
             c.definition["priority"] = json!(priority);
             channels.push(c);
         }
-        let (snapshot, _) = assemble(&workflows, &channels, 1, &Snapshot::default()).unwrap();
+        let (snapshot, _) = assemble(
+            &stored(&workflows),
+            &stored(&channels),
+            1,
+            &Snapshot::default(),
+        )
+        .unwrap();
         let name = |parts: &[&str]| {
             snapshot
                 .routes

@@ -19,8 +19,8 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::{
     Audit, BeginWrite, Kind, ListQuery, Record, SERVER_MANAGED, Status, StorageError, Store,
-    dispatch, execute, fetch_all, fetch_one, fetch_optional, now_micros, parse_json, retry,
-    rfc3339,
+    StoredRecord, dispatch, execute, fetch_all, fetch_one, fetch_optional, now_micros, parse_json,
+    retry, rfc3339,
 };
 
 /// The lifecycle-relevant columns of one version, as locked inside a transaction.
@@ -113,6 +113,31 @@ where
             .ok_or_else(|| StorageError::Database(format!("unknown stored status '{status}'")))?,
         rollout_percentage: get_i(3)?,
         definition: parse_json(&get_s(4)?)?,
+        created_at: rfc3339(get_i(5)?),
+        updated_at: rfc3339(get_i(6)?),
+    })
+}
+
+/// The same row with the definition left as text.
+pub(crate) fn stored_from_row<R: Row>(row: &R) -> Result<StoredRecord, StorageError>
+where
+    usize: ColumnIndex<R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let get_s = |i: usize| {
+        row.try_get_unchecked::<String, usize>(i)
+            .map_err(super::db_err)
+    };
+    let get_i = |i: usize| row.try_get::<i64, usize>(i).map_err(super::db_err);
+    let status = get_s(2)?;
+    Ok(StoredRecord {
+        id: get_s(0)?,
+        version: get_i(1)?,
+        status: Status::parse(&status)
+            .ok_or_else(|| StorageError::Database(format!("unknown stored status '{status}'")))?,
+        rollout_percentage: get_i(3)?,
+        text: get_s(4)?.into(),
         created_at: rfc3339(get_i(5)?),
         updated_at: rfc3339(get_i(6)?),
     })
@@ -832,10 +857,12 @@ impl Store {
     }
 
     /// Every active version of every id (ascending by id, version), for the engine.
-    pub async fn active(&self, kind: Kind) -> Result<Vec<Record>, StorageError> {
+    /// Every active version of `kind`, definitions as text (the engine
+    /// reload parses only what changed).
+    pub async fn active(&self, kind: Kind) -> Result<Vec<StoredRecord>, StorageError> {
         let k = self.sql().kind(kind);
         dispatch!(self, pool => {
-            fetch_all!(pool, &k.active)?.iter().map(record_from_row).collect()
+            fetch_all!(pool, &k.active)?.iter().map(stored_from_row).collect()
         })
     }
 }

@@ -147,6 +147,48 @@ pub(crate) const SERVER_MANAGED: [&str; 5] = [
     "updated_at",
 ];
 
+/// A stored row whose definition is still text: an engine reload compares
+/// texts (a `memcmp`) and parses only the definitions that changed.
+#[derive(Debug, Clone)]
+pub struct StoredRecord {
+    pub id: String,
+    pub version: i64,
+    pub status: Status,
+    pub rollout_percentage: i64,
+    /// The definition as stored (JSON text).
+    pub text: Arc<str>,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+impl StoredRecord {
+    pub fn parse(&self) -> Result<Record, StorageError> {
+        Ok(Record {
+            id: self.id.clone(),
+            version: self.version,
+            status: self.status,
+            rollout_percentage: self.rollout_percentage,
+            definition: parse_json(&self.text)?,
+            created_at: self.created_at.clone(),
+            updated_at: self.updated_at.clone(),
+        })
+    }
+}
+
+impl From<&Record> for StoredRecord {
+    fn from(r: &Record) -> StoredRecord {
+        StoredRecord {
+            id: r.id.clone(),
+            version: r.version,
+            status: r.status,
+            rollout_percentage: r.rollout_percentage,
+            text: r.definition.to_string().into(),
+            created_at: r.created_at.clone(),
+            updated_at: r.updated_at.clone(),
+        }
+    }
+}
+
 /// One stored version of a workflow or channel, or one connector (version 1, active).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record {
