@@ -3,6 +3,14 @@
 # (idempotently) whatever servers the tests need, then runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The suite builds the benchmarks (to prove they compile) and runs the load
+# script's 1 s smoke mode, neither of which measures anything: build them
+# without LTO and debug info, in more codegen units (a shorter optimised
+# build on a cold CI run). `cargo bench` and
+# `bash benches/load/run.sh` outside this script use the real profile.
+export CARGO_PROFILE_RELEASE_LTO="${CARGO_PROFILE_RELEASE_LTO:-false}"
+export CARGO_PROFILE_RELEASE_CODEGEN_UNITS="${CARGO_PROFILE_RELEASE_CODEGEN_UNITS:-16}"
+export CARGO_PROFILE_RELEASE_DEBUG="${CARGO_PROFILE_RELEASE_DEBUG:-false}"
 # Servers for storage and connector tests are started here as those tests
 # arrive (see ../shared/services/README.md); the engine core needs none.
 # Storage tests run against real PostgreSQL and MariaDB and fail without them.
