@@ -164,8 +164,14 @@ impl App {
             .record(built.elapsed.as_secs_f64());
         metrics::gauge!(names::ACTIVE_WORKFLOWS).set(built.snapshot.active_workflows as f64);
         let old = self.engine.swap(Arc::new(built.snapshot));
-        // Freeing a large engine takes a while; not on a runtime worker.
-        tokio::task::spawn_blocking(move || drop(old));
+        // Freeing a large engine takes a while: on a thread of its own at
+        // background priority, not on a runtime worker.
+        let _ = std::thread::Builder::new()
+            .name("sluice-free".into())
+            .spawn(move || {
+                engine::background_priority();
+                drop(old);
+            });
         self.generation.store(generation, Ordering::Relaxed);
         self.kafka.engine_changed();
         tracing::info!(

@@ -265,6 +265,7 @@ pub async fn build(
     std::thread::Builder::new()
         .name("sluice-reload".into())
         .spawn(move || {
+            background_priority();
             let built = assemble(&workflows, &channels, generation, &previous);
             let _ = tx.send(built);
         })
@@ -281,6 +282,23 @@ pub async fn build(
         elapsed: started.elapsed(),
         compiled,
     })
+}
+
+/// Puts the calling thread in the lowest CPU scheduling class (Linux
+/// `SCHED_IDLE`): a reload's CPU work (compiling, indexing, freeing the old
+/// snapshot) then runs on time the request workers leave idle instead of
+/// taking time slices from them on a busy core. A no-op elsewhere or if the
+/// kernel refuses.
+#[allow(unsafe_code)] // one libc call; argued below
+pub fn background_priority() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: pid 0 is the calling thread; `param` is initialised and
+        // outlives the call, which only reads it. Lowering a thread's own
+        // policy needs no privilege and affects nothing else.
+        let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    }
 }
 
 /// The pure part of a build (no I/O): compile (reusing the plans of
