@@ -19,8 +19,8 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::{
     Audit, BeginWrite, Kind, ListQuery, Record, SERVER_MANAGED, Status, StorageError, Store,
-    StoredRecord, dispatch, execute, fetch_all, fetch_one, fetch_optional, now_micros, parse_json,
-    retry, rfc3339,
+    StoredRecord, dispatch, execute, fetch_all, fetch_one, fetch_optional, now_micros, retry,
+    rfc3339,
 };
 
 /// The lifecycle-relevant columns of one version, as locked inside a transaction.
@@ -98,33 +98,18 @@ where
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
 {
-    // Text columns are read unchecked: MariaDB reports utf8mb4_bin columns
-    // with the BINARY flag, which sqlx's checked String decode rejects.
-    let get_s = |i: usize| {
-        row.try_get_unchecked::<String, usize>(i)
-            .map_err(super::db_err)
-    };
-    let get_i = |i: usize| row.try_get::<i64, usize>(i).map_err(super::db_err);
-    let status = get_s(2)?;
-    Ok(Record {
-        id: get_s(0)?,
-        version: get_i(1)?,
-        status: Status::parse(&status)
-            .ok_or_else(|| StorageError::Database(format!("unknown stored status '{status}'")))?,
-        rollout_percentage: get_i(3)?,
-        definition: parse_json(&get_s(4)?)?,
-        created_at: rfc3339(get_i(5)?),
-        updated_at: rfc3339(get_i(6)?),
-    })
+    stored_from_row(row)?.into_record()
 }
 
-/// The same row with the definition left as text.
+/// A row with the definition left as text.
 pub(crate) fn stored_from_row<R: Row>(row: &R) -> Result<StoredRecord, StorageError>
 where
     usize: ColumnIndex<R>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
 {
+    // Text columns are read unchecked: MariaDB reports utf8mb4_bin columns
+    // with the BINARY flag, which sqlx's checked String decode rejects.
     let get_s = |i: usize| {
         row.try_get_unchecked::<String, usize>(i)
             .map_err(super::db_err)

@@ -162,6 +162,18 @@ pub struct StoredRecord {
 }
 
 impl StoredRecord {
+    pub fn into_record(self) -> Result<Record, StorageError> {
+        Ok(Record {
+            definition: parse_json(&self.text)?,
+            id: self.id,
+            version: self.version,
+            status: self.status,
+            rollout_percentage: self.rollout_percentage,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+        })
+    }
+
     pub fn parse(&self) -> Result<Record, StorageError> {
         Ok(Record {
             id: self.id.clone(),
