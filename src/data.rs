@@ -296,9 +296,10 @@ fn respond(
             .with_details(details)
             .with_task(f.task_id.clone()));
     }
-    let mut out = Vec::with_capacity(execution.data.len() + 64);
-    out.extend_from_slice(b"{\"status\":\"ok\",\"data\":");
-    out.extend_from_slice(&execution.data);
+    // The envelope goes around the serialized data in its own buffer (a
+    // move of the bytes, no second buffer).
+    let mut out = execution.data;
+    out.splice(0..0, *b"{\"status\":\"ok\",\"data\":");
     out.extend_from_slice(b",\"errors\":");
     if execution.errors.is_empty() {
         out.extend_from_slice(b"[]");

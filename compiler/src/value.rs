@@ -185,7 +185,7 @@ impl<'a> Value<'a> {
 
     /// Serializes as compact JSON text.
     pub fn write_json(&self, out: &mut Vec<u8>) {
-        write_value(self, out, None, 0);
+        write_compact(self, out);
     }
 
     /// Serializes as JSON text indented by two spaces.
@@ -213,7 +213,7 @@ pub(crate) fn number_from_json(n: &serde_json::Number) -> Value<'static> {
 /// Integral floats become JSON integers, as JavaScript prints them; NaN and
 /// infinities (which JSON cannot carry) become null.
 pub fn float_to_json(f: f64) -> serde_json::Value {
-    if f.is_finite() && f.fract() == 0.0 && f.abs() < 9.007_199_254_740_992e15 {
+    if f.is_finite() && f.fract() == 0.0 && f.abs() < 1e16 {
         serde_json::Value::from(f as i64)
     } else {
         serde_json::Number::from_f64(f).map_or(serde_json::Value::Null, serde_json::Value::Number)
@@ -236,6 +236,49 @@ impl PartialEq for Value<'_> {
                 a.len() == b.len() && a.iter().all(|(k, v)| other.get(k).is_some_and(|w| w == *v))
             }
             _ => false,
+        }
+    }
+}
+
+/// The compact writer (every response body goes through it): the indented
+/// writer below without its per-member indentation checks.
+fn write_compact(v: &Value<'_>, out: &mut Vec<u8>) {
+    match *v {
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(true) => out.extend_from_slice(b"true"),
+        Value::Bool(false) => out.extend_from_slice(b"false"),
+        Value::Int(i) => out.extend_from_slice(itoa::Buffer::new().format(i).as_bytes()),
+        Value::Float(f) => write_float(f, out),
+        Value::Str(s) => write_str(s, out),
+        Value::Array(items) => {
+            let Some((first, rest)) = items.split_first() else {
+                out.extend_from_slice(b"[]");
+                return;
+            };
+            out.push(b'[');
+            write_compact(first, out);
+            for item in rest {
+                out.push(b',');
+                write_compact(item, out);
+            }
+            out.push(b']');
+        }
+        Value::Object(members) => {
+            let Some(((k, first), rest)) = members.split_first() else {
+                out.extend_from_slice(b"{}");
+                return;
+            };
+            out.push(b'{');
+            write_str(k, out);
+            out.push(b':');
+            write_compact(first, out);
+            for (k, item) in rest {
+                out.push(b',');
+                write_str(k, out);
+                out.push(b':');
+                write_compact(item, out);
+            }
+            out.push(b'}');
         }
     }
 }
@@ -300,10 +343,27 @@ fn newline(out: &mut Vec<u8>, indent: Option<usize>, depth: usize) {
 pub fn write_float(f: f64, out: &mut Vec<u8>) {
     if !f.is_finite() {
         out.extend_from_slice(b"null");
-    } else if f.fract() == 0.0 && f.abs() < 9.007_199_254_740_992e15 {
+    } else if f.fract() == 0.0 && f.abs() < 1e16 {
+        // Exact: every integral float below 1e16 fits an i64.
         out.extend_from_slice(itoa::Buffer::new().format(f as i64).as_bytes());
     } else {
-        out.extend_from_slice(ryu::Buffer::new().format_finite(f).as_bytes());
+        let mut buf = zmij::Buffer::new();
+        let text = buf.format_finite(f).as_bytes();
+        // zmij writes a positive exponent as `e+21`; JavaScript (and ryu,
+        // which this output matched before) as `e21`. Only magnitudes from
+        // 1e16 up have a positive exponent; the search is skipped below.
+        let plus = if f.abs() >= 1e16 {
+            text.iter().position(|&b| b == b'+')
+        } else {
+            None
+        };
+        match plus {
+            Some(plus) => {
+                out.extend_from_slice(&text[..plus]);
+                out.extend_from_slice(&text[plus + 1..]);
+            }
+            None => out.extend_from_slice(text),
+        }
     }
 }
 
@@ -503,6 +563,63 @@ mod tests {
         out.push(b' ');
         Value::Float(f64::NAN).write_json(&mut out);
         assert_eq!(String::from_utf8(out).unwrap(), "20 905.502 null");
+    }
+
+    #[test]
+    fn exponents_print_like_javascript() {
+        let cases = [
+            (1e16, "1e16"),
+            (1.2345678901234568e17, "1.2345678901234568e17"),
+            (1.7976931348623157e308, "1.7976931348623157e308"),
+            (-3.0009e23, "-3.0009e23"),
+            (1e-7, "1e-7"),
+            (2.5e-5, "0.000025"),
+            (-5e-324, "-5e-324"),
+            (9007199254740993.0, "9007199254740992"),
+            (0.1, "0.1"),
+            (150.917, "150.917"),
+        ];
+        for (f, text) in cases {
+            let mut out = Vec::new();
+            write_float(f, &mut out);
+            assert_eq!(String::from_utf8(out).unwrap(), text, "{f:e}");
+            // serde_json reads every form back to the same number.
+            assert_eq!(serde_json::from_str::<f64>(text).unwrap(), f, "{text}");
+        }
+    }
+
+    #[test]
+    fn strings_are_escaped_like_serde_json_at_every_length_and_position() {
+        for len in 0..24 {
+            let plain: String = "abcdéfghijklmnopqrstuvwxyz".chars().take(len).collect();
+            let mut out = Vec::new();
+            write_str(&plain, &mut out);
+            assert_eq!(out, serde_json::to_vec(&plain).unwrap());
+            for at in 0..=plain.chars().count() {
+                for special in ['"', '\\', '\n', '\u{1}', '\u{1f}', '\t'] {
+                    let mut s: String = plain.chars().take(at).collect();
+                    s.push(special);
+                    s.extend(plain.chars().skip(at));
+                    let mut out = Vec::new();
+                    write_str(&s, &mut out);
+                    assert_eq!(out, serde_json::to_vec(&s).unwrap(), "{s:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn compact_and_pretty_output_hold_the_same_json() {
+        let arena = Bump::new();
+        let src = json!({"a": [1, 2.5, "x\"y\n", null, true, [], {}], "b": {"c": {"d": [false]}}, "": -1.5e300});
+        let v = Value::from_json(&src, &arena);
+        let (mut compact, mut pretty) = (Vec::new(), Vec::new());
+        v.write_json(&mut compact);
+        v.write_json_pretty(&mut pretty);
+        let compact: serde_json::Value = serde_json::from_slice(&compact).unwrap();
+        let pretty: serde_json::Value = serde_json::from_slice(&pretty).unwrap();
+        assert_eq!(compact, src);
+        assert_eq!(pretty, src);
     }
 
     #[test]

@@ -1056,7 +1056,10 @@ impl<'a> Machine<'a> {
     }
 
     fn finish(self, start: Instant, options: &Options) -> Execution {
-        let mut data = Vec::with_capacity(512);
+        // Room for a typical response at once (growing a 512-byte buffer
+        // reallocated it on most requests), and for the envelope the caller
+        // may wrap around it without another copy.
+        let mut data = Vec::with_capacity(2048);
         if options.pretty {
             self.ctx.data.write_json_pretty(&mut data)
         } else {
