@@ -2,6 +2,33 @@
 //! `logic`, `lint`, `dry-run` and `schema` (`test` is in `testing.rs`,
 //! `apply` in `apply.rs`).
 
+/// Writes command output to stdout. A closed pipe (`sluice test | head`)
+/// ends the process quietly with status 141, as a command killed by SIGPIPE
+/// would (`println!` panics there instead); other write errors are reported.
+pub fn write_stdout(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    if let Err(e) = std::io::stdout().lock().write_fmt(args) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(141);
+        }
+        eprintln!("error: cannot write to stdout: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// `println!` through [`write_stdout`].
+#[macro_export]
+macro_rules! outln {
+    () => { $crate::cli::write_stdout(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `print!` through [`write_stdout`].
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::cli::write_stdout(format_args!($($arg)*)) };
+}
+
 use crate::api::ApiError;
 use bumpalo::Bump;
 use serde_json::Value as Json;
@@ -74,7 +101,7 @@ pub fn lint(files: &[std::path::PathBuf]) -> ExitCode {
             Some(mut body) => {
                 bad += 1;
                 body["file"] = Json::String(file.display().to_string());
-                println!(
+                crate::outln!(
                     "{}",
                     serde_json::to_string_pretty(&body).unwrap_or_default()
                 );
@@ -94,7 +121,7 @@ pub fn lint(files: &[std::path::PathBuf]) -> ExitCode {
 pub fn dry_run(workflow: &Path, payload: &Path, metadata: Option<&Path>) -> ExitCode {
     match dry_run_answer(workflow, payload, metadata) {
         Ok((answer, failed)) => {
-            println!(
+            crate::outln!(
                 "{}",
                 serde_json::to_string_pretty(&answer).unwrap_or_default()
             );
@@ -105,7 +132,7 @@ pub fn dry_run(workflow: &Path, payload: &Path, metadata: Option<&Path>) -> Exit
             }
         }
         Err(envelope) => {
-            println!(
+            crate::outln!(
                 "{}",
                 serde_json::to_string_pretty(&envelope).unwrap_or_default()
             );

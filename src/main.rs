@@ -103,7 +103,7 @@ fn main() -> ExitCode {
         } => cli::dry_run(&workflow, &payload, metadata.as_deref()),
         Command::Schema { kind } => match cli::schema(&kind) {
             Ok(out) => {
-                println!("{out}");
+                sluice::outln!("{out}");
                 ExitCode::SUCCESS
             }
             Err(message) => {
@@ -133,7 +133,7 @@ fn main() -> ExitCode {
         }),
         Command::Logic { rule, data } => match cli::logic(&rule, &data) {
             Ok(out) => {
-                println!("{out}");
+                sluice::outln!("{out}");
                 ExitCode::SUCCESS
             }
             Err(message) => {
@@ -175,7 +175,7 @@ fn with_config(
 
 async fn migrate(config: config::Config) -> Result<(), String> {
     sluice::open_store(&config).await?;
-    println!(
+    sluice::outln!(
         "migrations applied ({})",
         config.storage.url.split("://").next().unwrap_or("storage")
     );

@@ -573,7 +573,7 @@ pub fn run(paths: &[PathBuf]) -> ExitCode {
             Ok(ok) => ok,
             Err(e) => {
                 failed += 1;
-                println!("FAIL {shown}: {e}");
+                crate::outln!("FAIL {shown}: {e}");
                 continue;
             }
         };
@@ -583,20 +583,20 @@ pub fn run(paths: &[PathBuf]) -> ExitCode {
             match result {
                 Ok(()) => {
                     passed += 1;
-                    println!("ok   {shown} :: {}", case.name);
+                    crate::outln!("ok   {shown} :: {}", case.name);
                 }
                 Err(why) => {
                     failed += 1;
-                    println!("FAIL {shown} :: {}", case.name);
-                    print!("{why}");
+                    crate::outln!("FAIL {shown} :: {}", case.name);
+                    crate::out!("{why}");
                     if !why.ends_with('\n') {
-                        println!();
+                        crate::outln!();
                     }
                 }
             }
         }
     }
-    println!("{passed} passed, {failed} failed");
+    crate::outln!("{passed} passed, {failed} failed");
     if failed > 0 {
         ExitCode::FAILURE
     } else {

@@ -161,3 +161,26 @@ fn configuration_errors_stop_start_up_naming_the_key() {
     );
     assert!(db.exists(), "the SQLite file is created on first use");
 }
+
+#[test]
+fn output_into_a_closed_pipe_ends_quietly_with_status_141() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/examples");
+    let mut child = sluice()
+        .args(["test", examples])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read one line, then close the pipe as `| head -1` would.
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("ok "), "{first}");
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+}
