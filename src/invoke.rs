@@ -127,7 +127,7 @@ impl ChannelInvoker for Invoker {
                 request_id: &request_id,
                 extra: &[],
             },
-            bucket: None,
+            bucket: req.bucket,
         };
         let options = Options {
             deadline: Some(Instant::now() + timeout),

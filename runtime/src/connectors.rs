@@ -120,6 +120,10 @@ pub struct InvokeRequest {
     /// The payload the called channel's workflow sees.
     pub data: Json,
     pub timeout_ms: Option<u64>,
+    /// The calling request's rollout bucket: the callee's workflow is
+    /// chosen for the same caller as the caller's was (a canary at 30%
+    /// sees the same 30% of callers through a `channel_call`).
+    pub bucket: Option<u8>,
 }
 
 #[async_trait]

@@ -198,6 +198,7 @@ where
         });
     };
     let mut machine = Machine::new(plan, context, options);
+    machine.bucket = input.bucket;
     loop {
         match machine.run(&arena) {
             Next::Done => break,
@@ -383,6 +384,8 @@ struct Machine<'a> {
     deadline: Option<Instant>,
     /// The task most recently started (named by a timeout failure).
     current: Option<&'a Task>,
+    /// The request's rollout bucket, passed on to `channel_call`.
+    bucket: Option<u8>,
 }
 
 impl<'a> Machine<'a> {
@@ -415,6 +418,7 @@ impl<'a> Machine<'a> {
             skip_connectors: options.skip_connectors,
             deadline: options.deadline,
             current: None,
+            bucket: None,
         }
     }
 
@@ -1049,6 +1053,7 @@ impl<'a> Machine<'a> {
                     channel,
                     data,
                     timeout_ms: p.timeout_ms,
+                    bucket: self.bucket,
                 })
             }
             _ => return Err("not a connector function".into()),

@@ -888,3 +888,55 @@ async fn channel_call_applies_the_callees_governance() {
     assert!(m.contains("429 RATE_LIMITED"), "{m}");
     assert!(m.contains("front -> guarded"), "{m}");
 }
+
+/// A workflow that answers which version of it ran.
+fn tagged(id: &str, tag: &str) -> Json {
+    json!({
+        "workflow_id": id, "name": id,
+        "tasks": [{"id": "tag", "name": "tag", "function": {"name": "map", "input": {"mappings": [
+            {"path": "version", "logic": tag}
+        ]}}}]
+    })
+}
+
+#[tokio::test]
+async fn channel_call_chooses_the_callee_version_by_the_callers_rollout_bucket() {
+    let s = start(Db::Sqlite).await;
+    // The callee: v1 everywhere, then v2 as a 50% canary.
+    s.deploy(tagged("tiered", "v1"), named("tiered", "tiered", json!({})))
+        .await;
+    s.admin("POST", "/workflows/tiered/versions", None)
+        .await
+        .ok(201);
+    s.admin("PUT", "/workflows/tiered", Some(tagged("tiered", "v2")))
+        .await
+        .ok(200);
+    s.admin(
+        "PATCH",
+        "/workflows/tiered/status",
+        Some(json!({"status": "active", "rollout_percentage": 50})),
+    )
+    .await
+    .ok(200);
+    s.deploy(
+        caller(
+            "front",
+            json!([call_task("call", json!({"channel": "tiered"}))]),
+        ),
+        named("front", "front", json!({})),
+    )
+    .await;
+    // For every caller, the version reached through the call is the one
+    // the callee's own endpoint gives the same caller.
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..30 {
+        let key = format!("caller-{i}");
+        let headers = [("x-rollout-key", key.as_str())];
+        let direct = post_with(&s, "tiered", json!({}), &headers).await;
+        let via = post_with(&s, "front", json!({}), &headers).await;
+        let version = direct.ok(200)["version"].clone();
+        assert_eq!(via.ok(200)["version"], version, "{key}: {}", via.text);
+        seen.insert(version.as_str().unwrap().to_owned());
+    }
+    assert_eq!(seen.len(), 2, "both versions serve: {seen:?}");
+}
