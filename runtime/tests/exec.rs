@@ -871,3 +871,31 @@ fn a_passed_deadline_stops_cpu_bound_work_and_connector_calls() {
     def["loop"] = json!({"max": 100});
     assert_eq!(run(&plan(def), json!({})).data(), json!({"n": 100}));
 }
+
+#[test]
+fn pooled_arenas_carry_nothing_from_one_execution_to_the_next() {
+    // One thread, so every run after the first reuses a pooled arena: small
+    // and large payloads alternate (a large one grows its arena past what
+    // the pool keeps), and each answer holds exactly its own input.
+    let p = plan(json!({
+        "workflow_id": "echo", "name": "echo",
+        "tasks": [
+            {"id": "parse", "name": "parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}},
+            {"id": "len", "name": "len", "function": {"name": "map", "input": {"mappings": [
+                {"path": "n", "logic": {"var": "data.in.n"}}
+            ]}}}
+        ]
+    }));
+    for i in 0..40u64 {
+        let filler = "x".repeat(if i % 10 == 9 {
+            400_000
+        } else {
+            (i as usize) * 7
+        });
+        let r = run(&p, json!({"n": i, "filler": filler}));
+        assert_eq!(r.exec.status, Status::Completed);
+        let data = r.data();
+        assert_eq!(data["n"], i);
+        assert_eq!(data["in"]["filler"].as_str().unwrap().len(), filler.len());
+    }
+}
