@@ -190,7 +190,9 @@ async fn run_sync(
         )
         .map(|span| (o, span))
     });
-    let deadline = Instant::now() + channel.timeout;
+    // The channel's timeout counts from the request's arrival (no clock
+    // read here).
+    let deadline = req.started + channel.timeout;
     let options = Options {
         record_tasks: engine_lock_ms.is_some() || traced.is_some(),
         deadline: Some(deadline),

@@ -22,7 +22,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tracing::Instrument;
 
@@ -43,6 +43,8 @@ pub struct Req {
     /// Whether the caller sent the request id (it then seeds rollout buckets).
     pub caller_request_id: bool,
     pub client_ip: Arc<str>,
+    /// When the request arrived (its deadline counts from here).
+    pub started: Instant,
 }
 
 /// The effective request id: the caller's `X-Request-Id` when it is a UUID
@@ -201,7 +203,7 @@ async fn handle(
     // Fields are formatted only when a subscriber records the span (it is
     // disabled below `info`).
     let span = tracing::info_span!("request", request_id = %request_id, method = %req.method(), path = %req.uri().path());
-    let started = std::time::Instant::now();
+    let started = Instant::now();
     let method = req.method().clone();
     let route = crate::router::route_label(req.uri().path());
     // Load shedding: past `server.max_in_flight` requests, answer 503 at
@@ -223,6 +225,7 @@ async fn handle(
             req,
             request_id.clone(),
             caller_request_id,
+            started,
         ))
         .instrument(span)
         .await
@@ -294,6 +297,7 @@ async fn read_and_route(
     req: Request<Incoming>,
     request_id: RequestId,
     caller_request_id: bool,
+    started: Instant,
 ) -> HttpResponse {
     let (parts, body) = req.into_parts();
     let limit = app.config.ingest.max_payload_size as usize;
@@ -330,6 +334,7 @@ async fn read_and_route(
         request_id,
         caller_request_id,
         client_ip,
+        started,
     };
     router::route(app, req).await
 }
