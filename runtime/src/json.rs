@@ -7,6 +7,7 @@
 use bumpalo::Bump;
 use simd_json::{Buffers, Node, StaticNode, Tape};
 use sluice_compiler::Value;
+use sluice_compiler::value::key_eq;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -111,7 +112,7 @@ fn dedup_keys<'a>(
         members
             .iter()
             .enumerate()
-            .any(|(i, (k, _))| members[..i].iter().any(|(j, _)| j == k))
+            .any(|(i, (k, _))| members[..i].iter().any(|(j, _)| key_eq(j, k)))
     } else {
         let mut seen = HashMap::with_capacity(members.len());
         members.iter().any(|(k, _)| seen.insert(*k, ()).is_some())
