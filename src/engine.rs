@@ -747,7 +747,8 @@ fn build_channel(
 }
 
 /// Canary ranges: for each workflow id, the newest active version gets
-/// `[0, p)` and an older active version the rest `[p, 100)`.
+/// `[0, p)` and an older active version the rest `[p, 100)`. Linear in the
+/// number of rows (it used to look each id's newest row up by a scan).
 fn rollout_ranges(workflows: &[StoredRecord]) -> Vec<Rollout> {
     let mut newest: HashMap<&str, i64> = HashMap::new();
     let mut count: HashMap<&str, usize> = HashMap::new();
@@ -756,10 +757,23 @@ fn rollout_ranges(workflows: &[StoredRecord]) -> Vec<Rollout> {
         *e = (*e).max(r.version);
         *count.entry(r.id.as_str()).or_default() += 1;
     }
+    // The newest version's percentage (the first row with that id and version).
+    let mut percentage: HashMap<&str, i64> = HashMap::new();
+    for r in workflows {
+        if newest.get(r.id.as_str()) == Some(&r.version) {
+            percentage
+                .entry(r.id.as_str())
+                .or_insert(r.rollout_percentage);
+        }
+    }
     workflows
         .iter()
         .map(|r| {
-            let p = newest_percentage(workflows, &r.id, newest[r.id.as_str()]).clamp(0, 100) as u8;
+            let p = percentage
+                .get(r.id.as_str())
+                .copied()
+                .unwrap_or(100)
+                .clamp(0, 100) as u8;
             if r.version == newest[r.id.as_str()] {
                 Rollout { start: 0, end: p }
             } else if count[r.id.as_str()] > 1 {
@@ -769,13 +783,6 @@ fn rollout_ranges(workflows: &[StoredRecord]) -> Vec<Rollout> {
             }
         })
         .collect()
-}
-
-fn newest_percentage(workflows: &[StoredRecord], id: &str, version: i64) -> i64 {
-    workflows
-        .iter()
-        .find(|r| r.id == id && r.version == version)
-        .map_or(100, |r| r.rollout_percentage)
 }
 
 #[cfg(test)]
