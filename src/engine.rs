@@ -6,7 +6,7 @@
 //! Requests load the snapshot once and keep it for their whole life, so a
 //! reload never disturbs requests in flight.
 
-use crate::storage::{Kind, Record, Status, StorageError, Store, StoredRecord};
+use crate::storage::{ActiveRow, Kind, Record, Stamp, Status, StorageError, Store, StoredRecord};
 use sluice_compiler::def::ChannelDef;
 use sluice_compiler::diag::Diagnostic;
 use sluice_compiler::logic::{self, Logic};
@@ -200,6 +200,17 @@ pub struct Snapshot {
     /// definition it was compiled from: the next build reuses a plan whose
     /// definition is unchanged instead of compiling it again.
     compiled: HashMap<(String, i64), CompiledPlan>,
+    /// Every stored channel of this snapshot by id, with the text it was
+    /// read as and its stamp: the next reload reuses the text of a channel
+    /// whose stamp is unchanged instead of reading it again.
+    channel_texts: HashMap<String, StoredText>,
+}
+
+#[derive(Debug)]
+struct StoredText {
+    version: i64,
+    stamp: Stamp,
+    text: Arc<str>,
 }
 
 #[derive(Debug)]
@@ -210,6 +221,9 @@ struct CompiledPlan {
     status: Status,
     rollout_percentage: i64,
     updated_at: String,
+    /// The stored row's stamp (a reload reads the text again only when it
+    /// differs).
+    stamp: Stamp,
     range: Rollout,
     /// The engine-schema `channel` label, if any.
     label: Option<String>,
@@ -222,7 +236,60 @@ impl CompiledPlan {
             && self.rollout_percentage == record.rollout_percentage
             && self.range == *range
             && self.updated_at == record.updated_at
+            && self.stamp.updated_us == record.stamp.updated_us
             && (Arc::ptr_eq(&self.text, &record.text) || *self.text == *record.text)
+    }
+}
+
+impl Snapshot {
+    /// Everything this snapshot serves, as text (channels, their definitions
+    /// and plans, routes in match order, plans with the definitions they were
+    /// compiled from), without the generation and build time: a reload and a
+    /// cold start over the same storage must give the same text.
+    #[doc(hidden)]
+    pub fn fingerprint(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "active_workflows {} loaded {}",
+            self.active_workflows, self.workflows_loaded
+        );
+        let mut names: Vec<&String> = self.channels.keys().collect();
+        names.sort();
+        for name in names {
+            let c = &self.channels[name];
+            let _ = writeln!(
+                out,
+                "channel {name} id {} v{} timeout {:?} async {} source {}\n  def {:?}\n  validation {:?}",
+                c.id, c.version, c.timeout, c.is_async, c.source, c.def, c.validation
+            );
+            for plan in &c.plans {
+                let _ = writeln!(out, "  plan {plan:?}");
+            }
+        }
+        let mut lens: Vec<&usize> = self.routes.by_len.keys().collect();
+        lens.sort();
+        for len in lens {
+            for r in &self.routes.by_len[len].routes {
+                let _ = writeln!(
+                    out,
+                    "route {:?} {:?} p{} -> {}",
+                    r.segments, r.methods, r.priority, r.channel.name
+                );
+            }
+        }
+        let mut keys: Vec<&(String, i64)> = self.compiled.keys().collect();
+        keys.sort();
+        for key in keys {
+            let c = &self.compiled[key];
+            let _ = writeln!(
+                out,
+                "compiled {key:?} {:?} {} {} {:?} {:?} {}\n  {:?}",
+                c.status, c.rollout_percentage, c.updated_at, c.range, c.label, c.text, c.plan
+            );
+        }
+        out
     }
 }
 
@@ -253,19 +320,42 @@ pub async fn build(
     previous: Arc<Snapshot>,
 ) -> Result<Built, ReloadError> {
     let started = Instant::now();
-    let workflows = store
-        .active(Kind::Workflow)
+    // First the active rows without their definitions; then the text of
+    // only the rows whose stamp differs from what `previous` was built from.
+    let rows = store
+        .active_rows(Kind::Workflow)
         .await
         .map_err(ReloadError::Storage)?;
-    let channels = store
-        .active(Kind::Channel)
+    let workflows = resolve(store, Kind::Workflow, rows, |row| {
+        previous
+            .compiled
+            .get(&(row.id.clone(), row.version))
+            .filter(|c| c.stamp.same(&row.stamp))
+            .map(|c| c.text.clone())
+    })
+    .await
+    .map_err(ReloadError::Storage)?;
+    let rows = store
+        .active_rows(Kind::Channel)
         .await
         .map_err(ReloadError::Storage)?;
+    let channels = resolve(store, Kind::Channel, rows, |row| {
+        previous
+            .channel_texts
+            .get(&row.id)
+            .filter(|c| c.version == row.version && c.stamp.same(&row.stamp))
+            .map(|c| c.text.clone())
+    })
+    .await
+    .map_err(ReloadError::Storage)?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("sluice-reload".into())
         .spawn(move || {
             background_priority();
+            let workflows: Vec<StoredRecord> =
+                workflows.into_iter().map(Row::into_stored).collect();
+            let channels: Vec<StoredRecord> = channels.into_iter().map(Row::into_stored).collect();
             let built = assemble(&workflows, &channels, generation, &previous);
             let _ = tx.send(built);
         })
@@ -282,6 +372,67 @@ pub async fn build(
         elapsed: started.elapsed(),
         compiled,
     })
+}
+
+/// Above this many rows with an unknown or changed stamp, a reload reads
+/// every active definition in one query instead of one query per row (a
+/// start-up, or a mass change such as an import).
+const FETCH_ONE_BY_ONE: usize = 64;
+
+/// One active row of a reload: its text known from the previous snapshot
+/// (the stamp is unchanged), or read now.
+enum Row {
+    Known(ActiveRow, Arc<str>),
+    Read(StoredRecord),
+}
+
+impl Row {
+    /// Off the request runtime: formats the timestamps of known rows.
+    fn into_stored(self) -> StoredRecord {
+        match self {
+            Row::Known(row, text) => row.with_text(text),
+            Row::Read(stored) => stored,
+        }
+    }
+}
+
+/// The active rows of `kind` with their texts: `known` gives the text of a
+/// row whose stamp is unchanged; the others are read from storage, one by
+/// one if they are few, else all active definitions at once. A row read one
+/// by one is taken as it is now (a concurrent change is read whole, and a
+/// row that stopped being active meanwhile is left out; that change's own
+/// reload follows).
+async fn resolve(
+    store: &Store,
+    kind: Kind,
+    rows: Vec<ActiveRow>,
+    known: impl Fn(&ActiveRow) -> Option<Arc<str>>,
+) -> Result<Vec<Row>, StorageError> {
+    let rows: Vec<Result<Row, ActiveRow>> = rows
+        .into_iter()
+        .map(|row| match known(&row) {
+            Some(text) => Ok(Row::Known(row, text)),
+            None => Err(row),
+        })
+        .collect();
+    if rows.iter().filter(|r| r.is_err()).count() > FETCH_ONE_BY_ONE {
+        let all = store.active(kind).await?;
+        return Ok(all.into_iter().map(Row::Read).collect());
+    }
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        match row {
+            Ok(known) => out.push(known),
+            Err(row) => {
+                if let Some(stored) = store.stored(kind, &row.id, row.version).await?
+                    && stored.status == Status::Active
+                {
+                    out.push(Row::Read(stored));
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Puts the calling thread in the lowest CPU scheduling class (Linux
@@ -386,6 +537,7 @@ pub fn assemble(
                 status: stored.status,
                 rollout_percentage: stored.rollout_percentage,
                 updated_at: stored.updated_at.clone(),
+                stamp: stored.stamp.clone(),
                 range: *range,
                 label,
                 plan,
@@ -408,6 +560,14 @@ pub fn assemble(
         .map(|c| (c.id.as_str(), c))
         .collect();
     for stored in channels {
+        snapshot.channel_texts.insert(
+            stored.id.clone(),
+            StoredText {
+                version: stored.version,
+                stamp: stored.stamp.clone(),
+                text: stored.text.clone(),
+            },
+        );
         let before = previous_by_id.get(stored.id.as_str()).filter(|c| {
             c.version == stored.version
                 && (Arc::ptr_eq(&c.source, &stored.text) || *c.source == *stored.text)
@@ -587,7 +747,8 @@ fn build_channel(
 }
 
 /// Canary ranges: for each workflow id, the newest active version gets
-/// `[0, p)` and an older active version the rest `[p, 100)`.
+/// `[0, p)` and an older active version the rest `[p, 100)`. Linear in the
+/// number of rows (it used to look each id's newest row up by a scan).
 fn rollout_ranges(workflows: &[StoredRecord]) -> Vec<Rollout> {
     let mut newest: HashMap<&str, i64> = HashMap::new();
     let mut count: HashMap<&str, usize> = HashMap::new();
@@ -596,10 +757,23 @@ fn rollout_ranges(workflows: &[StoredRecord]) -> Vec<Rollout> {
         *e = (*e).max(r.version);
         *count.entry(r.id.as_str()).or_default() += 1;
     }
+    // The newest version's percentage (the first row with that id and version).
+    let mut percentage: HashMap<&str, i64> = HashMap::new();
+    for r in workflows {
+        if newest.get(r.id.as_str()) == Some(&r.version) {
+            percentage
+                .entry(r.id.as_str())
+                .or_insert(r.rollout_percentage);
+        }
+    }
     workflows
         .iter()
         .map(|r| {
-            let p = newest_percentage(workflows, &r.id, newest[r.id.as_str()]).clamp(0, 100) as u8;
+            let p = percentage
+                .get(r.id.as_str())
+                .copied()
+                .unwrap_or(100)
+                .clamp(0, 100) as u8;
             if r.version == newest[r.id.as_str()] {
                 Rollout { start: 0, end: p }
             } else if count[r.id.as_str()] > 1 {
@@ -609,13 +783,6 @@ fn rollout_ranges(workflows: &[StoredRecord]) -> Vec<Rollout> {
             }
         })
         .collect()
-}
-
-fn newest_percentage(workflows: &[StoredRecord], id: &str, version: i64) -> i64 {
-    workflows
-        .iter()
-        .find(|r| r.id == id && r.version == version)
-        .map_or(100, |r| r.rollout_percentage)
 }
 
 #[cfg(test)]

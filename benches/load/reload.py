@@ -7,6 +7,9 @@
                                           engine build time and request time (ms)
     reload.py loop ADMIN_URL SECONDS OUT  reload back to back for SECONDS (100 ms
                                           apart); writes "count median_ms max_ms" to OUT
+    reload.py cpu ADMIN_URL PID N         N reloads back to back (after 5 to warm up);
+                                          prints the CPU time per reload of each of the
+                                          server's threads by name (/proc, Linux)
 """
 import http.client
 import json
@@ -86,6 +89,41 @@ def loop(admin, seconds, out):
         f.write(f"{len(walls)} {statistics.median(walls):.1f} {max(walls):.1f}\n")
 
 
+def thread_cpu(pid):
+    """CPU ticks (user + system) per thread name of process `pid`."""
+    import collections
+    import os
+
+    out = collections.Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+        except FileNotFoundError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789-")
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] += int(fields[11]) + int(fields[12])
+    return out
+
+
+def cpu(admin, pid, n):
+    import os
+
+    conn, base = connect(admin)
+    for _ in range(5):
+        reload_once(conn, base)
+    before = thread_cpu(pid)
+    walls = [reload_once(conn, base)[1] for _ in range(n)]
+    after = thread_cpu(pid)
+    tick = os.sysconf("SC_CLK_TCK")
+    print(f"{n} reloads, {statistics.median(walls):.1f} ms each (median); CPU per reload by thread"
+          " (threads that ended, sluice-reload and sluice-free, are not counted):")
+    for name in sorted(set(before) | set(after)):
+        ms = (after[name] - before[name]) * 1000 / tick / n
+        if ms:
+            print(f"  {name:24} {ms:7.2f} ms")
+
+
 if __name__ == "__main__":
     cmd, admin = sys.argv[1], sys.argv[2]
     if cmd == "setup":
@@ -94,5 +132,7 @@ if __name__ == "__main__":
         time_reloads(admin, int(sys.argv[3]))
     elif cmd == "loop":
         loop(admin, float(sys.argv[3]), sys.argv[4])
+    elif cmd == "cpu":
+        cpu(admin, int(sys.argv[3]), int(sys.argv[4]))
     else:
         sys.exit(__doc__)

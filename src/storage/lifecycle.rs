@@ -18,9 +18,9 @@ use serde_json::{Map, Value as Json, json};
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::{
-    Audit, BeginWrite, Kind, ListQuery, Record, SERVER_MANAGED, Status, StorageError, Store,
-    StoredRecord, dispatch, execute, fetch_all, fetch_one, fetch_optional, now_micros, retry,
-    rfc3339,
+    ActiveRow, Audit, BeginWrite, Kind, ListQuery, Record, SERVER_MANAGED, Stamp, Status,
+    StorageError, Store, StoredRecord, dispatch, execute, fetch_all, fetch_one, fetch_optional,
+    now_micros, retry, rfc3339,
 };
 
 /// The lifecycle-relevant columns of one version, as locked inside a transaction.
@@ -56,6 +56,8 @@ pub(crate) struct Plan {
 pub(crate) struct Prepared {
     pub definition: Json,
     pub text: String,
+    /// `super::digest(text)`, stored beside it.
+    pub digest: String,
     pub name: String,
     pub channel_type: Option<String>,
     pub protocol: Option<String>,
@@ -84,6 +86,7 @@ pub(crate) fn prepare(kind: Kind, definition: &Json) -> Result<Prepared, Storage
     let text = definition.to_string();
     Ok(Prepared {
         definition,
+        digest: super::digest(&text),
         text,
         name,
         channel_type,
@@ -116,15 +119,76 @@ where
     };
     let get_i = |i: usize| row.try_get::<i64, usize>(i).map_err(super::db_err);
     let status = get_s(2)?;
+    let (created_us, updated_us) = (get_i(5)?, get_i(6)?);
     Ok(StoredRecord {
         id: get_s(0)?,
         version: get_i(1)?,
-        status: Status::parse(&status)
-            .ok_or_else(|| StorageError::Database(format!("unknown stored status '{status}'")))?,
+        status: parse_status(&status)?,
         rollout_percentage: get_i(3)?,
         text: get_s(4)?.into(),
-        created_at: rfc3339(get_i(5)?),
-        updated_at: rfc3339(get_i(6)?),
+        created_at: rfc3339(created_us),
+        updated_at: rfc3339(updated_us),
+        stamp: Stamp {
+            created_us,
+            updated_us,
+            digest: None,
+        },
+    })
+}
+
+fn parse_status(status: &str) -> Result<Status, StorageError> {
+    Status::parse(status)
+        .ok_or_else(|| StorageError::Database(format!("unknown stored status '{status}'")))
+}
+
+/// The digest column (nullable text) at `i`.
+fn digest_at<R: Row>(row: &R, i: usize) -> Result<Option<std::sync::Arc<str>>, StorageError>
+where
+    usize: ColumnIndex<R>,
+    for<'r> Option<String>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(row
+        .try_get_unchecked::<Option<String>, usize>(i)
+        .map_err(super::db_err)?
+        .map(Into::into))
+}
+
+/// `stored_from_row` of a row that also carries the digest (`REC, digest`).
+fn stored_with_digest<R: Row>(row: &R) -> Result<StoredRecord, StorageError>
+where
+    usize: ColumnIndex<R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Option<String>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let mut stored = stored_from_row(row)?;
+    stored.stamp.digest = digest_at(row, 7)?;
+    Ok(stored)
+}
+
+/// An `ActiveRow` from `KindSql::active_meta`.
+fn meta_from_row<R: Row>(row: &R) -> Result<ActiveRow, StorageError>
+where
+    usize: ColumnIndex<R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Option<String>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let get_s = |i: usize| {
+        row.try_get_unchecked::<String, usize>(i)
+            .map_err(super::db_err)
+    };
+    let get_i = |i: usize| row.try_get::<i64, usize>(i).map_err(super::db_err);
+    Ok(ActiveRow {
+        id: get_s(0)?,
+        version: get_i(1)?,
+        status: parse_status(&get_s(2)?)?,
+        rollout_percentage: get_i(3)?,
+        stamp: Stamp {
+            created_us: get_i(4)?,
+            updated_us: get_i(5)?,
+            digest: digest_at(row, 6)?,
+        },
     })
 }
 
@@ -538,7 +602,7 @@ impl Store {
                 return Err(conflict(format!("{} '{id}' already exists", kind.label())));
             }
             execute!(&mut *tx, &k.insert, id, 1_i64, Status::Draft.as_str(), 100_i64, &p.name,
-                     p.channel_type.as_deref(), p.protocol.as_deref(), &p.text, now, now)?;
+                     p.channel_type.as_deref(), p.protocol.as_deref(), &p.text, &p.digest, now, now)?;
             insert_audit!(tx, s, audit, now)?;
             tx.commit().await.map_err(super::db_err)?;
         });
@@ -642,7 +706,7 @@ impl Store {
             if kind == Kind::Channel {
                 check_channel_name!(tx, s, k, id, &p.name);
             }
-            let n = execute!(&mut *tx, &k.update_definition, &p.text, &p.name, p.channel_type.as_deref(),
+            let n = execute!(&mut *tx, &k.update_definition, &p.text, &p.digest, &p.name, p.channel_type.as_deref(),
                              p.protocol.as_deref(), now, id, latest.version)?;
             if n != 1 {
                 return Err(conflict(format!("only a draft can be updated; {} '{id}' changed concurrently", kind.label())));
@@ -847,7 +911,53 @@ impl Store {
     pub async fn active(&self, kind: Kind) -> Result<Vec<StoredRecord>, StorageError> {
         let k = self.sql().kind(kind);
         dispatch!(self, pool => {
-            fetch_all!(pool, &k.active)?.iter().map(stored_from_row).collect()
+            fetch_all!(pool, &k.active)?.iter().map(stored_with_digest).collect()
         })
+    }
+
+    /// Every active version of `kind` without its definition (ascending by
+    /// id, version): what a reload reads first.
+    pub async fn active_rows(&self, kind: Kind) -> Result<Vec<ActiveRow>, StorageError> {
+        let k = self.sql().kind(kind);
+        dispatch!(self, pool => {
+            fetch_all!(pool, &k.active_meta)?.iter().map(meta_from_row).collect()
+        })
+    }
+
+    /// One version with its definition text and stamp, whatever its status.
+    pub async fn stored(
+        &self,
+        kind: Kind,
+        id: &str,
+        version: i64,
+    ) -> Result<Option<StoredRecord>, StorageError> {
+        let k = self.sql().kind(kind);
+        dispatch!(self, pool => {
+            fetch_optional!(pool, &k.stored_one, id, version)?
+                .as_ref()
+                .map(stored_with_digest)
+                .transpose()
+        })
+    }
+
+    /// Fills in the digest of rows written before the digest column existed
+    /// (run by `migrate`; a no-op once every row has one). The digest is of
+    /// the text as read back, which names the stored definition as well as
+    /// the text written does: equal digests mean equal definitions.
+    pub(crate) async fn backfill_digests(&self) -> Result<(), StorageError> {
+        for kind in [Kind::Workflow, Kind::Channel] {
+            let k = self.sql().kind(kind);
+            dispatch!(self, pool => {
+                let rows = fetch_all!(pool, &k.digest_missing)?;
+                for row in &rows {
+                    let get_s = |i: usize| row.try_get_unchecked::<String, usize>(i).map_err(super::db_err);
+                    let id = get_s(0)?;
+                    let version = row.try_get::<i64, usize>(1).map_err(super::db_err)?;
+                    let digest = super::digest(&get_s(2)?);
+                    execute!(pool, &k.digest_set, &digest, &id, version)?;
+                }
+            });
+        }
+        Ok(())
     }
 }

@@ -159,6 +159,69 @@ pub struct StoredRecord {
     pub text: Arc<str>,
     pub created_at: String,
     pub updated_at: String,
+    /// What identifies this stored state of the row without its text.
+    pub stamp: Stamp,
+}
+
+/// What identifies one stored state of a definition without reading its
+/// text: the row's timestamps (microseconds) and the digest of its
+/// definition. Every write of a definition sets `updated_at` and the digest;
+/// every status or rollout change sets `updated_at`. A reload reads only
+/// stamps and fetches the text of the rows whose stamp differs from what its
+/// snapshot was built from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stamp {
+    pub created_us: i64,
+    pub updated_us: i64,
+    /// Hex SHA-256 of the definition text as written; `None` for rows
+    /// written before the digest column existed (never matches).
+    pub digest: Option<Arc<str>>,
+}
+
+impl Stamp {
+    /// Whether two stamps certainly name the same stored state (a missing
+    /// digest never does).
+    pub fn same(&self, other: &Stamp) -> bool {
+        self.digest.is_some() && self == other
+    }
+}
+
+/// One active row without its definition (`Store::active_rows`).
+#[derive(Debug, Clone)]
+pub struct ActiveRow {
+    pub id: String,
+    pub version: i64,
+    pub status: Status,
+    pub rollout_percentage: i64,
+    pub stamp: Stamp,
+}
+
+impl ActiveRow {
+    /// The row with a definition text already known for its stamp.
+    pub fn with_text(self, text: Arc<str>) -> StoredRecord {
+        StoredRecord {
+            created_at: rfc3339(self.stamp.created_us),
+            updated_at: rfc3339(self.stamp.updated_us),
+            id: self.id,
+            version: self.version,
+            status: self.status,
+            rollout_percentage: self.rollout_percentage,
+            text,
+            stamp: self.stamp,
+        }
+    }
+}
+
+/// The digest stored beside a definition: hex SHA-256 of its text.
+pub(crate) fn digest(text: &str) -> String {
+    use sha2::Digest;
+    let hash = sha2::Sha256::digest(text.as_bytes());
+    let mut out = String::with_capacity(64);
+    for b in hash {
+        use std::fmt::Write;
+        let _ = write!(out, "{b:02x}");
+    }
+    out
 }
 
 impl StoredRecord {
@@ -197,6 +260,7 @@ impl From<&Record> for StoredRecord {
             text: r.definition.to_string().into(),
             created_at: r.created_at.clone(),
             updated_at: r.updated_at.clone(),
+            stamp: Stamp::default(),
         }
     }
 }
@@ -683,7 +747,9 @@ impl Store {
             Pools::Postgres(p) => MIGRATOR_POSTGRES.run(p).await,
             Pools::MySql(p) => MIGRATOR_MYSQL.run(p).await,
         };
-        r.map_err(|e| StorageError::Database(format!("migration failed: {e}")))
+        r.map_err(|e| StorageError::Database(format!("migration failed: {e}")))?;
+        // Rows written before 0004 get their digest once.
+        self.backfill_digests().await
     }
 
     pub fn backend(&self) -> Backend {

@@ -95,6 +95,14 @@ pub(crate) struct KindSql {
     pub set_state: String,
     pub delete: String,
     pub active: String,
+    /// The active rows without their definitions (`lifecycle::meta_from_row`).
+    pub active_meta: String,
+    /// One version with its digest, whatever its status (a reload's fetch of
+    /// one changed row).
+    pub stored_one: String,
+    /// Rows written before the digest column existed (filled in by `migrate`).
+    pub digest_missing: String,
+    pub digest_set: String,
     pub name_taken: String,
 }
 
@@ -111,13 +119,13 @@ impl KindSql {
              WHERE (? IS NULL OR status = ?) AND {tag} AND (? IS NULL OR channel_type = ?) AND (? IS NULL OR protocol = ?)) ";
         KindSql {
             insert: f(
-                "INSERT INTO {t} (id, version, status, rollout_percentage, name, channel_type, protocol, definition, created_at, updated_at) \
-                       VALUES (?, ?, ?, ?, ?, ?, ?, {json}, ?, ?)",
+                "INSERT INTO {t} (id, version, status, rollout_percentage, name, channel_type, protocol, definition, digest, created_at, updated_at) \
+                       VALUES (?, ?, ?, ?, ?, ?, ?, {json}, ?, ?, ?)",
             ),
             // The new draft copies the stored definition row-to-row: no JSON round trip.
             copy_version: f(
-                "INSERT INTO {t} (id, version, status, rollout_percentage, name, channel_type, protocol, definition, created_at, updated_at) \
-                             SELECT id, ?, 'draft', 100, name, channel_type, protocol, definition, ?, ? FROM {t} WHERE id = ? AND version = ?",
+                "INSERT INTO {t} (id, version, status, rollout_percentage, name, channel_type, protocol, definition, digest, created_at, updated_at) \
+                             SELECT id, ?, 'draft', 100, name, channel_type, protocol, definition, digest, ?, ? FROM {t} WHERE id = ? AND version = ?",
             ),
             lock: (b != Backend::Sqlite)
                 .then(|| f("SELECT version FROM {t} WHERE id = ? ORDER BY version{for_update}")),
@@ -133,14 +141,25 @@ impl KindSql {
             )),
             list_count: f(&format!("{filtered}SELECT COUNT(*) FROM m WHERE rn = 1")),
             update_definition: f(
-                "UPDATE {t} SET definition = {json}, name = ?, channel_type = ?, protocol = ?, updated_at = ? \
+                "UPDATE {t} SET definition = {json}, digest = ?, name = ?, channel_type = ?, protocol = ?, updated_at = ? \
                                   WHERE id = ? AND version = ? AND status = 'draft'",
             ),
             set_state: f(
                 "UPDATE {t} SET status = ?, rollout_percentage = ?, updated_at = ? WHERE id = ? AND version = ? AND status = ?",
             ),
             delete: f("DELETE FROM {t} WHERE id = ?"),
-            active: f("SELECT {rec} FROM {t} WHERE status = 'active' ORDER BY id, version"),
+            active: f("SELECT {rec}, digest FROM {t} WHERE status = 'active' ORDER BY id, version"),
+            active_meta: f(
+                "SELECT id, version, status, rollout_percentage, created_at, updated_at, digest FROM {t} \
+                 WHERE status = 'active' ORDER BY id, version",
+            ),
+            stored_one: f("SELECT {rec}, digest FROM {t} WHERE id = ? AND version = ?"),
+            digest_missing: f(
+                "SELECT id, version, {def} AS definition FROM {t} WHERE digest IS NULL",
+            ),
+            digest_set: f(
+                "UPDATE {t} SET digest = ? WHERE id = ? AND version = ? AND digest IS NULL",
+            ),
             name_taken: f("SELECT id FROM {t} WHERE name = ? AND id <> ? LIMIT 1"),
         }
     }

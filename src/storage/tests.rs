@@ -160,6 +160,8 @@ backend_tests!(
     concurrent_activations_leave_one_active,
     concurrent_channel_names,
     backups,
+    digests_follow_definitions,
+    reload_after_any_change_equals_a_cold_start,
 );
 
 fn admin(action: &str) -> Audit {
@@ -1473,4 +1475,227 @@ fn plans_follow_the_state_table() {
             rollout: 25
         }
     );
+}
+
+// ---- reloads read only changed definitions (stamps and digests) ----
+
+fn flow(target: &str, priority: i64) -> Json {
+    json!({"name": target, "priority": priority, "tasks": [{"id": "t", "name": "t", "function": {"name": "map", "input": {"mappings": [
+        {"path": target, "logic": {"var": "payload.x"}}
+    ]}}}]})
+}
+
+fn rest_channel(name: &str, route: &str, workflow_id: &str) -> Json {
+    json!({"name": name, "channel_type": "sync", "protocol": "rest", "route_pattern": route,
+           "methods": ["POST"], "workflow_id": workflow_id, "config_json": {"timeout_ms": 1000}})
+}
+
+async fn stamp_of(s: &Store, kind: Kind, id: &str, version: i64) -> Stamp {
+    s.stored(kind, id, version).await.unwrap().unwrap().stamp
+}
+
+/// Runs one statement on the store's own pool (a hand edit of the database).
+async fn raw(s: &Store, sqlite_and_mysql: &str, postgres: &str) {
+    match &s.inner.pools {
+        Pools::Sqlite(p) => sqlx::query(sqlite_and_mysql).execute(p).await.map(drop),
+        Pools::MySql(p) => sqlx::query(sqlite_and_mysql).execute(p).await.map(drop),
+        Pools::Postgres(p) => sqlx::query(postgres).execute(p).await.map(drop),
+    }
+    .unwrap();
+}
+
+async fn digests_follow_definitions(s: Store, _: PathBuf) {
+    let k = Kind::Workflow;
+    s.create(k, "a", &flow("data.a", 1), admin("create"))
+        .await
+        .unwrap();
+    let v1 = stamp_of(&s, k, "a", 1).await;
+    assert_eq!(
+        v1.digest.as_deref(),
+        Some(digest(&flow("data.a", 1).to_string()).as_str())
+    );
+    // An update of the draft changes the digest and updated_at.
+    s.update_draft(k, "a", &flow("data.b", 1), admin("update"))
+        .await
+        .unwrap();
+    let updated = stamp_of(&s, k, "a", 1).await;
+    assert_ne!(updated.digest, v1.digest);
+    assert!(updated.updated_us > v1.updated_us);
+    assert_eq!(updated.created_us, v1.created_us);
+    // Activation: same digest, new updated_at; the meta row says the same.
+    activate(&s, "a", None, None).await.unwrap();
+    let active = stamp_of(&s, k, "a", 1).await;
+    assert_eq!(active.digest, updated.digest);
+    assert!(active.updated_us > updated.updated_us);
+    let rows = s.active_rows(k).await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].id.as_str(), rows[0].version), ("a", 1));
+    assert_eq!(rows[0].stamp, active);
+    assert_eq!(s.active(k).await.unwrap()[0].stamp, active);
+    // A new version copies the definition and its digest.
+    s.new_version(k, "a", admin("new_version")).await.unwrap();
+    assert_eq!(stamp_of(&s, k, "a", 2).await.digest, active.digest);
+    // Rows without a digest (written before the column existed) get one
+    // from `migrate`, of their stored text.
+    raw(
+        &s,
+        "UPDATE workflows SET digest = NULL",
+        "UPDATE workflows SET digest = NULL",
+    )
+    .await;
+    assert_eq!(stamp_of(&s, k, "a", 1).await.digest, None);
+    assert!(!s.active_rows(k).await.unwrap()[0].stamp.same(&active));
+    s.migrate().await.unwrap();
+    let stored = s.stored(k, "a", 1).await.unwrap().unwrap();
+    assert_eq!(
+        stored.stamp.digest.as_deref(),
+        Some(digest(&stored.text).as_str())
+    );
+    assert!(s.stored(k, "missing", 1).await.unwrap().is_none());
+}
+
+/// Builds the engine from `s` twice, from `warm` (reusing what did not
+/// change) and from nothing (a cold start), and checks that both serve the
+/// same; `warm` becomes the new snapshot. Returns how many workflow
+/// versions the warm build compiled.
+async fn reload_and_compare(
+    s: &Store,
+    warm: &mut Arc<crate::engine::Snapshot>,
+    step: &str,
+) -> usize {
+    let built = crate::engine::build(s, 1, warm.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{step}: {e:?}"));
+    let cold = crate::engine::build(s, 1, Arc::default())
+        .await
+        .unwrap_or_else(|e| panic!("{step} (cold): {e:?}"));
+    assert_eq!(
+        built.snapshot.fingerprint(),
+        cold.snapshot.fingerprint(),
+        "after {step}, the reload differs from a cold start"
+    );
+    *warm = Arc::new(built.snapshot);
+    built.compiled
+}
+
+async fn reload_after_any_change_equals_a_cold_start(s: Store, _: PathBuf) {
+    let (w, c) = (Kind::Workflow, Kind::Channel);
+    let mut warm = Arc::default();
+    let status = |kind, id: &'static str, to, version, rollout| {
+        let s = s.clone();
+        async move {
+            s.set_status(kind, id, to, version, rollout, admin("status"))
+                .await
+                .unwrap();
+        }
+    };
+    s.create(w, "a", &flow("data.a", 1), admin("create"))
+        .await
+        .unwrap();
+    s.create(
+        c,
+        "ca",
+        &rest_channel("ca", "/ca/{id}", "a"),
+        admin("create"),
+    )
+    .await
+    .unwrap();
+    status(w, "a", Status::Active, None, None).await;
+    status(c, "ca", Status::Active, None, None).await;
+    assert_eq!(reload_and_compare(&s, &mut warm, "activation").await, 1);
+    let fingerprint = warm.fingerprint();
+    assert!(fingerprint.contains("data.a"), "{fingerprint}");
+    assert_eq!(reload_and_compare(&s, &mut warm, "no change").await, 0);
+
+    // A new version edited and activated as a canary, then at 100%.
+    s.new_version(w, "a", admin("new_version")).await.unwrap();
+    s.update_draft(w, "a", &flow("data.a2", 1), admin("update"))
+        .await
+        .unwrap();
+    status(w, "a", Status::Active, None, Some(30)).await;
+    assert_eq!(reload_and_compare(&s, &mut warm, "canary").await, 2);
+    s.set_rollout(w, "a", 100, admin("rollout")).await.unwrap();
+    reload_and_compare(&s, &mut warm, "rollout 100").await;
+    assert!(warm.fingerprint().contains("data.a2"));
+    // Rollback to version 1.
+    status(w, "a", Status::Active, Some(1), None).await;
+    reload_and_compare(&s, &mut warm, "rollback").await;
+    // Paused and resumed.
+    status(w, "a", Status::Paused, None, None).await;
+    reload_and_compare(&s, &mut warm, "pause").await;
+    status(w, "a", Status::Active, None, None).await;
+    reload_and_compare(&s, &mut warm, "resume").await;
+
+    // Deleted while active and created again under the same id and version
+    // with another definition.
+    s.delete(w, "a", admin("delete")).await.unwrap();
+    reload_and_compare(&s, &mut warm, "delete").await;
+    s.create(w, "a", &flow("data.again", 1), admin("create"))
+        .await
+        .unwrap();
+    status(w, "a", Status::Active, None, None).await;
+    reload_and_compare(&s, &mut warm, "re-create").await;
+    assert!(warm.fingerprint().contains("data.again"));
+
+    // The channel: a new version with another route.
+    s.new_version(c, "ca", admin("new_version")).await.unwrap();
+    s.update_draft(
+        c,
+        "ca",
+        &rest_channel("ca", "/ca2/{id}", "a"),
+        admin("update"),
+    )
+    .await
+    .unwrap();
+    status(c, "ca", Status::Active, None, None).await;
+    assert_eq!(
+        reload_and_compare(&s, &mut warm, "channel version").await,
+        0
+    );
+    assert!(warm.routes.find("POST", &["ca2", "x"]).is_some());
+    // Channel deleted and created again (same id and version, other route).
+    s.delete(c, "ca", admin("delete")).await.unwrap();
+    s.create(
+        c,
+        "ca",
+        &rest_channel("ca", "/ca3/{id}", "a"),
+        admin("create"),
+    )
+    .await
+    .unwrap();
+    status(c, "ca", Status::Active, None, None).await;
+    reload_and_compare(&s, &mut warm, "channel re-create").await;
+    assert!(warm.routes.find("POST", &["ca3", "x"]).is_some());
+
+    // A hand edit of the database that clears the digest is read again.
+    raw(
+        &s,
+        r#"UPDATE workflows SET definition = '{"name":"hand","priority":1,"tasks":[{"id":"t","name":"t","function":{"name":"map","input":{"mappings":[{"path":"data.hand","logic":{"var":"payload.x"}}]}}}]}', digest = NULL WHERE id = 'a'"#,
+        r#"UPDATE workflows SET definition = CAST('{"name":"hand","priority":1,"tasks":[{"id":"t","name":"t","function":{"name":"map","input":{"mappings":[{"path":"data.hand","logic":{"var":"payload.x"}}]}}}]}' AS JSONB), digest = NULL WHERE id = 'a'"#,
+    )
+    .await;
+    assert_eq!(reload_and_compare(&s, &mut warm, "hand edit").await, 1);
+    assert!(warm.fingerprint().contains("hand"));
+
+    // Many changes at once (more than are read one by one): read whole.
+    for i in 0..70 {
+        let id = format!("m{i:02}");
+        s.create(w, &id, &flow(&format!("data.m{i}"), 1), admin("create"))
+            .await
+            .unwrap();
+        s.set_status(w, &id, Status::Active, None, None, admin("status"))
+            .await
+            .unwrap();
+    }
+    assert_eq!(reload_and_compare(&s, &mut warm, "70 new").await, 70);
+    // Digests cleared and filled in again: texts read again, nothing compiled.
+    raw(
+        &s,
+        "UPDATE workflows SET digest = NULL",
+        "UPDATE workflows SET digest = NULL",
+    )
+    .await;
+    s.migrate().await.unwrap();
+    assert_eq!(reload_and_compare(&s, &mut warm, "backfill").await, 0);
+    assert_eq!(reload_and_compare(&s, &mut warm, "steady").await, 0);
 }
