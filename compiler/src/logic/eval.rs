@@ -299,16 +299,36 @@ fn walk_dotted<'a>(c: Cursor<'a>, path: &str, arena: &'a Bump) -> Option<Value<'
     if path.is_empty() {
         return Some(whole(c, arena));
     }
+    // A piece is a plain key when it starts with `#`; only an array step
+    // needs its index, so it is parsed only then. The walk goes by
+    // reference and copies the found value once.
     let mut pieces = path.split('.').map(|p| match p.strip_prefix('#') {
-        Some(rest) => (rest, None),
-        None => (p, index_of(p)),
+        Some(rest) => (rest, true),
+        None => (p, false),
     });
-    let (k, i) = pieces.next()?;
-    let mut v = first_step(c, k, i)?;
-    for (k, i) in pieces {
-        v = step(v, k, i)?;
+    let (k, plain) = pieces.next()?;
+    let mut at = match c {
+        Cursor::Frame(Frame::Data(v)) => piece_ref(v, k, plain)?,
+        other => {
+            let index = if plain { None } else { index_of(k) };
+            let first = first_step(other, k, index)?;
+            return pieces.try_fold(first, |v, (k, plain)| piece_ref(v, k, plain).copied());
+        }
+    };
+    for (k, plain) in pieces {
+        at = piece_ref(*at, k, plain)?;
     }
-    Some(v)
+    Some(*at)
+}
+
+/// One step of [`walk_dotted`], by reference into the container.
+#[inline(always)]
+fn piece_ref<'a>(v: Value<'a>, key: &str, plain: bool) -> Option<&'a Value<'a>> {
+    match v {
+        Value::Object(members) => member(members, key),
+        Value::Array(items) if !plain => items.get(index_of(key)?),
+        _ => None,
+    }
 }
 
 static NAN_ERROR: [(&str, Value<'static>); 1] = [("type", Value::Str("NaN"))];
