@@ -461,6 +461,19 @@ impl<'a> Ev<'a, '_> {
             Node::Str(s) => Ok(Value::Str(s)),
             Node::Json(i) => Ok(prog.consts[*i as usize].value()),
             Node::Spread { op, arg } => {
+                // `{"missing": {"merge": [...]}}` checks the merged keys
+                // without building the merged array.
+                if *op == Op::Missing
+                    && let Node::Op {
+                        op: Op::Merge,
+                        start,
+                        len,
+                    } = prog.nodes[*arg as usize]
+                    && let Some(r) = self
+                        .missing_merge(&prog.args[start as usize..(start + len) as usize], scope)
+                {
+                    return r;
+                }
                 let values = match self.eval(*arg, scope)? {
                     Value::Array(items) => items,
                     other => std::slice::from_ref(self.arena.alloc(other)),
@@ -1257,6 +1270,49 @@ impl<'a> Ev<'a, '_> {
             }
         }
         Ok(self.missing_result(out, keys.len(), need))
+    }
+
+    /// `missing` over a computed `merge`: each part's keys (an array's
+    /// items, or the part itself) are checked as they come. `None` when the
+    /// merged list would start with an array, which `missing` reads as its
+    /// key list, or is empty: the caller then takes the general path.
+    #[inline(never)]
+    fn missing_merge(&self, parts: &'a [NodeId], scope: &Scope<'_, 'a>) -> Option<R<'a>> {
+        let cursor = Cursor::Frame(scope.frame());
+        let mut out: Option<BVec<'a, Value<'a>>> = None;
+        let mut first = true;
+        for &id in parts {
+            let part = match self.eval(id, scope) {
+                Ok(v) => v,
+                Err(fail) => return Some(Err(fail)),
+            };
+            let keys = match &part {
+                Value::Array(items) => *items,
+                other => std::slice::from_ref(other),
+            };
+            for key in keys {
+                if first {
+                    if matches!(key, Value::Array(_)) {
+                        return None;
+                    }
+                    first = false;
+                }
+                let found = match key {
+                    Value::Null => Some(whole(cursor, self.arena)),
+                    k => walk_dotted(cursor, key_text(*k, self.arena), self.arena),
+                };
+                if Self::is_missing(found) {
+                    out.get_or_insert_with(|| BVec::with_capacity_in(4, self.arena))
+                        .push(*key);
+                }
+            }
+        }
+        if first {
+            // Nothing merged: `missing` with no keys reads `null` as its one
+            // key; the general path has that rule.
+            return None;
+        }
+        Some(Ok(self.missing_result(out, 0, None)))
     }
 
     /// Collects a missing key; the list is allocated on the first one, sized
