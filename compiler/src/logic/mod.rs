@@ -77,16 +77,29 @@ impl Logic {
         match &self.prog.nodes[self.root as usize] {
             Node::Str(s) => Ok(Value::Str(s)),
             Node::Json(i) => Ok(self.prog.consts[*i as usize].value()),
-            _ => self.eval_rule(data, arena),
+            _ => {
+                let error = std::cell::Cell::new(None);
+                match self.eval_rule(&data, arena, &error) {
+                    Ok(v) => Ok(v),
+                    Err(eval::Fail) => Err(eval::take_error(&error)),
+                }
+            }
         }
     }
 
+    /// Takes the data by reference: a by-value `Value` argument is a fresh
+    /// copy the callee owns, and reading its payload right after the caller
+    /// stored it in pieces stalls on store forwarding. Returns the
+    /// niche-packed `R` (laid out like a `Value`), so the interpreter writes
+    /// its result straight into the caller's slot; the error details wait
+    /// in `error`.
     #[inline(never)]
     fn eval_rule<'a>(
         &'a self,
-        data: Value<'a>,
+        data: &Value<'a>,
         arena: &'a Bump,
-    ) -> Result<Value<'a>, EvalError<'a>> {
+        error: &std::cell::Cell<Option<EvalError<'a>>>,
+    ) -> eval::R<'a> {
         match &self.prog.nodes[self.root as usize] {
             // One plain `var` needs no evaluator state at all.
             Node::Var {
@@ -94,14 +107,8 @@ impl Logic {
                 path,
                 default: None,
                 ..
-            } => Ok(eval::get_path(data, path).unwrap_or(Value::Null)),
-            _ => {
-                let error = std::cell::Cell::new(None);
-                match eval::run_raw(&self.prog, self.root, data, arena, &error) {
-                    Ok(v) => Ok(v),
-                    Err(eval::Fail) => Err(eval::take_error(&error)),
-                }
-            }
+            } => Ok(eval::get_path(*data, path).unwrap_or(Value::Null)),
+            _ => eval::run_raw(&self.prog, self.root, data, arena, error),
         }
     }
 

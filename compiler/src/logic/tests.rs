@@ -434,3 +434,40 @@ fn scalar_results_allocate_nothing() {
     let v = Value::from_json(&other, &arena);
     assert_eq!(logic.eval(v, &arena).unwrap().as_str(), Some("yes"));
 }
+
+#[test]
+fn missing_over_a_computed_merge_matches_the_general_path() {
+    let arena = Bump::new();
+    let cases = [
+        (
+            json!({"missing": {"merge": ["vin", {"if": [{"var": "f"}, ["apr"], []]}]}}),
+            json!({"f": true}),
+            json!(["vin", "apr"]),
+        ),
+        (
+            json!({"missing": {"merge": ["vin", {"if": [{"var": "f"}, ["apr"], []]}]}}),
+            json!({"f": false, "vin": 1}),
+            json!([]),
+        ),
+        (
+            json!({"missing": {"merge": [{"var": "xs"}]}}),
+            json!({"xs": []}),
+            json!([]),
+        ),
+        (
+            json!({"missing": {"merge": [{"var": "xs"}]}}),
+            json!(null),
+            json!([null]),
+        ),
+        (
+            json!({"missing": {"merge": [{"var": "xs"}, "b"]}}),
+            json!({"xs": [["a"]], "b": 1}),
+            json!(["a"]),
+        ),
+    ];
+    for (rule, data, want) in cases {
+        let logic = compile(&rule).unwrap();
+        let got = logic.eval(Value::from_json(&data, &arena), &arena).unwrap();
+        assert_eq!(got.to_json(), want, "{rule} on {data}");
+    }
+}
