@@ -408,13 +408,19 @@ async fn resolve(
     rows: Vec<ActiveRow>,
     known: impl Fn(&ActiveRow) -> Option<Arc<str>>,
 ) -> Result<Vec<Row>, StorageError> {
-    let rows: Vec<Result<Row, ActiveRow>> = rows
-        .into_iter()
-        .map(|row| match known(&row) {
+    // Compared in slices with a yield between them (this runs on a request
+    // worker; see `Store::active_rows`).
+    let mut sorted: Vec<Result<Row, ActiveRow>> = Vec::with_capacity(rows.len());
+    for (i, row) in rows.into_iter().enumerate() {
+        sorted.push(match known(&row) {
             Some(text) => Ok(Row::Known(row, text)),
             None => Err(row),
-        })
-        .collect();
+        });
+        if i % 256 == 255 {
+            tokio::task::yield_now().await;
+        }
+    }
+    let rows = sorted;
     if rows.iter().filter(|r| r.is_err()).count() > FETCH_ONE_BY_ONE {
         let all = store.active(kind).await?;
         return Ok(all.into_iter().map(Row::Read).collect());

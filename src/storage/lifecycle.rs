@@ -917,10 +917,24 @@ impl Store {
 
     /// Every active version of `kind` without its definition (ascending by
     /// id, version): what a reload reads first.
+    ///
+    /// Streamed, with a yield every `REFILL_ROWS` rows: a reload runs on a
+    /// request worker, and decoding thousands of rows in one go would hold
+    /// the requests queued behind it for milliseconds.
     pub async fn active_rows(&self, kind: Kind) -> Result<Vec<ActiveRow>, StorageError> {
+        use futures_util::TryStreamExt as _;
+        const REFILL_ROWS: usize = 64;
         let k = self.sql().kind(kind);
         dispatch!(self, pool => {
-            fetch_all!(pool, &k.active_meta)?.iter().map(meta_from_row).collect()
+            let mut stream = sqlx::query(&k.active_meta).fetch(pool);
+            let mut out = Vec::new();
+            while let Some(row) = stream.try_next().await.map_err(super::db_err)? {
+                out.push(meta_from_row(&row)?);
+                if out.len() % REFILL_ROWS == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            Ok(out)
         })
     }
 
