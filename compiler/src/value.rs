@@ -285,12 +285,10 @@ fn write_compact(v: &Value<'_>, out: &mut Vec<u8>) {
 
 fn write_value(v: &Value<'_>, out: &mut Vec<u8>, indent: Option<usize>, depth: usize) {
     match *v {
-        Value::Null => out.extend_from_slice(b"null"),
-        Value::Bool(true) => out.extend_from_slice(b"true"),
-        Value::Bool(false) => out.extend_from_slice(b"false"),
-        Value::Int(i) => out.extend_from_slice(itoa::Buffer::new().format(i).as_bytes()),
-        Value::Float(f) => write_float(f, out),
-        Value::Str(s) => write_str(s, out),
+        // Scalars print the same either way.
+        Value::Null | Value::Bool(_) | Value::Int(_) | Value::Float(_) | Value::Str(_) => {
+            write_compact(v, out)
+        }
         Value::Array(items) => {
             if items.is_empty() {
                 out.extend_from_slice(b"[]");
