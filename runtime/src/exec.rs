@@ -199,8 +199,7 @@ where
             workflow_ms: 0.0,
         });
     };
-    let mut machine = Machine::new(plan, context, options);
-    machine.bucket = input.bucket;
+    let mut machine = Machine::new(plan, context, input.bucket, options);
     loop {
         match machine.run(&arena) {
             Next::Done => break,
@@ -441,7 +440,7 @@ struct Machine<'a> {
 }
 
 impl<'a> Machine<'a> {
-    fn new(plan: &'a Plan, ctx: Context<'a>, options: &Options) -> Self {
+    fn new(plan: &'a Plan, ctx: Context<'a>, bucket: Option<u8>, options: &Options) -> Self {
         let record_tasks = options.record_tasks;
         let mut frames = SmallVec::new();
         frames.push(Frame {
@@ -470,7 +469,7 @@ impl<'a> Machine<'a> {
             skip_connectors: options.skip_connectors,
             deadline: options.deadline,
             current: None,
-            bucket: None,
+            bucket,
         }
     }
 
