@@ -10,7 +10,7 @@ use crate::api::{ApiError, Code, HttpResponse, bytes_response};
 use crate::app::App;
 use crate::engine::{Channel, Snapshot};
 use crate::governance::{self, Stage, View};
-use crate::server::{Req, TRACEPARENT, TRACESTATE};
+use crate::server::Req;
 use bytes::Bytes;
 use http::{Method, StatusCode, header};
 use serde_json::{Value as Json, json};
@@ -141,6 +141,10 @@ async fn run_sync(
     engine_lock_ms: Option<f64>,
 ) -> Result<HttpResponse, ApiError> {
     let headers = header_pairs(req);
+    // W3C trace context, read from the pairs already built (no second
+    // lookup in the header map).
+    let header = |name: &str| headers.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
+    let (traceparent, tracestate) = (header("traceparent"), header("tracestate"));
     let query: SmallVec<[(&str, &str); 8]> = req
         .query
         .iter()
@@ -185,8 +189,8 @@ async fn run_sync(
         o.begin(
             format!("{} {}", req.method, channel.name),
             opentelemetry::trace::SpanKind::Server,
-            req.header(TRACEPARENT),
-            req.header(TRACESTATE),
+            traceparent,
+            tracestate,
         )
         .map(|span| (o, span))
     });
@@ -196,13 +200,14 @@ async fn run_sync(
     let options = Options {
         record_tasks: engine_lock_ms.is_some() || traced.is_some(),
         deadline: Some(deadline),
+        data_prefix: ENVELOPE_OPEN,
         ..Options::default()
     };
     // W3C trace context from the caller is forwarded to connector calls;
     // without it (and without a span to report to) the channel's prebuilt
     // scope serves: no per-request copies.
     let owned_scope;
-    let scope = match (req.header(TRACEPARENT), req.header(TRACESTATE), &traced) {
+    let scope = match (traceparent, tracestate, &traced) {
         (None, None, None) => &channel.scope,
         (parent, state, traced) => {
             owned_scope = CallScope {
@@ -266,6 +271,9 @@ async fn run_sync(
     Ok(bytes_response(StatusCode::OK, body))
 }
 
+/// The opening of a successful answer, written ahead of the data.
+const ENVELOPE_OPEN: &[u8] = b"{\"status\":\"ok\",\"data\":";
+
 fn respond(
     channel: &Channel,
     execution: Execution,
@@ -298,10 +306,9 @@ fn respond(
             .with_details(details)
             .with_task(f.task_id.clone()));
     }
-    // The envelope goes around the serialized data in its own buffer (a
-    // move of the bytes, no second buffer).
+    // The envelope goes around the serialized data in its own buffer: its
+    // opening was written before the data (`Options::data_prefix`).
     let mut out = execution.data;
-    out.splice(0..0, *b"{\"status\":\"ok\",\"data\":");
     out.extend_from_slice(b",\"errors\":");
     if execution.errors.is_empty() {
         out.extend_from_slice(b"[]");

@@ -12,6 +12,11 @@ use sluice_compiler::diag::Diagnostic;
 use sluice_compiler::logic::{self, Logic};
 use sluice_compiler::plan::{Plan, Rollout, compile_workflow};
 use std::collections::HashMap;
+
+/// Maps read on the request path (channel names, route literals): foldhash,
+/// several times cheaper than SipHash on short keys. Keys come from the
+/// admin API, not from requests, so flooding is not a concern.
+pub type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -87,7 +92,7 @@ struct Route {
 /// parameter, however many channels there are.
 #[derive(Debug, Default)]
 pub struct RouteTable {
-    by_len: HashMap<usize, Group>,
+    by_len: FastMap<usize, Group>,
 }
 
 #[derive(Debug, Default)]
@@ -95,7 +100,7 @@ struct Group {
     routes: Vec<Route>,
     /// Positions in `routes` (ascending) of the routes whose first segment
     /// is this literal.
-    by_first: HashMap<String, Vec<usize>>,
+    by_first: FastMap<String, Vec<usize>>,
     /// Positions of the routes whose first segment is a parameter (or that
     /// have no segment).
     open_first: Vec<usize>,
@@ -190,7 +195,7 @@ pub struct Snapshot {
     pub generation: u64,
     pub built_at: Option<SystemTime>,
     /// Channels by name.
-    pub channels: HashMap<String, Arc<Channel>>,
+    pub channels: FastMap<String, Arc<Channel>>,
     pub routes: RouteTable,
     /// Distinct workflow ids with at least one active version.
     pub active_workflows: usize,

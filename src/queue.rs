@@ -415,7 +415,7 @@ pub(crate) async fn execute(
         outcome.errors = json!([error_item(Code::NotFound.as_str(), "", &message)]);
         return false;
     };
-    outcome.workflow_id = Some(matched.workflow_id.clone());
+    outcome.workflow_id = Some(matched.workflow_id.to_string());
     outcome.workflow_version = Some(matched.version);
     // Secrets never reach a stored trace (decisions.md, Masking).
     outcome.data = serde_json::from_slice::<Json>(&execution.data)

@@ -275,9 +275,22 @@ fn is_operational(path: &str) -> bool {
 /// Security headers and the request id on every response (header names are
 /// constants: no name parsing per response).
 fn finish(mut response: HttpResponse, request_id: &RequestId) -> HttpResponse {
-    // With `Content-Type` these are the six entries a header map holds
-    // before it first grows.
     let headers = response.headers_mut();
+    // JSON answers start from a prebuilt map (`api::bytes_response`) that
+    // already has the security headers and a request id slot.
+    if let Some(slot) = headers.get_mut(X_REQUEST_ID) {
+        *slot = request_id.header_value();
+        return response;
+    }
+    security_headers(headers);
+    headers.insert(X_REQUEST_ID, request_id.header_value());
+    response
+}
+
+/// The security headers every answer carries (with `Content-Type` and the
+/// request id these are the six entries a header map holds before it first
+/// grows). A `Content-Security-Policy` already set is kept.
+pub(crate) fn security_headers(headers: &mut HeaderMap) {
     headers.insert(X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
     headers.insert(X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     headers.insert(REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
@@ -287,8 +300,11 @@ fn finish(mut response: HttpResponse, request_id: &RequestId) -> HttpResponse {
             HeaderValue::from_static("default-src 'none'; frame-ancestors 'none'"),
         );
     }
-    headers.insert(X_REQUEST_ID, request_id.header_value());
-    response
+}
+
+/// A prebuilt header map's request id slot, filled by `finish`.
+pub(crate) fn request_id_slot(headers: &mut HeaderMap) {
+    headers.insert(X_REQUEST_ID, HeaderValue::from_static(""));
 }
 
 async fn read_and_route(
@@ -385,10 +401,14 @@ fn too_large(limit: usize) -> HttpResponse {
 }
 
 fn is_json(headers: &HeaderMap) -> bool {
-    let Some(ct) = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-    else {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return false;
+    };
+    // The usual spelling needs no parsing.
+    if value.as_bytes() == b"application/json" {
+        return true;
+    }
+    let Ok(ct) = value.to_str() else {
         return false;
     };
     let mime = ct.split(';').next().unwrap_or("").trim().as_bytes();

@@ -20,7 +20,7 @@ use serde_json::{Map, Value as Json};
 /// One compiled workflow version.
 #[derive(Debug)]
 pub struct Plan {
-    pub workflow_id: Box<str>,
+    pub workflow_id: std::sync::Arc<str>,
     pub name: Box<str>,
     pub version: i64,
     pub priority: i64,

@@ -75,6 +75,10 @@ pub struct Options {
     /// Stop with a timeout failure once this instant has passed (checked
     /// between steps, so CPU-bound work is bounded too, not only I/O waits).
     pub deadline: Option<Instant>,
+    /// Bytes written into `Execution::data` before the serialized `data`
+    /// (the data plane's envelope opening, so the response is built in one
+    /// buffer without moving the data). Empty by default.
+    pub data_prefix: &'static [u8],
 }
 
 /// The request body could not be used.
@@ -153,7 +157,8 @@ pub enum Status {
 /// Which workflow version ran.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Matched {
-    pub workflow_id: String,
+    /// Shared with the plan (no copy per execution).
+    pub workflow_id: std::sync::Arc<str>,
     pub version: i64,
 }
 
@@ -1116,6 +1121,7 @@ impl<'a> Machine<'a> {
         // it on most requests) while staying within the allocator's
         // per-thread cache (blocks up to about 1 KiB).
         let mut data = Vec::with_capacity(1024);
+        data.extend_from_slice(options.data_prefix);
         if options.pretty {
             self.ctx.data.write_json_pretty(&mut data)
         } else {
@@ -1123,7 +1129,7 @@ impl<'a> Machine<'a> {
         }
         Execution {
             matched: Some(Matched {
-                workflow_id: self.plan.workflow_id.to_string(),
+                workflow_id: self.plan.workflow_id.clone(),
                 version: self.plan.version,
             }),
             status: self.status.unwrap_or(Status::Completed),

@@ -529,7 +529,7 @@ fn selection_by_priority_condition_and_rollout() {
         &options,
     );
     assert_eq!(gold.data()["by"], "high");
-    assert_eq!(gold.exec.matched.as_ref().unwrap().workflow_id, "high");
+    assert_eq!(&*gold.exec.matched.as_ref().unwrap().workflow_id, "high");
     let plain = run_with(
         &[&high, &low],
         json!({"data": {}}),

@@ -65,7 +65,17 @@ async fn bad_requests_get_the_envelope() {
 #[tokio::test]
 async fn every_response_has_security_headers_and_a_request_id() {
     let s = start(Db::Sqlite).await;
-    for r in [s.get("/health").await, s.get("/nowhere").await] {
+    // JSON answers (prebuilt header map), an error, a static asset and an
+    // empty answer (headers added one by one).
+    for r in [
+        s.get("/health").await,
+        s.get("/nowhere").await,
+        s.get("/docs").await,
+        s.send("DELETE", "/api/v1/admin/workflows/none", None, &[])
+            .await,
+    ] {
+        assert_eq!(r.headers.get_all("x-request-id").iter().count(), 1);
+        assert_eq!(r.headers.get_all("x-frame-options").iter().count(), 1);
         assert_eq!(r.headers["x-content-type-options"], "nosniff");
         assert_eq!(r.headers["x-frame-options"], "DENY");
         assert_eq!(r.headers["referrer-policy"], "no-referrer");
