@@ -71,8 +71,10 @@ impl RequestId {
     }
 
     pub fn as_str(&self) -> &str {
-        // Both constructors hold visible ASCII only.
-        self.0.to_str().unwrap_or_default()
+        // Both constructors hold visible ASCII only, so the UTF-8 check
+        // (word-at-a-time for ASCII) always passes; `to_str` would re-check
+        // every byte for visibility.
+        std::str::from_utf8(self.0.as_bytes()).unwrap_or_default()
     }
 
     pub fn header_value(&self) -> HeaderValue {
@@ -436,13 +438,18 @@ pub fn parse_query(q: &str) -> Vec<(String, String)> {
 }
 
 pub fn percent_decode(s: &str) -> String {
-    decode(s).into_owned()
+    decode_with(s, true).into_owned()
 }
 
-/// [`percent_decode`] that borrows `s` when there is nothing to decode (the
-/// common case: no allocation).
+/// Percent-decodes a path segment, borrowing `s` when there is nothing to
+/// decode (the common case: no allocation). Unlike a query string, a `+` in
+/// a path is a plus sign, not a space.
 pub fn decode(s: &str) -> std::borrow::Cow<'_, str> {
-    if !s.bytes().any(|b| b == b'%' || b == b'+') {
+    decode_with(s, false)
+}
+
+fn decode_with(s: &str, plus_is_space: bool) -> std::borrow::Cow<'_, str> {
+    if !s.bytes().any(|b| b == b'%' || (plus_is_space && b == b'+')) {
         return std::borrow::Cow::Borrowed(s);
     }
     let bytes = s.as_bytes();
@@ -450,7 +457,7 @@ pub fn decode(s: &str) -> std::borrow::Cow<'_, str> {
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
-            b'+' => out.push(b' '),
+            b'+' if plus_is_space => out.push(b' '),
             b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
                 (Some(h), Some(l)) => {
                     out.push(h * 16 + l);
@@ -537,6 +544,9 @@ mod tests {
             std::borrow::Cow::Borrowed(_)
         ));
         assert_eq!(decode("a%20b"), "a b");
+        // In a path, `+` is a plus sign (only a query string means a space).
+        assert_eq!(decode("a+b"), "a+b");
+        assert_eq!(decode("a%2Bb+c"), "a+b+c");
     }
 
     #[test]

@@ -90,6 +90,18 @@ async fn routing_follows_the_resolution_rules() {
             .body["data"]["by"],
         "special"
     );
+    // Path parameters are percent-decoded; a `+` in a path stays a plus
+    // (only in the query string is it a space).
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/data/orders/a+b%2Fc%20d?q=x+y",
+            Some(json!({"data": {}})),
+            &[],
+        )
+        .await;
+    assert_eq!(r.body["data"]["path"], json!({"order_id": "a+b/c d"}));
+    assert_eq!(r.body["data"]["query"], json!({"q": "x y"}));
     // A GET on a route has no body.
     let g = s.get("/api/v1/data/orders/o-2").await;
     assert_eq!((g.status, g.body["data"]["in"].clone()), (200, Json::Null));
