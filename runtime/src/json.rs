@@ -30,27 +30,25 @@ thread_local! {
 /// that copy.
 pub fn parse<'a>(input: &[u8], arena: &'a Bump) -> Result<Value<'a>, JsonError> {
     let buf: &'a mut [u8] = arena.alloc_slice_copy(input);
-    let mut scratch = SCRATCH
-        .with(|s| s.borrow_mut().take())
-        .unwrap_or_else(|| Scratch {
+    SCRATCH.with(|cell| {
+        // Borrowed for this parse only (nothing in it parses again); the
+        // buffers stay in place, only the tape's vector is moved out (its
+        // lifetime changes) and back.
+        let mut slot = cell.borrow_mut();
+        let scratch = slot.get_or_insert_with(|| Scratch {
             buffers: Buffers::new(input.len()),
-            tape: Tape::null(),
+            tape: Tape(Vec::new()),
         });
-    let mut tape: Tape<'a> = scratch.tape.reset();
-    let result = simd_json::fill_tape(buf, &mut scratch.buffers, &mut tape)
-        .map_err(|e| JsonError(e.to_string()))
-        .map(|()| {
-            let mut pos = 0;
-            build(&tape.0, &mut pos, arena)
-        });
-    let tape: Tape<'static> = tape.reset();
-    SCRATCH.with(|s| {
-        *s.borrow_mut() = Some(Scratch {
-            buffers: scratch.buffers,
-            tape,
-        })
-    });
-    result
+        let mut tape: Tape<'a> = Tape(std::mem::take(&mut scratch.tape.0)).reset();
+        let result = simd_json::fill_tape(buf, &mut scratch.buffers, &mut tape)
+            .map_err(|e| JsonError(e.to_string()))
+            .map(|()| {
+                let mut pos = 0;
+                build(&tape.0, &mut pos, arena)
+            });
+        scratch.tape = tape.reset();
+        result
+    })
 }
 
 /// Parses a string already in the arena (or borrowed for `'a`): used by
