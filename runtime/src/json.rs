@@ -30,27 +30,25 @@ thread_local! {
 /// that copy.
 pub fn parse<'a>(input: &[u8], arena: &'a Bump) -> Result<Value<'a>, JsonError> {
     let buf: &'a mut [u8] = arena.alloc_slice_copy(input);
-    let mut scratch = SCRATCH
-        .with(|s| s.borrow_mut().take())
-        .unwrap_or_else(|| Scratch {
+    SCRATCH.with(|cell| {
+        // Borrowed for this parse only (nothing in it parses again); the
+        // buffers stay in place, only the tape's vector is moved out (its
+        // lifetime changes) and back.
+        let mut slot = cell.borrow_mut();
+        let scratch = slot.get_or_insert_with(|| Scratch {
             buffers: Buffers::new(input.len()),
-            tape: Tape::null(),
+            tape: Tape(Vec::new()),
         });
-    let mut tape: Tape<'a> = scratch.tape.reset();
-    let result = simd_json::fill_tape(buf, &mut scratch.buffers, &mut tape)
-        .map_err(|e| JsonError(e.to_string()))
-        .map(|()| {
-            let mut pos = 0;
-            build(&tape.0, &mut pos, arena)
-        });
-    let tape: Tape<'static> = tape.reset();
-    SCRATCH.with(|s| {
-        *s.borrow_mut() = Some(Scratch {
-            buffers: scratch.buffers,
-            tape,
-        })
-    });
-    result
+        let mut tape: Tape<'a> = Tape(std::mem::take(&mut scratch.tape.0)).reset();
+        let result = simd_json::fill_tape(buf, &mut scratch.buffers, &mut tape)
+            .map_err(|e| JsonError(e.to_string()))
+            .map(|()| {
+                let mut pos = 0;
+                build(&tape.0, &mut pos, arena)
+            });
+        scratch.tape = tape.reset();
+        result
+    })
 }
 
 /// Parses a string already in the arena (or borrowed for `'a`): used by
@@ -61,16 +59,25 @@ pub fn parse_str<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, JsonError
 
 fn build<'a>(nodes: &[Node<'a>], pos: &mut usize, arena: &'a Bump) -> Value<'a> {
     let mut out = Value::Null;
-    build_into(nodes, pos, arena, &mut out);
+    let node = nodes[*pos];
+    *pos += 1;
+    element(nodes, pos, arena, node, &mut out);
     out
 }
 
-/// Builds the value at `nodes[*pos]` straight into its slot: each element is
-/// written once, where it lives (returning it and copying it into the
-/// parent's slot would reload a just-written value, which stalls).
-fn build_into<'a>(nodes: &[Node<'a>], pos: &mut usize, arena: &'a Bump, out: &mut Value<'a>) {
-    let node = nodes[*pos];
-    *pos += 1;
+/// Builds the value of `node` (taken from `nodes`, whose next unread node is
+/// at `*pos`) straight into its slot: each element is written once, where it
+/// lives (returning it and copying it into the parent's slot would reload a
+/// just-written value, which stalls). Scalars are converted inline, in the
+/// containers' loops; only containers cost a call.
+#[inline(always)]
+fn element<'a>(
+    nodes: &[Node<'a>],
+    pos: &mut usize,
+    arena: &'a Bump,
+    node: Node<'a>,
+    out: &mut Value<'a>,
+) {
     *out = match node {
         Node::String(s) => Value::Str(s),
         Node::Static(s) => match s {
@@ -80,30 +87,63 @@ fn build_into<'a>(nodes: &[Node<'a>], pos: &mut usize, arena: &'a Bump, out: &mu
             StaticNode::U64(u) => i64::try_from(u).map_or(Value::Float(u as f64), Value::Int),
             StaticNode::F64(f) => Value::Float(f),
         },
-        Node::Array { len, .. } => {
-            let items = arena.alloc_slice_fill_copy(len, Value::Null);
-            for item in items.iter_mut() {
-                build_into(nodes, pos, arena, item);
-            }
-            Value::Array(items)
-        }
-        Node::Object { len, .. } => {
-            let members = arena.alloc_slice_fill_copy(len, ("", Value::Null));
-            for member in members.iter_mut() {
-                if let Node::String(k) = nodes[*pos] {
-                    member.0 = k;
-                }
-                *pos += 1;
-                build_into(nodes, pos, arena, &mut member.1);
-            }
-            Value::Object(dedup_keys(members, arena))
-        }
+        Node::Array { len, .. } => return array(nodes, pos, arena, len, out),
+        Node::Object { len, .. } => return object(nodes, pos, arena, len, out),
     };
+}
+
+#[inline(never)]
+fn array<'a>(
+    nodes: &[Node<'a>],
+    pos: &mut usize,
+    arena: &'a Bump,
+    len: usize,
+    out: &mut Value<'a>,
+) {
+    let items = arena.alloc_slice_fill_copy(len, Value::Null);
+    for item in items.iter_mut() {
+        let node = nodes[*pos];
+        *pos += 1;
+        element(nodes, pos, arena, node, item);
+    }
+    *out = Value::Array(items);
+}
+
+#[inline(never)]
+fn object<'a>(
+    nodes: &[Node<'a>],
+    pos: &mut usize,
+    arena: &'a Bump,
+    len: usize,
+    out: &mut Value<'a>,
+) {
+    let members = arena.alloc_slice_fill_copy(len, ("", Value::Null));
+    // Duplicate keys are looked for only when a 64-bit filter over the keys
+    // (their length and end bytes) has a collision, or in large objects.
+    let (mut seen, mut collision) = (0u64, false);
+    for member in members.iter_mut() {
+        if let Node::String(k) = nodes[*pos] {
+            member.0 = k;
+            let bit = 1u64 << key_filter_bit(k);
+            collision |= seen & bit != 0;
+            seen |= bit;
+        }
+        let node = nodes[*pos + 1];
+        *pos += 2;
+        element(nodes, pos, arena, node, &mut member.1);
+    }
+    *out = Value::Object(if collision || len > 16 {
+        dedup_keys(members, arena)
+    } else {
+        members
+    });
 }
 
 /// JSON allows repeated keys; like serde_json, the last one wins. Small objects
 /// are checked pairwise, large ones with a map so a hostile body cannot make
 /// this quadratic.
+#[cold]
+#[inline(never)]
 fn dedup_keys<'a>(
     members: &'a mut [(&'a str, Value<'a>)],
     arena: &'a Bump,
@@ -134,6 +174,21 @@ fn dedup_keys<'a>(
     out.into_bump_slice()
 }
 
+/// The key's bit (0..64) in the duplicate filter: its length and first and
+/// last bytes, mixed by a multiplication. Equal keys get equal bits.
+#[inline(always)]
+fn key_filter_bit(k: &str) -> u32 {
+    let b = k.as_bytes();
+    let (first, last) = match b {
+        [] => (0, 0),
+        [first, .., last] => (*first, *last),
+        [one] => (*one, *one),
+    };
+    let mixed = (b.len() as u64 | u64::from(first) << 32 | u64::from(last) << 40)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (mixed >> 58) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,6 +210,74 @@ mod tests {
         let arena = Bump::new();
         let v = parse(br#"{"a": 1, "b": 2, "a": 3}"#, &arena).unwrap();
         assert_eq!(v.to_json(), json!({"b": 2, "a": 3}));
+    }
+
+    /// Objects of every size up to 20 (both sides of the pairwise/map
+    /// switch at 16) with one key repeated from every position to every
+    /// later one: the last value wins, at the place of the last occurrence,
+    /// as a plain scan says.
+    #[test]
+    fn duplicates_are_found_in_objects_of_every_size() {
+        for n in 1..=20usize {
+            for from in 0..n {
+                for to in from + 1..=n {
+                    let mut keys: Vec<String> = (0..n).map(|i| format!("key{i}")).collect();
+                    keys.insert(to, keys[from].clone());
+                    let text = format!(
+                        "{{{}}}",
+                        keys.iter()
+                            .enumerate()
+                            .map(|(i, k)| format!("\"{k}\": {i}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                    let expected: Vec<(&str, i64)> = keys
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, k)| !keys[i + 1..].contains(k))
+                        .map(|(i, k)| (k.as_str(), i as i64))
+                        .collect();
+                    let arena = Bump::new();
+                    let v = parse(text.as_bytes(), &arena).unwrap();
+                    let got: Vec<(&str, i64)> = v
+                        .as_object()
+                        .unwrap()
+                        .iter()
+                        .map(|(k, v)| match v {
+                            Value::Int(i) => (*k, *i),
+                            _ => panic!("{v:?}"),
+                        })
+                        .collect();
+                    assert_eq!(got, expected, "{text}");
+                }
+            }
+        }
+    }
+
+    /// Keys that share the duplicate filter's inputs (length, first and last
+    /// byte) but differ are all kept; equal keys of every length are found.
+    #[test]
+    fn keys_alike_at_the_ends_are_not_duplicates() {
+        let arena = Bump::new();
+        let v = parse(br#"{"axb": 1, "ayb": 2, "azb": 3, "a": 4, "": 5}"#, &arena).unwrap();
+        assert_eq!(v.as_object().unwrap().len(), 5);
+        for len in 0..40 {
+            let k = "q".repeat(len);
+            let text = format!(r#"{{"{k}": 1, "other": 2, "{k}": 3}}"#);
+            let v = parse(text.as_bytes(), &arena).unwrap();
+            assert_eq!(v.to_json(), json!({"other": 2, k: 3}), "{text}");
+        }
+    }
+
+    /// Nested containers of every kind under objects and arrays.
+    #[test]
+    fn nested_values_come_out_whole() {
+        let arena = Bump::new();
+        let text = br#"[{"a": [[], {}, [1, [2, {"b": null}]]], "c": {"d": {"e": [true, false]}}}, "s", -0.5, [{}]]"#;
+        let v = parse(text, &arena).unwrap();
+        let expected: serde_json::Value = serde_json::from_slice(text).unwrap();
+        assert_eq!(v.to_json(), expected);
+        assert_eq!(v.to_json_string(), expected.to_string());
     }
 
     #[test]
