@@ -6,7 +6,8 @@ use super::ops::compare::{Rel, loose_eq_checked, relate, strict_eq};
 use super::ops::string::{substr_range, write_js_string};
 use super::ops::{to_number, truthy};
 use super::{
-    Body, EvalError, Iter, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Operand, Program, Slot,
+    Body, EvalError, Iter, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Operand, Program, Scalar,
+    Slot,
 };
 use crate::path::Segment;
 use crate::value::{Value, key_eq};
@@ -257,6 +258,16 @@ fn member<'a>(members: &'a [(&'a str, Value<'a>)], key: &str) -> Option<&'a Valu
     None
 }
 
+/// A number's value as `f64` (anything else reads as 0; callers check).
+#[inline(always)]
+fn num_of(v: &Value<'_>) -> f64 {
+    match *v {
+        Value::Int(i) => i as f64,
+        Value::Float(f) => f,
+        _ => 0.0,
+    }
+}
+
 /// Which `reduce` member a path starts with (see `Node::Var::slot`).
 #[inline]
 pub(super) fn slot_of(first_key: &str) -> Slot {
@@ -482,7 +493,12 @@ impl<'a> Ev<'a, '_> {
             }
             Node::Exists { path } => Ok(Value::Bool(self.lookup_scope(scope, path).is_some())),
             Node::Missing { keys, need } => self.missing_const(keys, *need, scope),
-            Node::Iter(it) => self.iterate(it, scope),
+            Node::Iter(it) => match &it.shape {
+                Body::Pred { op, path, konst } => {
+                    self.quantify(it.op, it.coll, *op, path, konst, scope)
+                }
+                _ => self.iterate(it, scope),
+            },
             Node::InStrs { needle, set } => {
                 let found = match self.eval(*needle, scope)? {
                     Value::Str(s) if set.len() <= 8 => set.iter().any(|k| **k == *s),
@@ -1013,6 +1029,12 @@ impl<'a> Ev<'a, '_> {
                     call(i, item, &NULL).map(|v| truthy(&v))
                 })
             }
+            // `eval` sends these to `quantify` directly; kept correct here.
+            Body::Pred {
+                op: cmp,
+                path,
+                konst,
+            } => self.quantify(op, it.coll, *cmp, path, konst, scope),
             Body::General => {
                 let body = it.body;
                 let call = |i: usize, item: &'a Value<'a>, acc: &Value<'a>| {
@@ -1030,6 +1052,101 @@ impl<'a> Ev<'a, '_> {
                 })
             }
         }
+    }
+
+    /// `filter`, `all`, `some` or `none` over a [`Body::Pred`] test: the
+    /// element (or a path into it) compared with a constant. Kept apart from
+    /// [`Self::iterate`], whose set-up for its many body shapes costs more
+    /// than the whole loop over a short array.
+    #[inline(never)]
+    fn quantify(
+        &self,
+        op: Op,
+        coll: NodeId,
+        cmp: Op,
+        path: &'a [Segment],
+        konst: &'a Scalar,
+        scope: &Scope<'_, 'a>,
+    ) -> R<'a> {
+        let items = match self.operand(coll, scope)? {
+            Value::Array(items) => items,
+            _ if op == Op::Filter => &[],
+            _ => {
+                return Err(self.fail(EvalError::InvalidArguments("all/some/none need an array")));
+            }
+        };
+        let k = konst.value();
+        if op == Op::Filter {
+            let mut out = BVec::with_capacity_in(items.len(), self.arena);
+            for item in items {
+                if self.pred_holds(cmp, path, &k, item)? {
+                    out.push(*item);
+                }
+            }
+            self.charge(out.len() * size_of::<Value>())?;
+            return Ok(Value::Array(out.into_bump_slice()));
+        }
+        // `all` stops at the first failing element, `some` / `none` at the
+        // first passing one.
+        let stop = op != Op::All;
+        let mut hit = false;
+        for item in items {
+            if self.pred_holds(cmp, path, &k, item)? == stop {
+                hit = true;
+                break;
+            }
+        }
+        Ok(Value::Bool(match op {
+            Op::All => !hit && !items.is_empty(),
+            Op::Some => hit,
+            _ => !hit,
+        }))
+    }
+
+    /// One element's [`Body::Pred`] test. Reads by reference and compares
+    /// integers inline; everything else takes [`Self::compare2`] out of line.
+    #[inline(always)]
+    fn pred_holds(
+        &self,
+        cmp: Op,
+        path: &[Segment],
+        k: &Value<'a>,
+        item: &'a Value<'a>,
+    ) -> Result<bool, Fail> {
+        let mut x = item;
+        for seg in path {
+            x = match step_ref(*x, seg) {
+                Some(v) => v,
+                None => &NULL,
+            };
+        }
+        match (x, k) {
+            (Value::Int(p), Value::Int(q)) => Ok(match cmp {
+                Op::Lt => p < q,
+                Op::Le => p <= q,
+                Op::Gt => p > q,
+                Op::Ge => p >= q,
+                Op::Eq | Op::StrictEq => p == q,
+                _ => p != q,
+            }),
+            (Value::Int(_) | Value::Float(_), Value::Int(_) | Value::Float(_))
+                if matches!(cmp, Op::Lt | Op::Le | Op::Gt | Op::Ge) =>
+            {
+                let (p, q) = (num_of(x), num_of(k));
+                Ok(match cmp {
+                    Op::Lt => p < q,
+                    Op::Le => p <= q,
+                    Op::Gt => p > q,
+                    _ => p >= q,
+                })
+            }
+            _ => self.compare_slow(cmp, *x, *k),
+        }
+    }
+
+    #[inline(never)]
+    fn compare_slow(&self, op: Op, x: Value<'a>, y: Value<'a>) -> Result<bool, Fail> {
+        self.compare2(op, x, y)
     }
 
     /// The loops of the six iterators over one body: `value` computes the

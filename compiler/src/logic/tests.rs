@@ -471,3 +471,59 @@ fn missing_over_a_computed_merge_matches_the_general_path() {
         assert_eq!(got.to_json(), want, "{rule} on {data}");
     }
 }
+
+#[test]
+fn predicate_bodies_match_the_general_path() {
+    // `{cmp: [{"var": p}, constant]}` under filter/all/some/none compiles
+    // to `Body::Pred`; the same test wrapped in `!!` stays general.
+    let logic = compile(&json!({"all": [{"var": "xs"}, {"<": [{"var": "q"}, 1]}]})).unwrap();
+    let Node::Iter(it) = &logic.prog.nodes[logic.root as usize] else {
+        panic!("not an iterator");
+    };
+    assert!(matches!(it.shape, Body::Pred { op: Op::Lt, .. }));
+    let collections = [
+        json!([1, 2, 3]),
+        json!([3, 2, 1]),
+        json!([1.5, 2, -1, 9_007_199_254_740_993_i64]),
+        json!(["a", "b", "10", ""]),
+        json!([null, true, false, "2", 2, 0]),
+        json!([{"q": 1}, {"q": "x"}, {}, {"q": [1]}, {"q": {"r": 1}}, {"q": 2.5}]),
+        json!([[1], [2], []]),
+        json!([]),
+        json!("not an array"),
+        json!(null),
+    ];
+    let constants = [
+        json!(1),
+        json!(1.5),
+        json!(9_007_199_254_740_992_i64),
+        json!("2"),
+        json!("b"),
+        json!(""),
+        json!(null),
+        json!(true),
+        json!(0),
+    ];
+    let mut checked = 0;
+    for iter in ["filter", "all", "some", "none"] {
+        for cmp in ["<", "<=", ">", ">=", "==", "!=", "===", "!=="] {
+            for path in ["", "q"] {
+                for k in &constants {
+                    let test = json!({cmp: [{"var": path}, k]});
+                    let fast = json!({iter: [{"var": "xs"}, test]});
+                    let general = json!({iter: [{"var": "xs"}, {"!!": [test]}]});
+                    for xs in &collections {
+                        let data = json!({ "xs": xs });
+                        assert_eq!(
+                            eval_json(fast.clone(), data.clone()),
+                            eval_json(general.clone(), data.clone()),
+                            "{fast} on {data}"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 4 * 8 * 2 * 9 * 10);
+}
