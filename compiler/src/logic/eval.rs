@@ -258,6 +258,26 @@ fn member<'a>(members: &'a [(&'a str, Value<'a>)], key: &str) -> Option<&'a Valu
     None
 }
 
+/// [`get_path`] by reference: the value a path names inside `current`.
+#[inline(always)]
+fn path_ref<'s, 'a: 's>(current: &'s Value<'a>, segments: &[Segment]) -> Option<&'s Value<'a>> {
+    let mut at = current;
+    for seg in segments {
+        at = step_ref(*at, seg)?;
+    }
+    Some(at)
+}
+
+/// `missing`'s test on a looked-up value: absent, `null` or `""`.
+#[inline(always)]
+fn is_missing_ref(v: Option<&Value<'_>>) -> bool {
+    match v {
+        None | Some(Value::Null) => true,
+        Some(Value::Str(s)) => s.is_empty(),
+        Some(_) => false,
+    }
+}
+
 /// A number's value as `f64` (anything else reads as 0; callers check).
 #[inline(always)]
 fn num_of(v: &Value<'_>) -> f64 {
@@ -1356,6 +1376,9 @@ impl<'a> Ev<'a, '_> {
         matches!(v, None | Some(Value::Null) | Some(Value::Str("")))
     }
 
+    /// `missing` / `missing_some` over constant keys. The missing keys are
+    /// noted in a bit mask (up to 64 keys) and the result is allocated once,
+    /// at its exact size, after the scan.
     #[inline(never)]
     fn missing_const(
         &self,
@@ -1367,26 +1390,73 @@ impl<'a> Ev<'a, '_> {
             Some(id) => Some(to_number(&self.operand(id, scope)?).unwrap_or(0.0)),
             None => None,
         };
-        let mut out = None;
-        let mut found = 0usize;
-        for (i, key) in keys.iter().enumerate() {
-            // Outside `reduce` the frame is plain data: read it in place.
-            let v = if scope.reduce {
-                self.lookup_scope(scope, &key.path)
-            } else {
-                get_path(*scope.data, &key.path)
-            };
-            if Self::is_missing(v) {
-                self.push_missing(&mut out, keys.len() - i, Value::Str(&key.text));
-            } else if let Some(need) = need {
-                // `missing_some` is satisfied: the rest cannot change that.
-                found += 1;
-                if found as f64 >= need {
+        if scope.reduce || keys.len() > 64 {
+            return Ok(self.missing_const_slow(keys, need, scope));
+        }
+        // Outside `reduce` the frame is plain data: read it in place.
+        let data = scope.data;
+        let mut mask = 0u64;
+        match need {
+            None => {
+                for (i, key) in keys.iter().enumerate() {
+                    mask |= u64::from(is_missing_ref(path_ref(data, &key.path))) << i;
+                }
+            }
+            Some(need) => {
+                let mut found = 0.0;
+                for (i, key) in keys.iter().enumerate() {
+                    if is_missing_ref(path_ref(data, &key.path)) {
+                        mask |= 1 << i;
+                    } else {
+                        // `missing_some` is satisfied: the rest cannot
+                        // change that.
+                        found += 1.0;
+                        if found >= need {
+                            return Ok(Value::EMPTY_ARRAY);
+                        }
+                    }
+                }
+                if found >= need {
                     return Ok(Value::EMPTY_ARRAY);
                 }
             }
         }
-        Ok(self.missing_result(out, keys.len(), need))
+        if mask == 0 {
+            return Ok(Value::EMPTY_ARRAY);
+        }
+        let out = self
+            .arena
+            .alloc_slice_fill_copy(mask.count_ones() as usize, Value::Null);
+        for slot in out.iter_mut() {
+            *slot = Value::Str(&keys[mask.trailing_zeros() as usize].text);
+            mask &= mask - 1;
+        }
+        Ok(Value::Array(out))
+    }
+
+    /// [`Self::missing_const`] inside `reduce` (whose frame is read through
+    /// its slots) or for more keys than its mask holds.
+    #[cold]
+    #[inline(never)]
+    fn missing_const_slow(
+        &self,
+        keys: &'a [MissingKey],
+        need: Option<f64>,
+        scope: &Scope<'_, 'a>,
+    ) -> Value<'a> {
+        let mut out = None;
+        let mut found = 0usize;
+        for (i, key) in keys.iter().enumerate() {
+            if Self::is_missing(self.lookup_scope(scope, &key.path)) {
+                self.push_missing(&mut out, keys.len() - i, Value::Str(&key.text));
+            } else if let Some(need) = need {
+                found += 1;
+                if found as f64 >= need {
+                    return Value::EMPTY_ARRAY;
+                }
+            }
+        }
+        self.missing_result(out, keys.len(), need)
     }
 
     /// `missing` over a computed `merge`: each part's keys (an array's

@@ -527,3 +527,77 @@ fn predicate_bodies_match_the_general_path() {
     }
     assert_eq!(checked, 4 * 8 * 2 * 9 * 10);
 }
+
+#[test]
+fn constant_missing_keys_match_the_computed_path() {
+    // Constant keys compile to `Node::Missing` (a bit mask of missing keys,
+    // a fallback past 64 keys); keys read from the data take the general
+    // path. Both must agree, order included.
+    let long: Vec<String> = (0..70).map(|i| format!("k{i}")).collect();
+    let key_lists = [
+        json!(["a"]),
+        json!(["a", "b", "c"]),
+        json!(["c", "a", "b.x", "b"]),
+        json!(long),
+    ];
+    let mut long_data = serde_json::Map::new();
+    for i in (0..70).step_by(3) {
+        long_data.insert(format!("k{i}"), json!(i));
+    }
+    let datas = [
+        json!({}),
+        json!(null),
+        json!({"a": 1, "b": {"x": ""}, "c": null}),
+        json!({"a": "", "b": {"x": 0}, "c": false}),
+        json!({"b": [1], "c": "c"}),
+        Json::Object(long_data),
+    ];
+    let mut checked = 0;
+    for keys in &key_lists {
+        let need_cases = [
+            None,
+            Some(json!(0)),
+            Some(json!(1)),
+            Some(json!(2)),
+            Some(json!(-1)),
+            Some(json!("x")),
+        ];
+        for need in need_cases {
+            let (fast, general) = match &need {
+                None => (json!({"missing": keys}), json!({"missing": {"var": "__k"}})),
+                Some(n) => (
+                    json!({"missing_some": [n, keys]}),
+                    json!({"missing_some": [n, {"var": "__k"}]}),
+                ),
+            };
+            let logic = compile(&fast).unwrap();
+            assert!(matches!(
+                logic.prog.nodes[logic.root as usize],
+                Node::Missing { .. }
+            ));
+            for data in &datas {
+                let mut with_keys = data.clone();
+                if let Json::Object(m) = &mut with_keys {
+                    m.insert("__k".into(), keys.clone());
+                } else {
+                    continue;
+                }
+                assert_eq!(
+                    eval_json(fast.clone(), data.clone()),
+                    eval_json(general.clone(), with_keys),
+                    "{fast} on {data}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 4 * 6 * 5);
+    // Inside `reduce` the keys name members of the frame.
+    assert_eq!(
+        ok(
+            json!({"reduce": [[1], {"missing": ["current", "accumulator", "x"]}, 0]}),
+            json!(null)
+        ),
+        json!(["x"])
+    );
+}
