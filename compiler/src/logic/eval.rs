@@ -332,24 +332,50 @@ fn walk_dotted<'a>(c: Cursor<'a>, path: &str, arena: &'a Bump) -> Option<Value<'
     }
     // A piece is a plain key when it starts with `#`; only an array step
     // needs its index, so it is parsed only then. The walk goes by
-    // reference and copies the found value once.
-    let mut pieces = path.split('.').map(|p| match p.strip_prefix('#') {
-        Some(rest) => (rest, true),
-        None => (p, false),
-    });
-    let (k, plain) = pieces.next()?;
+    // reference and copies the found value once. Pieces are cut by a plain
+    // byte scan (`str::split` is an out-of-line searcher per piece).
+    let (first, mut rest) = split_piece(path);
+    let (k, plain) = plain_key(first);
     let mut at = match c {
         Cursor::Frame(Frame::Data(v)) => piece_ref(v, k, plain)?,
         other => {
             let index = if plain { None } else { index_of(k) };
-            let first = first_step(other, k, index)?;
-            return pieces.try_fold(first, |v, (k, plain)| piece_ref(v, k, plain).copied());
+            let mut v = first_step(other, k, index)?;
+            while let Some(r) = rest {
+                let (piece, next) = split_piece(r);
+                let (k, plain) = plain_key(piece);
+                v = *piece_ref(v, k, plain)?;
+                rest = next;
+            }
+            return Some(v);
         }
     };
-    for (k, plain) in pieces {
+    while let Some(r) = rest {
+        let (piece, next) = split_piece(r);
+        let (k, plain) = plain_key(piece);
         at = piece_ref(*at, k, plain)?;
+        rest = next;
     }
     Some(*at)
+}
+
+/// The first piece of a dotted path and what follows its dot (`None` after
+/// the last piece): the pieces `str::split('.')` would give.
+#[inline(always)]
+fn split_piece(path: &str) -> (&str, Option<&str>) {
+    match path.bytes().position(|b| b == b'.') {
+        Some(i) => (&path[..i], Some(&path[i + 1..])),
+        None => (path, None),
+    }
+}
+
+/// A piece's key, and whether a leading `#` made it a plain key.
+#[inline(always)]
+fn plain_key(piece: &str) -> (&str, bool) {
+    match piece.strip_prefix('#') {
+        Some(rest) => (rest, true),
+        None => (piece, false),
+    }
 }
 
 /// One step of [`walk_dotted`], by reference into the container.

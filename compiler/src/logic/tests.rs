@@ -601,3 +601,51 @@ fn constant_missing_keys_match_the_computed_path() {
         json!(["x"])
     );
 }
+
+#[test]
+fn computed_var_paths_split_like_constant_ones() {
+    // A path read from the data is cut into pieces at evaluation time; it
+    // must name what the same path written as a constant names.
+    let data = json!({
+        "a": {"b": [10, {"c": "deep"}], "": {"": 5}, "#1": "hash"},
+        "": {"x": 1},
+        "0": "zero",
+        "xs": [[1, 2], {"1": "key"}],
+    });
+    let paths = [
+        "a",
+        "a.b",
+        "a.b.1.c",
+        "a.b.0",
+        "a.b.2",
+        "a.",
+        "a..",
+        ".x",
+        ".",
+        "a.#1",
+        "a.b.#1",
+        "xs.0.1",
+        "xs.1.1",
+        "xs.#0",
+        "0",
+        "a.b.01",
+        "nope.x",
+        "a.b.1.c.d",
+    ];
+    for p in paths {
+        let mut with_path = data.clone();
+        with_path["__p"] = json!(p);
+        assert_eq!(
+            eval_json(json!({"var": {"var": "__p"}}), with_path.clone()),
+            eval_json(json!({"var": p}), data.clone()),
+            "path {p:?}"
+        );
+        // Inside an iterator the first piece is read from the element.
+        let wrapped = json!({"map": [[data.clone()], {"var": {"cat": [{"val": [[2], "__p"]}]}}]});
+        assert_eq!(
+            eval_json(wrapped, with_path),
+            eval_json(json!({"map": [[data.clone()], {"var": p}]}), data.clone()),
+            "path {p:?} in map"
+        );
+    }
+}
