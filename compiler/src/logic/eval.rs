@@ -509,6 +509,9 @@ impl<'a> Ev<'a, '_> {
                 if let [a, b] = *args {
                     return self.binary(*op, a, b, args, scope);
                 }
+                if *op == Op::Array {
+                    return self.array(args, scope);
+                }
                 self.op(*op, Args::Nodes(args), scope)
             }
             Node::Null => Ok(Value::Null),
@@ -842,6 +845,19 @@ impl<'a> Ev<'a, '_> {
             Op::Val | Op::Exists => self.val_dynamic(op, args, scope),
             Op::Missing | Op::MissingSome => self.missing_dynamic(op, args, scope),
         }
+    }
+
+    /// A rule array (`[1, {"var": "x"}, 3]`), kept out of [`Self::op`],
+    /// whose prologue costs more than filling a short array. Constants and
+    /// plain reads are stored without a call: a value returned through
+    /// memory and copied on as a block would straddle the callee's stores.
+    #[inline(never)]
+    fn array(&self, ids: &'a [NodeId], scope: &Scope<'_, 'a>) -> R<'a> {
+        let out = self.arena.alloc_slice_fill_copy(ids.len(), Value::Null);
+        for (slot, &id) in out.iter_mut().zip(ids) {
+            *slot = self.operand(id, scope)?;
+        }
+        Ok(Value::Array(out))
     }
 
     /// Two-argument operators, the common case, without the generic

@@ -649,3 +649,30 @@ fn computed_var_paths_split_like_constant_ones() {
         );
     }
 }
+
+#[test]
+fn rule_arrays_evaluate_each_element() {
+    let data = json!({"x": 2, "o": {"k": [1]}});
+    assert_eq!(
+        ok(json!([1, {"var": "x"}, 3]), data.clone()),
+        json!([1, 2, 3])
+    );
+    assert_eq!(
+        ok(
+            json!([{"var": "o.k"}, {"+": [{"var": "x"}, 1]}, "s", null, {"var": "nope"}]),
+            data.clone()
+        ),
+        json!([[1], 3, "s", null, null])
+    );
+    assert_eq!(ok(json!([{"var": "x"}]), data.clone()), json!([2]));
+    assert_eq!(
+        ok(
+            json!({"map": [[1, 2], [{"var": ""}, {"*": [{"var": ""}, 10]}]]}),
+            json!(null)
+        ),
+        json!([[1, 10], [2, 20]])
+    );
+    // An element's error is the array's error.
+    let err = eval_json(json!([1, {"var": "x"}, {"throw": "boom"}]), data).unwrap_err();
+    assert!(err.contains("boom"), "{err}");
+}
