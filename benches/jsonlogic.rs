@@ -154,7 +154,7 @@ fn ratio(engine: &Engine, p: &Prepared<'_>) -> f64 {
 /// Profiling aid: `SLUICE_BENCH_PROFILE=<ours|theirs>:<suite|reference>:<passes>`
 /// runs only that engine over that set (for `valgrind --tool=callgrind`);
 /// `SLUICE_BENCH_CASES=<suite|reference>` prints each expression's time
-/// ratio, worst first.
+/// ratio and its index (for the profile's fourth field), worst first.
 fn profile(engine: &Engine, spec: &str) {
     let mut parts = spec.split(':');
     let (who, set, passes) = (
@@ -224,10 +224,11 @@ fn per_case(engine: &Engine, set: &str) {
     });
     for (ours, theirs, i) in rows {
         println!(
-            "{:7.1}ns {:7.1}ns {:5.2}  {}",
+            "{:7.1}ns {:7.1}ns {:5.2} {:4}  {}",
             ours.as_secs_f64() * 1e9 / 10_000.0,
             theirs.as_secs_f64() * 1e9 / 10_000.0,
             ours.as_secs_f64() / theirs.as_secs_f64(),
+            i,
             cases[i].rule
         );
     }

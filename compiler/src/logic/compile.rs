@@ -487,6 +487,29 @@ impl Compiler {
                     _ => None,
                 };
                 match operands {
+                    // A test of the element against a constant: the
+                    // predicate loop (`filter` and the quantifiers only;
+                    // `map` wants the value).
+                    Some((Operand::Item(path), Operand::Const(konst)))
+                        if matches!(op, Op::Filter | Op::All | Op::Some | Op::None)
+                            && matches!(
+                                body_op,
+                                Op::Lt
+                                    | Op::Le
+                                    | Op::Gt
+                                    | Op::Ge
+                                    | Op::Eq
+                                    | Op::Ne
+                                    | Op::StrictEq
+                                    | Op::StrictNe
+                            ) =>
+                    {
+                        Body::Pred {
+                            op: *body_op,
+                            path,
+                            konst,
+                        }
+                    }
                     Some((a, b)) => Body::Two(*body_op, a, b),
                     None => Body::Call {
                         op: *body_op,

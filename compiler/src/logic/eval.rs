@@ -6,7 +6,8 @@ use super::ops::compare::{Rel, loose_eq_checked, relate, strict_eq};
 use super::ops::string::{substr_range, write_js_string};
 use super::ops::{to_number, truthy};
 use super::{
-    Body, EvalError, Iter, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Operand, Program, Slot,
+    Body, EvalError, Iter, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Operand, Program, Scalar,
+    Slot,
 };
 use crate::path::Segment;
 use crate::value::{Value, key_eq};
@@ -257,6 +258,36 @@ fn member<'a>(members: &'a [(&'a str, Value<'a>)], key: &str) -> Option<&'a Valu
     None
 }
 
+/// [`get_path`] by reference: the value a path names inside `current`.
+#[inline(always)]
+fn path_ref<'s, 'a: 's>(current: &'s Value<'a>, segments: &[Segment]) -> Option<&'s Value<'a>> {
+    let mut at = current;
+    for seg in segments {
+        at = step_ref(*at, seg)?;
+    }
+    Some(at)
+}
+
+/// `missing`'s test on a looked-up value: absent, `null` or `""`.
+#[inline(always)]
+fn is_missing_ref(v: Option<&Value<'_>>) -> bool {
+    match v {
+        None | Some(Value::Null) => true,
+        Some(Value::Str(s)) => s.is_empty(),
+        Some(_) => false,
+    }
+}
+
+/// A number's value as `f64` (anything else reads as 0; callers check).
+#[inline(always)]
+fn num_of(v: &Value<'_>) -> f64 {
+    match *v {
+        Value::Int(i) => i as f64,
+        Value::Float(f) => f,
+        _ => 0.0,
+    }
+}
+
 /// Which `reduce` member a path starts with (see `Node::Var::slot`).
 #[inline]
 pub(super) fn slot_of(first_key: &str) -> Slot {
@@ -301,24 +332,50 @@ fn walk_dotted<'a>(c: Cursor<'a>, path: &str, arena: &'a Bump) -> Option<Value<'
     }
     // A piece is a plain key when it starts with `#`; only an array step
     // needs its index, so it is parsed only then. The walk goes by
-    // reference and copies the found value once.
-    let mut pieces = path.split('.').map(|p| match p.strip_prefix('#') {
-        Some(rest) => (rest, true),
-        None => (p, false),
-    });
-    let (k, plain) = pieces.next()?;
+    // reference and copies the found value once. Pieces are cut by a plain
+    // byte scan (`str::split` is an out-of-line searcher per piece).
+    let (first, mut rest) = split_piece(path);
+    let (k, plain) = plain_key(first);
     let mut at = match c {
         Cursor::Frame(Frame::Data(v)) => piece_ref(v, k, plain)?,
         other => {
             let index = if plain { None } else { index_of(k) };
-            let first = first_step(other, k, index)?;
-            return pieces.try_fold(first, |v, (k, plain)| piece_ref(v, k, plain).copied());
+            let mut v = first_step(other, k, index)?;
+            while let Some(r) = rest {
+                let (piece, next) = split_piece(r);
+                let (k, plain) = plain_key(piece);
+                v = *piece_ref(v, k, plain)?;
+                rest = next;
+            }
+            return Some(v);
         }
     };
-    for (k, plain) in pieces {
+    while let Some(r) = rest {
+        let (piece, next) = split_piece(r);
+        let (k, plain) = plain_key(piece);
         at = piece_ref(*at, k, plain)?;
+        rest = next;
     }
     Some(*at)
+}
+
+/// The first piece of a dotted path and what follows its dot (`None` after
+/// the last piece): the pieces `str::split('.')` would give.
+#[inline(always)]
+fn split_piece(path: &str) -> (&str, Option<&str>) {
+    match path.bytes().position(|b| b == b'.') {
+        Some(i) => (&path[..i], Some(&path[i + 1..])),
+        None => (path, None),
+    }
+}
+
+/// A piece's key, and whether a leading `#` made it a plain key.
+#[inline(always)]
+fn plain_key(piece: &str) -> (&str, bool) {
+    match piece.strip_prefix('#') {
+        Some(rest) => (rest, true),
+        None => (piece, false),
+    }
 }
 
 /// One step of [`walk_dotted`], by reference into the container.
@@ -452,6 +509,9 @@ impl<'a> Ev<'a, '_> {
                 if let [a, b] = *args {
                     return self.binary(*op, a, b, args, scope);
                 }
+                if *op == Op::Array {
+                    return self.array(args, scope);
+                }
                 self.op(*op, Args::Nodes(args), scope)
             }
             Node::Null => Ok(Value::Null),
@@ -482,7 +542,12 @@ impl<'a> Ev<'a, '_> {
             }
             Node::Exists { path } => Ok(Value::Bool(self.lookup_scope(scope, path).is_some())),
             Node::Missing { keys, need } => self.missing_const(keys, *need, scope),
-            Node::Iter(it) => self.iterate(it, scope),
+            Node::Iter(it) => match &it.shape {
+                Body::Pred { op, path, konst } => {
+                    self.quantify(it.op, it.coll, *op, path, konst, scope)
+                }
+                _ => self.iterate(it, scope),
+            },
             Node::InStrs { needle, set } => {
                 let found = match self.eval(*needle, scope)? {
                     Value::Str(s) if set.len() <= 8 => set.iter().any(|k| **k == *s),
@@ -782,6 +847,19 @@ impl<'a> Ev<'a, '_> {
         }
     }
 
+    /// A rule array (`[1, {"var": "x"}, 3]`), kept out of [`Self::op`],
+    /// whose prologue costs more than filling a short array. Constants and
+    /// plain reads are stored without a call: a value returned through
+    /// memory and copied on as a block would straddle the callee's stores.
+    #[inline(never)]
+    fn array(&self, ids: &'a [NodeId], scope: &Scope<'_, 'a>) -> R<'a> {
+        let out = self.arena.alloc_slice_fill_copy(ids.len(), Value::Null);
+        for (slot, &id) in out.iter_mut().zip(ids) {
+            *slot = self.operand(id, scope)?;
+        }
+        Ok(Value::Array(out))
+    }
+
     /// Two-argument operators, the common case, without the generic
     /// argument plumbing.
     #[inline]
@@ -1013,6 +1091,12 @@ impl<'a> Ev<'a, '_> {
                     call(i, item, &NULL).map(|v| truthy(&v))
                 })
             }
+            // `eval` sends these to `quantify` directly; kept correct here.
+            Body::Pred {
+                op: cmp,
+                path,
+                konst,
+            } => self.quantify(op, it.coll, *cmp, path, konst, scope),
             Body::General => {
                 let body = it.body;
                 let call = |i: usize, item: &'a Value<'a>, acc: &Value<'a>| {
@@ -1030,6 +1114,101 @@ impl<'a> Ev<'a, '_> {
                 })
             }
         }
+    }
+
+    /// `filter`, `all`, `some` or `none` over a [`Body::Pred`] test: the
+    /// element (or a path into it) compared with a constant. Kept apart from
+    /// [`Self::iterate`], whose set-up for its many body shapes costs more
+    /// than the whole loop over a short array.
+    #[inline(never)]
+    fn quantify(
+        &self,
+        op: Op,
+        coll: NodeId,
+        cmp: Op,
+        path: &'a [Segment],
+        konst: &'a Scalar,
+        scope: &Scope<'_, 'a>,
+    ) -> R<'a> {
+        let items = match self.operand(coll, scope)? {
+            Value::Array(items) => items,
+            _ if op == Op::Filter => &[],
+            _ => {
+                return Err(self.fail(EvalError::InvalidArguments("all/some/none need an array")));
+            }
+        };
+        let k = konst.value();
+        if op == Op::Filter {
+            let mut out = BVec::with_capacity_in(items.len(), self.arena);
+            for item in items {
+                if self.pred_holds(cmp, path, &k, item)? {
+                    out.push(*item);
+                }
+            }
+            self.charge(out.len() * size_of::<Value>())?;
+            return Ok(Value::Array(out.into_bump_slice()));
+        }
+        // `all` stops at the first failing element, `some` / `none` at the
+        // first passing one.
+        let stop = op != Op::All;
+        let mut hit = false;
+        for item in items {
+            if self.pred_holds(cmp, path, &k, item)? == stop {
+                hit = true;
+                break;
+            }
+        }
+        Ok(Value::Bool(match op {
+            Op::All => !hit && !items.is_empty(),
+            Op::Some => hit,
+            _ => !hit,
+        }))
+    }
+
+    /// One element's [`Body::Pred`] test. Reads by reference and compares
+    /// integers inline; everything else takes [`Self::compare2`] out of line.
+    #[inline(always)]
+    fn pred_holds(
+        &self,
+        cmp: Op,
+        path: &[Segment],
+        k: &Value<'a>,
+        item: &'a Value<'a>,
+    ) -> Result<bool, Fail> {
+        let mut x = item;
+        for seg in path {
+            x = match step_ref(*x, seg) {
+                Some(v) => v,
+                None => &NULL,
+            };
+        }
+        match (x, k) {
+            (Value::Int(p), Value::Int(q)) => Ok(match cmp {
+                Op::Lt => p < q,
+                Op::Le => p <= q,
+                Op::Gt => p > q,
+                Op::Ge => p >= q,
+                Op::Eq | Op::StrictEq => p == q,
+                _ => p != q,
+            }),
+            (Value::Int(_) | Value::Float(_), Value::Int(_) | Value::Float(_))
+                if matches!(cmp, Op::Lt | Op::Le | Op::Gt | Op::Ge) =>
+            {
+                let (p, q) = (num_of(x), num_of(k));
+                Ok(match cmp {
+                    Op::Lt => p < q,
+                    Op::Le => p <= q,
+                    Op::Gt => p > q,
+                    _ => p >= q,
+                })
+            }
+            _ => self.compare_slow(cmp, *x, *k),
+        }
+    }
+
+    #[inline(never)]
+    fn compare_slow(&self, op: Op, x: Value<'a>, y: Value<'a>) -> Result<bool, Fail> {
+        self.compare2(op, x, y)
     }
 
     /// The loops of the six iterators over one body: `value` computes the
@@ -1239,6 +1418,9 @@ impl<'a> Ev<'a, '_> {
         matches!(v, None | Some(Value::Null) | Some(Value::Str("")))
     }
 
+    /// `missing` / `missing_some` over constant keys. The missing keys are
+    /// noted in a bit mask (up to 64 keys) and the result is allocated once,
+    /// at its exact size, after the scan.
     #[inline(never)]
     fn missing_const(
         &self,
@@ -1250,26 +1432,73 @@ impl<'a> Ev<'a, '_> {
             Some(id) => Some(to_number(&self.operand(id, scope)?).unwrap_or(0.0)),
             None => None,
         };
-        let mut out = None;
-        let mut found = 0usize;
-        for (i, key) in keys.iter().enumerate() {
-            // Outside `reduce` the frame is plain data: read it in place.
-            let v = if scope.reduce {
-                self.lookup_scope(scope, &key.path)
-            } else {
-                get_path(*scope.data, &key.path)
-            };
-            if Self::is_missing(v) {
-                self.push_missing(&mut out, keys.len() - i, Value::Str(&key.text));
-            } else if let Some(need) = need {
-                // `missing_some` is satisfied: the rest cannot change that.
-                found += 1;
-                if found as f64 >= need {
+        if scope.reduce || keys.len() > 64 {
+            return Ok(self.missing_const_slow(keys, need, scope));
+        }
+        // Outside `reduce` the frame is plain data: read it in place.
+        let data = scope.data;
+        let mut mask = 0u64;
+        match need {
+            None => {
+                for (i, key) in keys.iter().enumerate() {
+                    mask |= u64::from(is_missing_ref(path_ref(data, &key.path))) << i;
+                }
+            }
+            Some(need) => {
+                let mut found = 0.0;
+                for (i, key) in keys.iter().enumerate() {
+                    if is_missing_ref(path_ref(data, &key.path)) {
+                        mask |= 1 << i;
+                    } else {
+                        // `missing_some` is satisfied: the rest cannot
+                        // change that.
+                        found += 1.0;
+                        if found >= need {
+                            return Ok(Value::EMPTY_ARRAY);
+                        }
+                    }
+                }
+                if found >= need {
                     return Ok(Value::EMPTY_ARRAY);
                 }
             }
         }
-        Ok(self.missing_result(out, keys.len(), need))
+        if mask == 0 {
+            return Ok(Value::EMPTY_ARRAY);
+        }
+        let out = self
+            .arena
+            .alloc_slice_fill_copy(mask.count_ones() as usize, Value::Null);
+        for slot in out.iter_mut() {
+            *slot = Value::Str(&keys[mask.trailing_zeros() as usize].text);
+            mask &= mask - 1;
+        }
+        Ok(Value::Array(out))
+    }
+
+    /// [`Self::missing_const`] inside `reduce` (whose frame is read through
+    /// its slots) or for more keys than its mask holds.
+    #[cold]
+    #[inline(never)]
+    fn missing_const_slow(
+        &self,
+        keys: &'a [MissingKey],
+        need: Option<f64>,
+        scope: &Scope<'_, 'a>,
+    ) -> Value<'a> {
+        let mut out = None;
+        let mut found = 0usize;
+        for (i, key) in keys.iter().enumerate() {
+            if Self::is_missing(self.lookup_scope(scope, &key.path)) {
+                self.push_missing(&mut out, keys.len() - i, Value::Str(&key.text));
+            } else if let Some(need) = need {
+                found += 1;
+                if found as f64 >= need {
+                    return Value::EMPTY_ARRAY;
+                }
+            }
+        }
+        self.missing_result(out, keys.len(), need)
     }
 
     /// `missing` over a computed `merge`: each part's keys (an array's

@@ -332,6 +332,15 @@ pub(crate) enum Body {
     One(Operand),
     /// A two-argument arithmetic or comparison operator over two such reads.
     Two(Op, Operand, Operand),
+    /// A comparison of a read of the element against a scalar constant
+    /// (`{">=": [{"var": "qty"}, 1]}`) as the test of `filter`, `all`,
+    /// `some` or `none`: evaluated by a small loop of its own (see
+    /// `Ev::quantify`), without the general iterator's set-up.
+    Pred {
+        op: Op,
+        path: Box<[Segment]>,
+        konst: Scalar,
+    },
     /// Any other two-argument operator: called directly per element with a
     /// scope, skipping the node dispatch. `start` indexes its argument list.
     Call { op: Op, start: u32 },

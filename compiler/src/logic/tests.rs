@@ -471,3 +471,208 @@ fn missing_over_a_computed_merge_matches_the_general_path() {
         assert_eq!(got.to_json(), want, "{rule} on {data}");
     }
 }
+
+#[test]
+fn predicate_bodies_match_the_general_path() {
+    // `{cmp: [{"var": p}, constant]}` under filter/all/some/none compiles
+    // to `Body::Pred`; the same test wrapped in `!!` stays general.
+    let logic = compile(&json!({"all": [{"var": "xs"}, {"<": [{"var": "q"}, 1]}]})).unwrap();
+    let Node::Iter(it) = &logic.prog.nodes[logic.root as usize] else {
+        panic!("not an iterator");
+    };
+    assert!(matches!(it.shape, Body::Pred { op: Op::Lt, .. }));
+    let collections = [
+        json!([1, 2, 3]),
+        json!([3, 2, 1]),
+        json!([1.5, 2, -1, 9_007_199_254_740_993_i64]),
+        json!(["a", "b", "10", ""]),
+        json!([null, true, false, "2", 2, 0]),
+        json!([{"q": 1}, {"q": "x"}, {}, {"q": [1]}, {"q": {"r": 1}}, {"q": 2.5}]),
+        json!([[1], [2], []]),
+        json!([]),
+        json!("not an array"),
+        json!(null),
+    ];
+    let constants = [
+        json!(1),
+        json!(1.5),
+        json!(9_007_199_254_740_992_i64),
+        json!("2"),
+        json!("b"),
+        json!(""),
+        json!(null),
+        json!(true),
+        json!(0),
+    ];
+    let mut checked = 0;
+    for iter in ["filter", "all", "some", "none"] {
+        for cmp in ["<", "<=", ">", ">=", "==", "!=", "===", "!=="] {
+            for path in ["", "q"] {
+                for k in &constants {
+                    let test = json!({cmp: [{"var": path}, k]});
+                    let fast = json!({iter: [{"var": "xs"}, test]});
+                    let general = json!({iter: [{"var": "xs"}, {"!!": [test]}]});
+                    for xs in &collections {
+                        let data = json!({ "xs": xs });
+                        assert_eq!(
+                            eval_json(fast.clone(), data.clone()),
+                            eval_json(general.clone(), data.clone()),
+                            "{fast} on {data}"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 4 * 8 * 2 * 9 * 10);
+}
+
+#[test]
+fn constant_missing_keys_match_the_computed_path() {
+    // Constant keys compile to `Node::Missing` (a bit mask of missing keys,
+    // a fallback past 64 keys); keys read from the data take the general
+    // path. Both must agree, order included.
+    let long: Vec<String> = (0..70).map(|i| format!("k{i}")).collect();
+    let key_lists = [
+        json!(["a"]),
+        json!(["a", "b", "c"]),
+        json!(["c", "a", "b.x", "b"]),
+        json!(long),
+    ];
+    let mut long_data = serde_json::Map::new();
+    for i in (0..70).step_by(3) {
+        long_data.insert(format!("k{i}"), json!(i));
+    }
+    let datas = [
+        json!({}),
+        json!(null),
+        json!({"a": 1, "b": {"x": ""}, "c": null}),
+        json!({"a": "", "b": {"x": 0}, "c": false}),
+        json!({"b": [1], "c": "c"}),
+        Json::Object(long_data),
+    ];
+    let mut checked = 0;
+    for keys in &key_lists {
+        let need_cases = [
+            None,
+            Some(json!(0)),
+            Some(json!(1)),
+            Some(json!(2)),
+            Some(json!(-1)),
+            Some(json!("x")),
+        ];
+        for need in need_cases {
+            let (fast, general) = match &need {
+                None => (json!({"missing": keys}), json!({"missing": {"var": "__k"}})),
+                Some(n) => (
+                    json!({"missing_some": [n, keys]}),
+                    json!({"missing_some": [n, {"var": "__k"}]}),
+                ),
+            };
+            let logic = compile(&fast).unwrap();
+            assert!(matches!(
+                logic.prog.nodes[logic.root as usize],
+                Node::Missing { .. }
+            ));
+            for data in &datas {
+                let mut with_keys = data.clone();
+                if let Json::Object(m) = &mut with_keys {
+                    m.insert("__k".into(), keys.clone());
+                } else {
+                    continue;
+                }
+                assert_eq!(
+                    eval_json(fast.clone(), data.clone()),
+                    eval_json(general.clone(), with_keys),
+                    "{fast} on {data}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 4 * 6 * 5);
+    // Inside `reduce` the keys name members of the frame.
+    assert_eq!(
+        ok(
+            json!({"reduce": [[1], {"missing": ["current", "accumulator", "x"]}, 0]}),
+            json!(null)
+        ),
+        json!(["x"])
+    );
+}
+
+#[test]
+fn computed_var_paths_split_like_constant_ones() {
+    // A path read from the data is cut into pieces at evaluation time; it
+    // must name what the same path written as a constant names.
+    let data = json!({
+        "a": {"b": [10, {"c": "deep"}], "": {"": 5}, "#1": "hash"},
+        "": {"x": 1},
+        "0": "zero",
+        "xs": [[1, 2], {"1": "key"}],
+    });
+    let paths = [
+        "a",
+        "a.b",
+        "a.b.1.c",
+        "a.b.0",
+        "a.b.2",
+        "a.",
+        "a..",
+        ".x",
+        ".",
+        "a.#1",
+        "a.b.#1",
+        "xs.0.1",
+        "xs.1.1",
+        "xs.#0",
+        "0",
+        "a.b.01",
+        "nope.x",
+        "a.b.1.c.d",
+    ];
+    for p in paths {
+        let mut with_path = data.clone();
+        with_path["__p"] = json!(p);
+        assert_eq!(
+            eval_json(json!({"var": {"var": "__p"}}), with_path.clone()),
+            eval_json(json!({"var": p}), data.clone()),
+            "path {p:?}"
+        );
+        // Inside an iterator the first piece is read from the element.
+        let wrapped = json!({"map": [[data.clone()], {"var": {"cat": [{"val": [[2], "__p"]}]}}]});
+        assert_eq!(
+            eval_json(wrapped, with_path),
+            eval_json(json!({"map": [[data.clone()], {"var": p}]}), data.clone()),
+            "path {p:?} in map"
+        );
+    }
+}
+
+#[test]
+fn rule_arrays_evaluate_each_element() {
+    let data = json!({"x": 2, "o": {"k": [1]}});
+    assert_eq!(
+        ok(json!([1, {"var": "x"}, 3]), data.clone()),
+        json!([1, 2, 3])
+    );
+    assert_eq!(
+        ok(
+            json!([{"var": "o.k"}, {"+": [{"var": "x"}, 1]}, "s", null, {"var": "nope"}]),
+            data.clone()
+        ),
+        json!([[1], 3, "s", null, null])
+    );
+    assert_eq!(ok(json!([{"var": "x"}]), data.clone()), json!([2]));
+    assert_eq!(
+        ok(
+            json!({"map": [[1, 2], [{"var": ""}, {"*": [{"var": ""}, 10]}]]}),
+            json!(null)
+        ),
+        json!([[1, 10], [2, 20]])
+    );
+    // An element's error is the array's error.
+    let err = eval_json(json!([1, {"var": "x"}, {"throw": "boom"}]), data).unwrap_err();
+    assert!(err.contains("boom"), "{err}");
+}
