@@ -328,11 +328,7 @@ impl Compiler {
     ) -> Result<(), CompileError> {
         let n = ids.len();
         match op {
-            Op::Eq | Op::StrictEq | Op::Ne | Op::StrictNe | Op::Gt | Op::Ge | Op::Lt | Op::Le
-                if n < 2 =>
-            {
-                Err(invalid(name, "needs at least two arguments"))
-            }
+            _ if op.is_comparison() && n < 2 => Err(invalid(name, "needs at least two arguments")),
             Op::Sub | Op::Div if n == 0 => Err(invalid(name, "needs at least one argument")),
             Op::Mod if n < 2 => Err(invalid(name, "needs at least two arguments")),
             Op::MissingSome if n < 2 => Err(invalid(name, "needs [count, keys]")),
@@ -468,23 +464,12 @@ impl Compiler {
                 len: 2,
             } => {
                 let args = &self.prog.args[*start as usize..*start as usize + 2];
-                let operands = match body_op {
-                    Op::Add
-                    | Op::Sub
-                    | Op::Mul
-                    | Op::Div
-                    | Op::Mod
-                    | Op::Lt
-                    | Op::Le
-                    | Op::Gt
-                    | Op::Ge
-                    | Op::Eq
-                    | Op::Ne
-                    | Op::StrictEq
-                    | Op::StrictNe => self
-                        .operand(args[0], reduce)
-                        .zip(self.operand(args[1], reduce)),
-                    _ => None,
+                let arithmetic = matches!(body_op, Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod);
+                let operands = if arithmetic || body_op.is_comparison() {
+                    self.operand(args[0], reduce)
+                        .zip(self.operand(args[1], reduce))
+                } else {
+                    None
                 };
                 match operands {
                     // A test of the element against a constant: the
@@ -492,17 +477,7 @@ impl Compiler {
                     // `map` wants the value).
                     Some((Operand::Item(path), Operand::Const(konst)))
                         if matches!(op, Op::Filter | Op::All | Op::Some | Op::None)
-                            && matches!(
-                                body_op,
-                                Op::Lt
-                                    | Op::Le
-                                    | Op::Gt
-                                    | Op::Ge
-                                    | Op::Eq
-                                    | Op::Ne
-                                    | Op::StrictEq
-                                    | Op::StrictNe
-                            ) =>
+                            && body_op.is_comparison() =>
                     {
                         Body::Pred {
                             op: *body_op,

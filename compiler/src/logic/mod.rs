@@ -259,6 +259,16 @@ pub(crate) enum Op {
     Array,
 }
 
+impl Op {
+    /// The two-sided tests: (strict) equality and the orderings.
+    pub(crate) fn is_comparison(self) -> bool {
+        matches!(
+            self,
+            Op::Eq | Op::Ne | Op::StrictEq | Op::StrictNe | Op::Lt | Op::Le | Op::Gt | Op::Ge
+        )
+    }
+}
+
 /// One compiled node.
 #[derive(Debug)]
 pub(crate) enum Node {
