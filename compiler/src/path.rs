@@ -259,6 +259,113 @@ fn set_segments<'a, 's>(
     }
 }
 
+/// Several object-key paths written in one pass (a run of a `map` task's
+/// mappings, see `plan::batches`): the paths as a tree, grouped by key at
+/// plan build, so each container along them is copied once however many of
+/// the paths go through it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PathSet {
+    children: Children,
+}
+
+/// The keys written under one container, in the order of their first write.
+type Children = Box<[(Box<str>, Node)]>;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Node {
+    /// The end of the path of the value with this index.
+    Leaf(usize),
+    Inner(Children),
+}
+
+impl PathSet {
+    /// `None` unless every path is a non-empty object-key path (no array
+    /// index segment) and none is a prefix of another.
+    pub fn new(paths: &[&Path]) -> Option<PathSet> {
+        /// A path (what is left of it) and the index of its value.
+        type Tail<'p> = (&'p [Segment], usize);
+        fn build(paths: &[Tail<'_>]) -> Option<Children> {
+            let mut children: Vec<(Box<str>, Vec<Tail<'_>>)> = Vec::new();
+            for &(segments, index) in paths {
+                let (first, rest) = segments.split_first()?;
+                if first.index.is_some() {
+                    return None;
+                }
+                match children.iter_mut().find(|(k, _)| *k == first.key) {
+                    Some((_, under)) => under.push((rest, index)),
+                    None => children.push((first.key.clone(), vec![(rest, index)])),
+                }
+            }
+            children
+                .into_iter()
+                .map(|(key, under)| {
+                    let node = match under.as_slice() {
+                        [([], index)] => Node::Leaf(*index),
+                        // One path ends here and another goes on: a prefix.
+                        _ if under.iter().any(|(rest, _)| rest.is_empty()) => return None,
+                        _ => Node::Inner(build(&under)?),
+                    };
+                    Some((key, node))
+                })
+                .collect()
+        }
+        let indexed: Vec<Tail<'_>> = paths
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.segments(), i))
+            .collect();
+        Some(PathSet {
+            children: build(&indexed)?,
+        })
+    }
+
+    /// Writes `values[i]` at the `i`th path given to [`PathSet::new`]: the
+    /// result, key order included, is what writing them one by one in that
+    /// order gives. `None` when an array stands where one of the keys would
+    /// go: the caller then writes one by one, which reports the error
+    /// exactly as a single write does.
+    pub fn set<'a>(
+        &'a self,
+        root: Value<'a>,
+        values: &[Value<'a>],
+        arena: &'a Bump,
+    ) -> Option<Value<'a>> {
+        set_tree(root, &self.children, values, arena)
+    }
+}
+
+fn set_tree<'a>(
+    current: Value<'a>,
+    children: &'a [(Box<str>, Node)],
+    values: &[Value<'a>],
+    arena: &'a Bump,
+) -> Option<Value<'a>> {
+    let members: &[(&'a str, Value<'a>)] = match current {
+        Value::Object(members) => members,
+        Value::Array(_) => return None,
+        // A missing or scalar container becomes an object, as in one write.
+        _ => &[],
+    };
+    let mut out =
+        bumpalo::collections::Vec::with_capacity_in(members.len() + children.len(), arena);
+    out.extend_from_slice(members);
+    for (key, node) in children {
+        let pos = members.iter().position(|(k, _)| key_eq(k, key));
+        let new_child = match node {
+            Node::Leaf(i) => *values.get(*i)?,
+            Node::Inner(under) => {
+                let child = pos.map_or(Value::Null, |p| members[p].1);
+                set_tree(child, under, values, arena)?
+            }
+        };
+        match pos {
+            Some(p) => out[p].1 = new_child,
+            None => out.push((&**key, new_child)),
+        }
+    }
+    Some(Value::Object(out.into_bump_slice()))
+}
+
 fn check_index(index: usize, path: &Path, depth: usize) -> Result<(), PathError> {
     if index > MAX_WRITE_INDEX {
         return Err(PathError::IndexTooLarge {
@@ -279,6 +386,76 @@ mod tests {
         let r = Value::from_json(&root, &arena);
         let v = Value::from_json(&value, &arena);
         Path::parse(path).set(r, v, &arena).unwrap().to_json()
+    }
+
+    /// `PathSet::set` against the same writes one by one: every ordered choice
+    /// of up to three paths (none a prefix of another) from a pool covering
+    /// existing keys, new keys, scalars in the way, and an array in the way.
+    #[test]
+    fn a_path_set_writes_like_one_by_one() {
+        let arena = Bump::new();
+        let root_json = json!({"a": {"b": 1, "c": [1, 2], "s": "x"}, "d": 5, "e": {}});
+        let root = Value::from_json(&root_json, &arena);
+        let pool: Vec<Path> = [
+            "a.b", "a.x", "a.y.z", "a.y.w", "a.s.t", "d.e", "n.m", "e", "a.c.k", "#0.q", "a",
+        ]
+        .iter()
+        .map(|p| Path::parse(p))
+        .collect();
+        let prefix = |a: &Path, b: &Path| {
+            let (a, b) = (a.segments(), b.segments());
+            a.len() <= b.len() && a.iter().zip(b).all(|(x, y)| x.key == y.key)
+        };
+        let mut checked = 0;
+        let mut picks: Vec<Vec<usize>> = Vec::new();
+        for i in 0..pool.len() {
+            picks.push(vec![i]);
+            for j in 0..pool.len() {
+                picks.push(vec![i, j]);
+                for k in 0..pool.len() {
+                    picks.push(vec![i, j, k]);
+                }
+            }
+        }
+        for pick in picks {
+            let paths: Vec<&Path> = pick.iter().map(|&i| &pool[i]).collect();
+            let disjoint = paths.iter().enumerate().all(|(x, p)| {
+                paths
+                    .iter()
+                    .enumerate()
+                    .all(|(y, q)| x == y || !prefix(p, q))
+            });
+            if !disjoint {
+                assert!(PathSet::new(&paths).is_none(), "{pick:?}");
+                continue;
+            }
+            let values: Vec<Value<'_>> = (0..paths.len())
+                .map(|n| Value::Int(n as i64 + 10))
+                .collect();
+            let mut one_by_one = Ok(root);
+            for (p, v) in paths.iter().zip(&values) {
+                one_by_one = one_by_one.and_then(|r| p.set(r, *v, &arena));
+            }
+            let set = PathSet::new(&paths).expect("key paths, none a prefix of another");
+            match set.set(root, &values, &arena) {
+                Some(all) => {
+                    let expected = one_by_one.unwrap().to_json();
+                    assert_eq!(all.to_json(), expected, "{pick:?}");
+                    // Key order too (serde_json's map would hide it).
+                    assert_eq!(all.to_json_string(), expected.to_string(), "{pick:?}");
+                }
+                None => assert!(
+                    one_by_one.is_err(),
+                    "{pick:?}: the set gave up but one by one worked"
+                ),
+            }
+            checked += 1;
+        }
+        assert!(checked > 300, "{checked}");
+        // Index segments and the empty path are refused.
+        assert!(PathSet::new(&[&Path::parse("x.0")]).is_none());
+        assert!(PathSet::new(&[&Path::parse("")]).is_none());
+        assert!(PathSet::new(&[&Path::parse("#0")]).is_some());
     }
 
     #[test]

@@ -13,7 +13,7 @@
 use crate::diag::Diagnostic;
 use crate::functions::Function;
 use crate::logic::{self, Logic};
-use crate::path::{Path, Segment};
+use crate::path::{Path, PathSet, Segment};
 use crate::validate;
 use serde_json::{Map, Value as Json};
 
@@ -298,6 +298,10 @@ pub enum FunctionPlan {
     },
     Map {
         mappings: Vec<(WritePath, Logic)>,
+        /// Consecutive runs of `mappings` whose rules read nothing the run's
+        /// earlier mappings write: each run's rules see the same context and
+        /// its writes are applied together (see [`batches`]).
+        runs: Vec<MapRun>,
     },
     Filter {
         condition: Logic,
@@ -846,7 +850,102 @@ fn map_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
             .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
         mappings.push((WritePath::parse(path), logic));
     }
-    Ok(FunctionPlan::Map { mappings })
+    let runs = batches(&mappings)
+        .into_iter()
+        .flat_map(|range| {
+            let paths: Vec<&Path> = mappings[range.clone()]
+                .iter()
+                .map(|(w, _)| &w.path)
+                .collect();
+            match (range.len(), PathSet::new(&paths)) {
+                (1, _) => vec![MapRun { range, paths: None }],
+                (_, Some(set)) => vec![MapRun {
+                    range,
+                    paths: Some(set),
+                }],
+                // Not reached: `batches` only joins paths a set takes.
+                (_, None) => range
+                    .map(|i| MapRun {
+                        range: i..i + 1,
+                        paths: None,
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    Ok(FunctionPlan::Map { mappings, runs })
+}
+
+/// A run of a `map` task's mappings (see [`batches`]).
+#[derive(Debug)]
+pub struct MapRun {
+    pub range: std::ops::Range<usize>,
+    /// The run's paths, for a run of more than one mapping.
+    pub paths: Option<PathSet>,
+}
+
+impl Area {
+    /// The area's key in the evaluation root.
+    pub fn key(self) -> &'static str {
+        match self {
+            Area::Data => "data",
+            Area::TempData => "temp_data",
+            Area::Metadata => "metadata",
+        }
+    }
+}
+
+/// Splits a `map` task's mappings into runs whose writes may be applied
+/// together. A mapping joins the run before it when
+/// - its path and every path of the run are object-key paths (no array
+///   index segment: a key written into an array is an error, which the
+///   sequential writes report) in the same area, none a prefix of another
+///   (so no two writes touch the same slot), and
+/// - its rule's reads are known at compile time and none of them is a prefix
+///   of, or lies under, a path the run writes (so it reads the same values
+///   before and after those writes).
+///
+/// Running a run's rules first and then writing gives exactly the context,
+/// key order included, that the mappings one by one would have given.
+pub fn batches(mappings: &[(WritePath, Logic)]) -> Vec<std::ops::Range<usize>> {
+    fn keyed(w: &WritePath) -> bool {
+        !w.path.is_root() && w.path.segments().iter().all(|s| s.index.is_none())
+    }
+    fn prefix(a: &[Segment], b: &[Segment]) -> bool {
+        a.len() <= b.len() && a.iter().zip(b).all(|(x, y)| x.key == y.key)
+    }
+    // A read of the root (`data.order.items`) against a write in an area.
+    fn overlaps(read: &[Segment], write: &WritePath) -> bool {
+        let Some((first, rest)) = read.split_first() else {
+            return true;
+        };
+        &*first.key == write.area.key()
+            && (prefix(rest, write.path.segments()) || prefix(write.path.segments(), rest))
+    }
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    for (j, (path, logic)) in mappings.iter().enumerate() {
+        if let Some(run) = out.last_mut() {
+            let members = &mappings[run.clone()];
+            let joins = keyed(path)
+                && members.iter().all(|(w, _)| {
+                    keyed(w)
+                        && w.area == path.area
+                        && !prefix(w.path.segments(), path.path.segments())
+                        && !prefix(path.path.segments(), w.path.segments())
+                })
+                && logic.root_reads().is_some_and(|reads| {
+                    reads
+                        .iter()
+                        .all(|r| members.iter().all(|(w, _)| !overlaps(r, w)))
+                });
+            if joins {
+                run.end = j + 1;
+                continue;
+            }
+        }
+        out.push(j..j + 1);
+    }
+    out
 }
 
 fn filter_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
@@ -923,4 +1022,85 @@ fn log_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
         level,
         fields,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn runs(mappings: &[(&str, Json)]) -> Vec<std::ops::Range<usize>> {
+        let compiled: Vec<(WritePath, Logic)> = mappings
+            .iter()
+            .map(|(p, l)| (WritePath::parse(p), logic::compile(l).unwrap()))
+            .collect();
+        batches(&compiled)
+    }
+
+    #[test]
+    fn independent_mappings_share_a_run() {
+        // The reference workload's "totals" task: four rules reading what
+        // none of the four writes.
+        assert_eq!(
+            runs(&[
+                (
+                    "data.order.subtotal",
+                    json!({"reduce": [{"var": "data.order.items"}, {"+": [{"var": "accumulator"}, {"var": "current.qty"}]}, 0]})
+                ),
+                (
+                    "data.order.item_count",
+                    json!({"var": "data.order.items.length"})
+                ),
+                (
+                    "data.order.customer.full_name",
+                    json!({"cat": [{"var": "data.order.customer.first_name"}, " ", {"var": "data.order.customer.last_name"}]})
+                ),
+                (
+                    "data.order.customer.tier",
+                    json!({"if": [{">=": [{"var": "data.order.customer.lifetime_value"}, 1000]}, "gold", "bronze"]})
+                ),
+            ]),
+            vec![0..4]
+        );
+        // A read of a sibling of a written key does not depend on it; paths
+        // without an area are in `data`.
+        assert_eq!(
+            runs(&[
+                ("a.b", json!(1)),
+                ("c", json!({"var": "data.a.c"})),
+                ("temp_data.t", json!(2)),
+                ("temp_data.u", json!({"var": "data.a.c"}))
+            ]),
+            vec![0..2, 2..4]
+        );
+    }
+
+    #[test]
+    fn a_mapping_that_may_see_an_earlier_write_starts_a_new_run() {
+        let cases: Vec<Vec<(&str, Json)>> = vec![
+            // Reads the written value, its container or the whole context.
+            vec![("a", json!(1)), ("b", json!({"var": "data.a"}))],
+            vec![("a.b", json!(1)), ("c", json!({"var": "data.a"}))],
+            vec![("a.b", json!(1)), ("c", json!({"var": "data.a.b.x"}))],
+            vec![("a", json!(1)), ("c", json!({"var": ""}))],
+            vec![("a", json!(1)), ("c", json!({"var": "data"}))],
+            vec![("a", json!(1)), ("c", json!({"missing": ["data.a"]}))],
+            // Reads known only at evaluation time.
+            vec![
+                ("a", json!(1)),
+                ("b", json!({"var": {"cat": ["data.", {"var": "data.k"}]}})),
+            ],
+            // One path under (or equal to) another.
+            vec![("a.b", json!(1)), ("a", json!(2))],
+            vec![("a", json!(1)), ("a", json!(2))],
+            // An array index, the whole area, another area.
+            vec![("a.0", json!(1)), ("b", json!(2))],
+            vec![("b", json!(2)), ("a.0", json!(1))],
+            vec![("data", json!({})), ("b", json!(2))],
+            vec![("a", json!(1)), ("temp_data.b", json!(2))],
+        ];
+        for case in cases {
+            assert_eq!(runs(&case), vec![0..1, 1..2], "{case:?}");
+        }
+    }
 }

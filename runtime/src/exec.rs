@@ -18,6 +18,7 @@ use bumpalo::Bump;
 use serde_json::Value as Json;
 use sluice_compiler::Value;
 use sluice_compiler::logic::{Logic, truthy};
+use sluice_compiler::path::PathSet;
 use sluice_compiler::plan::{
     Area, Block, FunctionPlan, Group, LogLevel, Plan, ReadPath, Source, Step, Task, WritePath,
 };
@@ -504,6 +505,35 @@ impl<'a> Machine<'a> {
         Ok(())
     }
 
+    /// Writes a run of a `map` task's values (see `plan::batches`): one
+    /// copy of each container along the paths. Should an array stand in
+    /// the way, the writes go one by one, which reports it.
+    fn write_run(
+        &mut self,
+        run: &'a [(WritePath, Logic)],
+        set: &'a PathSet,
+        values: &[Value<'a>],
+        arena: &'a Bump,
+    ) -> Result<(), TaskError> {
+        let Some((first, _)) = run.first() else {
+            return Ok(());
+        };
+        let area = self.ctx.area_mut(first.area);
+        match set.set(*area, values, arena) {
+            Some(written) => {
+                *area = written;
+                self.root = None;
+                Ok(())
+            }
+            None => {
+                for ((path, _), value) in run.iter().zip(values) {
+                    self.write(path, *value, arena)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
     fn eval(&mut self, logic: &'a Logic, arena: &'a Bump) -> Result<Value<'a>, String> {
         let root = self.root(arena);
         logic.eval(root, arena).map_err(|e| e.to_string())
@@ -879,12 +909,36 @@ impl<'a> Machine<'a> {
                 self.write(target, value, arena)?;
                 Ok(Step2::Done(Flow::Continue))
             }
-            FunctionPlan::Map { mappings } => {
-                for (i, (path, logic)) in mappings.iter().enumerate() {
-                    let value = self
-                        .eval(logic, arena)
-                        .map_err(|m| fail(format!("mappings[{i}]: {m}")))?;
-                    self.write(path, value, arena)?;
+            FunctionPlan::Map { mappings, runs } => {
+                for run in runs {
+                    let Some(set) = &run.paths else {
+                        for i in run.range.clone() {
+                            let (path, logic) = &mappings[i];
+                            let value = self
+                                .eval(logic, arena)
+                                .map_err(|m| fail(format!("mappings[{i}]: {m}")))?;
+                            self.write(path, value, arena)?;
+                        }
+                        continue;
+                    };
+                    // The run's rules read nothing it writes (checked when the
+                    // plan was built): evaluate them all, then write once.
+                    let mut values: SmallVec<[Value<'a>; 8]> = SmallVec::new();
+                    for i in run.range.clone() {
+                        match self.eval(&mappings[i].1, arena) {
+                            Ok(value) => values.push(value),
+                            Err(m) => {
+                                // What the mappings before it wrote stays
+                                // written, as one by one.
+                                let done = &mappings[run.range.start..i];
+                                for ((path, _), value) in done.iter().zip(&values) {
+                                    self.write(path, *value, arena)?;
+                                }
+                                return Err(fail(format!("mappings[{i}]: {m}")));
+                            }
+                        }
+                    }
+                    self.write_run(&mappings[run.range.clone()], set, &values, arena)?;
                 }
                 Ok(Step2::Done(Flow::Continue))
             }

@@ -105,6 +105,23 @@ fn reference_workload_matches_expected() {
         serde_json::from_str(&std::fs::read_to_string(shared.join(f)).unwrap()).unwrap()
     };
     let p = plan(read("workflow.json"));
+    // Its three map tasks' 12 writes go in 5 runs (docs/decisions.md):
+    // totals together; pricing as discount, tax, then the other four; flags.
+    let runs: Vec<Vec<usize>> = p
+        .body
+        .steps
+        .iter()
+        .filter_map(|step| match step {
+            sluice_compiler::plan::Step::Task(t) => match &t.function {
+                sluice_compiler::plan::FunctionPlan::Map { runs, .. } => {
+                    Some(runs.iter().map(|r| r.range.len()).collect())
+                }
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    assert_eq!(runs, vec![vec![4], vec![1, 1, 4], vec![2]]);
     let body = read("request.json").to_string();
     let input = Input {
         body: body.as_bytes(),
@@ -898,4 +915,77 @@ fn pooled_arenas_carry_nothing_from_one_execution_to_the_next() {
         assert_eq!(data["n"], i);
         assert_eq!(data["in"]["filler"].as_str().unwrap().len(), filler.len());
     }
+}
+
+#[test]
+fn mappings_run_together_write_like_one_by_one() {
+    // 0..3 share a run (their rules read only `data.in`); 3 reads what 0
+    // wrote and starts the next one. Key order is that of one-by-one writes.
+    let p = plan(wf(json!([
+        parse(),
+        task(
+            "m",
+            "map",
+            json!({"mappings": [
+                {"path": "x.b", "logic": {"var": "data.in.v"}},
+                {"path": "y", "logic": {"+": [{"var": "data.in.v"}, 1]}},
+                {"path": "x.a", "logic": {"cat": ["k", {"var": "data.in.v"}]}},
+                {"path": "in.v", "logic": {"*": [{"var": "data.x.b"}, 10]}}
+            ]})
+        )
+    ])));
+    let r = run(&p, json!({"v": 2}));
+    assert_eq!(
+        r.data().to_string(),
+        json!({"in": {"v": 20}, "x": {"b": 2, "a": "k2"}, "y": 3}).to_string()
+    );
+
+    // A rule failing inside a run: the mappings before it are written, the
+    // ones after are not, and the error names the failing mapping.
+    let mut failing = wf(json!([
+        parse(),
+        task(
+            "m",
+            "map",
+            json!({"mappings": [
+                {"path": "a", "logic": 1},
+                {"path": "b", "logic": {"throw": "boom"}},
+                {"path": "c", "logic": 3}
+            ]})
+        )
+    ]));
+    failing["tasks"][1]["continue_on_error"] = json!(true);
+    let r = run(&plan(failing), json!({}));
+    assert_eq!(r.data(), json!({"in": {}, "a": 1}));
+    assert_eq!(r.exec.errors.len(), 1);
+    assert!(
+        r.exec.errors[0].message.contains("mappings[1]"),
+        "{:?}",
+        r.exec.errors[0]
+    );
+
+    // An array where a run writes a key: the writes go one by one and the
+    // error is the one-write error.
+    let mut blocked = wf(json!([
+        parse(),
+        task(
+            "m",
+            "map",
+            json!({"mappings": [
+                {"path": "n", "logic": 1},
+                {"path": "in.list.k", "logic": 2}
+            ]})
+        )
+    ]));
+    blocked["tasks"][1]["continue_on_error"] = json!(true);
+    let r = run(&plan(blocked), json!({"list": [1]}));
+    assert_eq!(r.exec.errors.len(), 1);
+    assert_eq!(r.data(), json!({"in": {"list": [1]}, "n": 1}));
+    assert!(
+        r.exec.errors[0]
+            .message
+            .contains("cannot write 'in.list.k'"),
+        "{:?}",
+        r.exec.errors[0]
+    );
 }

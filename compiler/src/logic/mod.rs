@@ -17,6 +17,7 @@ mod compile;
 mod eval;
 mod lit;
 mod ops;
+mod reads;
 #[cfg(test)]
 mod tests;
 
