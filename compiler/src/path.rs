@@ -9,19 +9,98 @@ use crate::value::{Value, key_eq};
 use bumpalo::Bump;
 use smallvec::SmallVec;
 use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The largest array index a write may create. Writing past the end pads with
 /// nulls, so an unbounded index would let one request allocate without limit.
 pub const MAX_WRITE_INDEX: usize = 100_000;
 
+/// Objects with more members than this are searched from the segment's hint.
+pub const HINTED: usize = 8;
+
 /// One segment of a path.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Segment {
     /// The object key this segment names (without a leading `#`).
     pub key: Box<str>,
     /// The array index, when the segment is a plain non-negative integer.
     pub index: Option<usize>,
+    /// Where the key was last found in an object: tried first by the next
+    /// lookup (an inline cache: requests to one channel share a shape, so
+    /// the key is nearly always where it was, and a lookup costs one key
+    /// comparison instead of a scan). Only ever a hint: a wrong one costs
+    /// the scan it replaces. Relaxed, and written only when it changes, so
+    /// threads reading the same plan do not contend on it.
+    hint: AtomicU32,
 }
+
+impl Segment {
+    pub fn new(key: impl Into<Box<str>>, index: Option<usize>) -> Segment {
+        Segment {
+            key: key.into(),
+            index,
+            hint: AtomicU32::new(0),
+        }
+    }
+
+    /// The member named by this segment's key.
+    #[inline(always)]
+    pub fn member<'v, 'a>(&self, members: &'v [(&'a str, Value<'a>)]) -> Option<&'v Value<'a>> {
+        self.position(members).map(|i| &members[i].1)
+    }
+
+    /// The index of the member named by this segment's key. Objects of up
+    /// to [`HINTED`] members are scanned: there the hint saves less than it
+    /// costs, and a key that is absent (a `var` with a default, `missing`)
+    /// always costs the scan.
+    #[inline(always)]
+    pub fn position(&self, members: &[(&str, Value<'_>)]) -> Option<usize> {
+        if members.len() <= HINTED {
+            for (i, (k, _)) in members.iter().enumerate() {
+                if key_eq(k, &self.key) {
+                    return Some(i);
+                }
+            }
+            return None;
+        }
+        let hint = self.hint.load(Ordering::Relaxed) as usize;
+        if let Some((k, _)) = members.get(hint)
+            && key_eq(k, &self.key)
+        {
+            return Some(hint);
+        }
+        self.scan(members)
+    }
+
+    #[inline(never)]
+    fn scan(&self, members: &[(&str, Value<'_>)]) -> Option<usize> {
+        let found = members.iter().position(|(k, _)| key_eq(k, &self.key))?;
+        if let Ok(hint) = u32::try_from(found) {
+            self.hint.store(hint, Ordering::Relaxed);
+        }
+        Some(found)
+    }
+}
+
+impl Clone for Segment {
+    fn clone(&self) -> Segment {
+        Segment {
+            key: self.key.clone(),
+            index: self.index,
+            hint: AtomicU32::new(self.hint.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+/// Segments are equal when they name the same key and index (the hint is
+/// not part of what a segment means).
+impl PartialEq for Segment {
+    fn eq(&self, other: &Segment) -> bool {
+        self.key == other.key && self.index == other.index
+    }
+}
+
+impl Eq for Segment {}
 
 /// A pre-split dotted path. The empty path (from `""`) names the root.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -120,10 +199,7 @@ impl Path {
 impl Segment {
     pub fn parse(text: &str) -> Segment {
         if let Some(rest) = text.strip_prefix('#') {
-            return Segment {
-                key: rest.into(),
-                index: None,
-            };
+            return Segment::new(rest, None);
         }
         let index = if !text.is_empty()
             && text.len() <= 18
@@ -134,18 +210,12 @@ impl Segment {
         } else {
             None
         };
-        Segment {
-            key: text.into(),
-            index,
-        }
+        Segment::new(text, index)
     }
 
     /// A segment that is only ever an object key.
     pub fn key(text: &str) -> Segment {
-        Segment {
-            key: text.into(),
-            index: None,
-        }
+        Segment::new(text, None)
     }
 }
 
@@ -168,7 +238,7 @@ impl fmt::Display for Path {
 pub fn get_segments<'a>(mut current: Value<'a>, segments: &[Segment]) -> Option<Value<'a>> {
     for seg in segments {
         current = match current {
-            Value::Object(members) => members.iter().find(|(k, _)| key_eq(k, &seg.key))?.1,
+            Value::Object(members) => *seg.member(members)?,
             Value::Array(items) => *items.get(seg.index?)?,
             _ => return None,
         };
@@ -217,7 +287,7 @@ fn set_segments<'a, 's>(
             Ok(Value::Array(out))
         }
         Value::Object(members) => {
-            let pos = members.iter().position(|(k, _)| key_eq(k, &seg.key));
+            let pos = seg.position(members);
             let child = pos.map_or(Value::Null, |p| members[p].1);
             let new_child = set_segments(child, rest, value, arena, path, depth + 1, key)?;
             let out = match pos {
@@ -456,6 +526,56 @@ mod tests {
         assert!(PathSet::new(&[&Path::parse("x.0")]).is_none());
         assert!(PathSet::new(&[&Path::parse("")]).is_none());
         assert!(PathSet::new(&[&Path::parse("#0")]).is_some());
+    }
+
+    /// The lookup hint is only a hint: objects of changing shapes (the key
+    /// elsewhere, absent, past the end of a shorter object) read right.
+    #[test]
+    fn lookups_follow_the_key_wherever_it_is() {
+        let arena = Bump::new();
+        let path = Path::parse("o.a");
+        let shapes = [
+            (json!({"o": {"a": 1, "b": 2}}), Some(json!(1))),
+            (
+                json!({"o": {"x": 0, "y": 0, "b": 3, "a": 4}}),
+                Some(json!(4)),
+            ),
+            (json!({"o": {"a": 5}}), Some(json!(5))),
+            (json!({"o": {"c": 5}}), None),
+            (json!({"o": {}}), None),
+            (json!({"z": 1, "o": {"b": 7, "a": 6}}), Some(json!(6))),
+            // Over `HINTED` members: the hint is used, and moves.
+            (
+                json!({"o": {"k1": 0, "k2": 0, "k3": 0, "k4": 0, "k5": 0, "k6": 0, "k7": 0, "k8": 0, "a": 10}}),
+                Some(json!(10)),
+            ),
+            (
+                json!({"o": {"k1": 0, "k2": 0, "k3": 0, "k4": 0, "k5": 0, "k6": 0, "k7": 0, "k8": 0, "a": 11}}),
+                Some(json!(11)),
+            ),
+            (
+                json!({"o": {"a": 12, "k1": 0, "k2": 0, "k3": 0, "k4": 0, "k5": 0, "k6": 0, "k7": 0, "k8": 0}}),
+                Some(json!(12)),
+            ),
+            (
+                json!({"o": {"k1": 0, "k2": 0, "k3": 0, "k4": 0, "k5": 0, "k6": 0, "k7": 0, "k8": 0, "k9": 0}}),
+                None,
+            ),
+            (
+                json!({"o": {"k1": 0, "k2": 0, "k3": 0, "k4": 0, "k5": 0, "k6": 0, "k7": 0, "k8": 0, "a": 13}}),
+                Some(json!(13)),
+            ),
+        ];
+        for _ in 0..2 {
+            for (data, want) in &shapes {
+                let v = Value::from_json(data, &arena);
+                assert_eq!(path.get(v).map(|v| v.to_json()), *want, "{data}");
+                let written = path.set(v, Value::Int(9), &arena).unwrap().to_json();
+                let mut expected = data.clone();
+                expected["o"]["a"] = json!(9);
+                assert_eq!(written, expected, "{data}");
+            }
+        }
     }
 
     #[test]

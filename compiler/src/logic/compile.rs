@@ -399,10 +399,7 @@ impl Compiler {
                     .iter()
                     .map(|v| {
                         let key = key_text(*v, &arena);
-                        Segment {
-                            key: key.into(),
-                            index: index_of(key),
-                        }
+                        Segment::new(key, index_of(key))
                     })
                     .collect();
                 if op == Op::Exists {

@@ -240,7 +240,7 @@ pub(super) fn get_path<'a>(current: Value<'a>, segments: &[Segment]) -> Option<V
 #[inline(always)]
 fn step_ref<'a>(v: Value<'a>, seg: &Segment) -> Option<&'a Value<'a>> {
     match v {
-        Value::Object(members) => member(members, &seg.key),
+        Value::Object(members) => seg.member(members),
         Value::Array(items) => items.get(seg.index?),
         _ => None,
     }
