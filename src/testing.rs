@@ -128,17 +128,18 @@ impl Stubs {
     }
 
     /// A read: the matching answer's response (or error); no stub is an error.
-    fn read(&self, name: &str, function: &str, call: Json) -> Result<Json, ConnectorError> {
+    /// (The executor prefixes every connector error with the function's name.)
+    fn read(&self, name: &str, call: Json) -> Result<Json, ConnectorError> {
         if !self.answers.contains_key(name) {
             return Err(ConnectorError::other(format!(
-                "{function}: connector '{name}' has no stub in the test file"
+                "connector '{name}' has no stub in the test file"
             )));
         }
         match self.find(name, &call) {
             Some(StubAnswer { error: Some(e), .. }) => Err(e.to_error()),
             Some(a) => Ok(a.response.clone().unwrap_or(Json::Null)),
             None => Err(ConnectorError::other(format!(
-                "{function}: no stub answer of connector '{name}' matches {call}"
+                "no stub answer of connector '{name}' matches {call}"
             ))),
         }
     }
@@ -170,7 +171,7 @@ impl HttpClient for Stubs {
             .map(|(k, v)| (k.clone(), Json::String(v.clone())))
             .collect();
         let call = json!({"method": req.method.as_str(), "path": req.path, "headers": headers, "body": req.body});
-        self.read(&req.connector, "http_call", call)
+        self.read(&req.connector, call)
     }
 }
 
@@ -178,7 +179,7 @@ impl HttpClient for Stubs {
 impl SqlClient for Stubs {
     async fn read(&self, _: &CallScope, req: SqlRequest) -> Result<Vec<Json>, ConnectorError> {
         let call = json!({"query": req.query, "params": req.params});
-        match Stubs::read(self, &req.connector, "db_read", call)? {
+        match Stubs::read(self, &req.connector, call)? {
             Json::Array(rows) => Ok(rows),
             Json::Null => Ok(Vec::new()),
             other => Err(ConnectorError::other(format!(
@@ -209,13 +210,11 @@ impl Cache for Stubs {
     ) -> Result<Option<String>, ConnectorError> {
         // A null response is a miss; a string is the stored text; anything
         // else is stored as JSON text, as cache_write would have stored it.
-        Ok(
-            match self.read(connector, "cache_read", json!({"key": key}))? {
-                Json::Null => None,
-                Json::String(s) => Some(s),
-                other => Some(other.to_string()),
-            },
-        )
+        Ok(match self.read(connector, json!({"key": key}))? {
+            Json::Null => None,
+            Json::String(s) => Some(s),
+            other => Some(other.to_string()),
+        })
     }
 
     async fn set(
@@ -239,7 +238,7 @@ impl DocumentStore for Stubs {
     async fn find(&self, _: &CallScope, req: FindRequest) -> Result<Vec<Json>, ConnectorError> {
         let call =
             json!({"database": req.database, "collection": req.collection, "filter": req.filter});
-        match self.read(&req.connector, "mongo_read", call)? {
+        match self.read(&req.connector, call)? {
             Json::Array(docs) => Ok(docs),
             Json::Null => Ok(Vec::new()),
             other => Err(ConnectorError::other(format!(
@@ -264,7 +263,7 @@ impl Publisher for Stubs {
 impl ChannelInvoker for Stubs {
     async fn invoke(&self, _: &CallScope, req: InvokeRequest) -> Result<Json, ConnectorError> {
         let call = json!({"channel": req.channel, "data": req.data});
-        self.read(&req.channel, "channel_call", call)
+        self.read(&req.channel, call)
     }
 }
 

@@ -60,30 +60,181 @@ fn schema_errors(kind: DefinitionKind, def: &Json) -> Vec<String> {
         .collect()
 }
 
-/// Every definition file of the examples, with its kind.
-fn example_definitions() -> Vec<(DefinitionKind, PathBuf)> {
-    let mut out = Vec::new();
+/// The example directories (`examples/<name>/`), in name order.
+fn example_dirs() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(repo("examples"))
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.is_dir() && !p.ends_with("schemas"))
+        .filter(|p| p.is_dir())
         .collect();
     dirs.sort();
-    for dir in dirs {
-        for (sub, kind) in [
-            ("connectors", DefinitionKind::Connector),
-            ("workflows", DefinitionKind::Workflow),
-            ("channels", DefinitionKind::Channel),
-        ] {
-            let Ok(entries) = std::fs::read_dir(dir.join(sub)) else {
-                continue;
-            };
-            for e in entries {
-                out.push((kind, e.unwrap().path()));
-            }
-        }
+    assert_eq!(dirs.len(), 5, "{dirs:?}");
+    dirs
+}
+
+/// Every definition file under one example (or a copy of one), with its kind.
+fn definitions_in(dir: &Path) -> Vec<(DefinitionKind, PathBuf)> {
+    let mut out = Vec::new();
+    for (sub, kind) in [
+        ("connectors", DefinitionKind::Connector),
+        ("workflows", DefinitionKind::Workflow),
+        ("channels", DefinitionKind::Channel),
+    ] {
+        let Ok(entries) = std::fs::read_dir(dir.join(sub)) else {
+            continue;
+        };
+        let mut files: Vec<PathBuf> = entries.map(|e| e.unwrap().path()).collect();
+        files.sort();
+        out.extend(files.into_iter().map(|f| (kind, f)));
     }
     out
+}
+
+/// Every definition file of the examples, with its kind.
+fn example_definitions() -> Vec<(DefinitionKind, PathBuf)> {
+    example_dirs()
+        .iter()
+        .flat_map(|d| definitions_in(d))
+        .collect()
+}
+
+/// One entry of `GET /functions` against the `input.<name>` of the served
+/// workflow schema: each field's JSON type and required flag are the
+/// catalogue's, and the compiler's validator agrees with the schema when a
+/// required field is left out or a field has the wrong type.
+fn check_function_input_schema(wf_schema: &Json, f: &Json) {
+    let fname = f["name"].as_str().unwrap();
+    let input = &wf_schema["$defs"][format!("input.{fname}")];
+    let fields = f["fields"].as_array().unwrap();
+    let names: Vec<&str> = fields.iter().map(|x| x["name"].as_str().unwrap()).collect();
+    let props = input["properties"].as_object().unwrap();
+    let mut in_schema: Vec<&str> = props.keys().map(String::as_str).collect();
+    let mut in_catalogue = names.clone();
+    in_schema.sort();
+    in_catalogue.sort();
+    assert_eq!(in_schema, in_catalogue, "fields of {fname}");
+    let plain_required: Vec<&str> = input["required"]
+        .as_array()
+        .map(|r| r.iter().map(|x| x.as_str().unwrap()).collect())
+        .unwrap_or_default();
+    // `{"anyOf": [{"required": [a]}, {"required": [a_logic]}]}`: one of the two.
+    let either_required: Vec<(String, String)> = input["allOf"]
+        .as_array()
+        .map(|rules| {
+            rules
+                .iter()
+                .map(|r| {
+                    let pair = r["anyOf"].as_array().unwrap();
+                    (
+                        pair[0]["required"][0].as_str().unwrap().to_owned(),
+                        pair[1]["required"][0].as_str().unwrap().to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let json_type = |ty: &str| match ty {
+        "string" | "number" | "integer" | "boolean" | "object" | "array" => Some(ty.to_owned()),
+        "any" | "jsonlogic" => None,
+        other => panic!("{fname}: unknown catalogue type {other}"),
+    };
+    for field in fields {
+        let name = field["name"].as_str().unwrap();
+        let ty = field["type"].as_str().unwrap();
+        let prop = &props[name];
+        assert_eq!(
+            prop["type"].as_str().map(str::to_owned),
+            json_type(ty),
+            "{fname}.{name}: the schema's type differs from the catalogue's {ty}"
+        );
+        let required = field["required"].as_bool().unwrap();
+        let twin = format!("{name}_logic");
+        let schema_required = if names.contains(&twin.as_str()) && required {
+            // Required, or computed by its `_logic` twin: one of the two.
+            assert!(
+                either_required.contains(&(name.to_owned(), twin.clone()))
+                    && !plain_required.contains(&name),
+                "{fname}.{name}: the schema must ask for {name} or {twin}: {input}"
+            );
+            true
+        } else {
+            plain_required.contains(&name)
+        };
+        assert_eq!(
+            schema_required, required,
+            "{fname}.{name}: required is {required} in the catalogue: {input}"
+        );
+        if !required {
+            assert!(
+                !either_required.iter().any(|(a, _)| a == name),
+                "{fname}.{name} is optional but the schema requires it"
+            );
+        }
+    }
+
+    // The same, by behaviour: the smallest valid input, then one field left
+    // out or mistyped at a time; the schema and the validator agree.
+    let sample = |field: &Json| -> Json {
+        if let Some(allowed) = field["constraint"]["one_of"].as_array() {
+            return allowed[0].clone();
+        }
+        match field["type"].as_str().unwrap() {
+            "string" => json!("x"),
+            "number" | "integer" => json!(5),
+            "boolean" => json!(true),
+            "object" => json!({}),
+            "array" => json!([]),
+            _ => json!("x"),
+        }
+    };
+    let mut minimal = serde_json::Map::new();
+    for field in fields.iter().filter(|x| x["required"] == true) {
+        minimal.insert(field["name"].as_str().unwrap().into(), sample(field));
+    }
+    if fname == "channel_call" {
+        // Exactly one of channel / channel_logic (both optional alone).
+        minimal.insert("channel".into(), json!("x"));
+    }
+    let workflow = |input: &serde_json::Map<String, Json>| {
+        json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "t", "name": "t", "function": {"name": fname, "input": input}}]})
+    };
+    let verdicts = |input: &serde_json::Map<String, Json>| {
+        let def = workflow(input);
+        (
+            schema_errors(DefinitionKind::Workflow, &def),
+            validator_problems(DefinitionKind::Workflow, &def),
+        )
+    };
+    let (by_schema, by_validator) = verdicts(&minimal);
+    assert!(
+        by_schema.is_empty() && by_validator.is_empty(),
+        "{fname}: the minimal input {minimal:?} is refused: {by_schema:?} {by_validator:?}"
+    );
+    for field in fields {
+        let name = field["name"].as_str().unwrap();
+        if field["required"] == true {
+            let mut without = minimal.clone();
+            without.remove(name);
+            let (by_schema, by_validator) = verdicts(&without);
+            assert!(
+                !by_schema.is_empty() && !by_validator.is_empty(),
+                "{fname} without {name}: schema {by_schema:?}, validator {by_validator:?}"
+            );
+        }
+        let wrong = match field["type"].as_str().unwrap() {
+            "string" | "object" | "array" | "boolean" => json!(12),
+            "number" | "integer" => json!("12"),
+            _ => continue,
+        };
+        let mut mistyped = minimal.clone();
+        mistyped.insert(name.into(), wrong.clone());
+        let (by_schema, by_validator) = verdicts(&mistyped);
+        assert!(
+            !by_schema.is_empty() && !by_validator.is_empty(),
+            "{fname}.{name} = {wrong}: schema {by_schema:?}, validator {by_validator:?}"
+        );
+    }
 }
 
 // ---------------------------------------------------------------- schemas
@@ -106,24 +257,39 @@ async fn schemas_are_served_printed_and_committed_alike() {
             printed, served.body,
             "sluice schema {name} differs from the endpoint"
         );
-        // The copies editors use (examples/schemas) are regenerated, not edited.
-        let committed = read_json(&repo(&format!("examples/schemas/{name}.json")));
-        assert_eq!(
-            committed, printed,
-            "examples/schemas/{name}.json is stale: run `sluice schema {name} > examples/schemas/{name}.json`"
+        assert!(
+            served
+                .headers
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("application/json")),
+            "{:?}",
+            served.headers
         );
-    }
-    // The workflow schema carries the function catalogue's input schemas.
-    let wf = s.get("/api/v1/schemas/workflow.json").await.body;
-    let functions = s.admin("GET", "/functions", None).await;
-    for f in functions.ok(200).as_array().unwrap() {
-        let input = &wf["$defs"][format!("input.{}", f["name"].as_str().unwrap())];
-        for field in f["fields"].as_array().unwrap() {
-            let name = field["name"].as_str().unwrap();
+        if kind == DefinitionKind::Workflow {
+            // The workflow schema carries the function catalogue's input
+            // schemas: every field, with the catalogue's type and required flag.
+            let functions = s.admin("GET", "/functions", None).await;
+            let functions = functions.ok(200).as_array().unwrap();
+            assert_eq!(
+                functions.len(),
+                8,
+                "the connector and composition functions"
+            );
+            for f in functions {
+                check_function_input_schema(&served.body, f);
+            }
+        }
+        // The copies editors use (examples/*/schemas) are regenerated, not edited.
+        for example in example_dirs() {
+            let rel = format!(
+                "examples/{}/schemas/{name}.json",
+                example.file_name().unwrap().to_str().unwrap()
+            );
+            let committed = read_json(&repo(&rel));
             assert!(
-                input["properties"][name].is_object(),
-                "input of {} lacks {name}",
-                f["name"]
+                committed == printed,
+                "{rel} is stale: run `sluice schema {name} > {rel}`"
             );
         }
     }
@@ -167,6 +333,59 @@ fn every_example_and_the_reference_workload_follow_the_schema() {
             "{}",
             path.display()
         );
+    }
+}
+
+/// `cp -r examples/<name> my-project` keeps the editor's schema: every
+/// definition's `"$schema"` is a relative path that, resolved from the copied
+/// file as an editor does, names a schema inside the copy, current, that
+/// accepts the file.
+#[test]
+fn a_copied_example_resolves_each_schema_reference_inside_the_copy() {
+    for example in example_dirs() {
+        let name = example.file_name().unwrap().to_str().unwrap().to_owned();
+        let copy = example_copy(&name, &[]);
+        let root = copy.canonicalize().unwrap();
+        let files = definitions_in(&copy);
+        assert!(!files.is_empty(), "{name}");
+        for (kind, file) in files {
+            let def = read_json(&file);
+            let reference = def["$schema"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{}: no \"$schema\"", file.display()));
+            // VS Code's JSON language service resolves a `$schema` that
+            // starts with `.` against the file; anything else is a URL.
+            assert!(
+                reference.starts_with("../"),
+                "{}: {reference}",
+                file.display()
+            );
+            let target = file.parent().unwrap().join(reference);
+            let resolved = target
+                .canonicalize()
+                .unwrap_or_else(|e| panic!("{}: {reference} -> {e}", file.display()));
+            assert!(
+                resolved.starts_with(&root),
+                "{}: {reference} points outside the copy",
+                file.display()
+            );
+            assert!(
+                resolved.ends_with(format!("schemas/{}.json", kind.name())),
+                "{}: {reference} is not the {} schema",
+                file.display(),
+                kind.name()
+            );
+            let schema = read_json(&resolved);
+            assert_eq!(
+                schema,
+                definition_schema(kind),
+                "{} is stale",
+                resolved.display()
+            );
+            let validator = jsonschema::draft202012::new(&schema).unwrap();
+            let errors: Vec<String> = validator.iter_errors(&def).map(|e| e.to_string()).collect();
+            assert_eq!(errors, Vec::<String>::new(), "{}", file.display());
+        }
     }
 }
 
@@ -582,6 +801,106 @@ cases:
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
 }
 
+/// `mongo_read` stubs answer canned documents matched on the call's
+/// database, collection and (computed) filter, or an error; a
+/// `circuit_open` error is the data plane's 503.
+#[test]
+fn sluice_test_stubs_mongo_read_and_connector_errors() {
+    let dir = temp_dir();
+    write_def(
+        &dir,
+        "workflows/product.json",
+        &json!({"workflow_id": "product", "name": "Product lookup", "tasks": [
+            {"id": "filter", "name": "Filter", "function": {"name": "map", "input": {"mappings": [
+                {"path": "temp_data.filter.sku", "logic": {"var": "payload.sku"}}]}}},
+            {"id": "find", "name": "Find", "function": {"name": "mongo_read", "input": {
+                "connector": "catalog", "database": "shop", "collection": "products",
+                "filter_logic": {"var": "temp_data.filter"}, "output": "temp_data.found"}}},
+            {"id": "answer", "name": "Answer", "function": {"name": "map", "input": {"mappings": [
+                {"path": "product", "logic": {"var": "temp_data.found.0"}},
+                {"path": "matches", "logic": {"length": {"var": "temp_data.found"}}}]}}}
+        ]}),
+    );
+    let yaml = r#"
+workflow: workflows/product.json
+connectors:
+  catalog:
+    - match: {database: shop, collection: products, filter: {sku: A-1}}
+      response: [{sku: A-1, name: Anvil, price: 12.5}]
+    - match: {collection: products, filter: {sku: none}}
+      response: []
+    - match: {filter: {sku: down}}
+      error: {kind: upstream, message: catalog unreachable}
+    - match: {filter: {sku: tripped}}
+      error: {kind: circuit_open, message: "circuit open for catalog"}
+    - match: {filter: {sku: slow}}
+      error: {kind: timeout, message: catalog too slow}
+cases:
+  - name: documents matched on database, collection and filter
+    request: {data: {sku: A-1}}
+    expect:
+      status: 200
+      data: {product: {name: Anvil, price: 12.5}, matches: 1}
+  - name: no documents
+    request: {data: {sku: none}}
+    expect: {status: completed, data: {matches: 0}}
+  - name: an upstream error is a 502
+    request: {data: {sku: down}}
+    expect:
+      status: 502
+      errors: [{code: UPSTREAM_ERROR, task_id: find, message: "mongo_read: catalog unreachable"}]
+  - name: an open circuit is a 503
+    request: {data: {sku: tripped}}
+    expect:
+      status: 503
+      errors: [{code: SERVICE_UNAVAILABLE, task_id: find}]
+  - name: a timeout is a 504
+    request: {data: {sku: slow}}
+    expect: {status: 504, errors: [{code: TIMEOUT, task_id: find}]}
+  - name: a stub for another collection does not answer
+    request: {data: {sku: A-1}}
+    connectors:
+      catalog:
+        - match: {collection: orders}
+          response: [{sku: A-1}]
+    expect: {status: 200}
+  - name: an open circuit is not a 502
+    request: {data: {sku: tripped}}
+    expect: {status: 502}
+"#;
+    let file = dir.join("product.test.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    let out = sluice().arg("test").arg(&file).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.last(), Some(&"5 passed, 2 failed"), "{stdout}");
+    for name in [
+        "documents matched on database, collection and filter",
+        "no documents",
+        "an upstream error is a 502",
+        "an open circuit is a 503",
+        "a timeout is a 504",
+    ] {
+        assert!(
+            lines.contains(&format!("ok   {} :: {name}", file.display()).as_str()),
+            "{name}: {stdout}"
+        );
+    }
+    // The failure names the call as the stub saw it (quoted in the errors),
+    // prefixed once with the function, like every connector error.
+    let call =
+        r#"{\"database\":\"shop\",\"collection\":\"products\",\"filter\":{\"sku\":\"A-1\"}}"#;
+    assert!(
+        stdout.contains(&format!(
+            "\"message\":\"mongo_read: no stub answer of connector 'catalog' matches {call}\""
+        )),
+        "{stdout}"
+    );
+    assert!(stdout.contains("-  \"status\": 502"), "{stdout}");
+    assert!(stdout.contains("+  \"status\": 503"), "{stdout}");
+}
+
 // ---------------------------------------------------------------- sluice apply
 
 fn apply(s: &TestServer, dir: &Path, extra: &[&str]) -> Output {
@@ -632,6 +951,11 @@ fn greeting_workflow(greeting: &str) -> Json {
             {"path": "greeting", "logic": {"cat": [greeting, " ", {"var": "payload.name"}]}}]}}}]})
 }
 
+/// One line of `sluice apply`'s output.
+fn row(kind: &str, id: &str, action: &str) -> String {
+    format!("{kind:<10} {id:<32} {action}")
+}
+
 fn stdout_of(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -674,8 +998,14 @@ async fn apply_creates_changes_leaves_alone_and_prunes() {
     // Create: everything exists and serves.
     let out = apply(&s, &dir, &[]);
     assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        stdout_of(&out).contains("applied: 1 create") || stdout_of(&out).contains("3 create"),
+    assert_eq!(
+        stdout_of(&out).lines().collect::<Vec<_>>(),
+        [
+            row("connector", "mem", "create"),
+            row("workflow", "greet", "create (v1 active)"),
+            row("channel", "greet", "create (v1 active)"),
+            "applied: 3 create".into(),
+        ],
         "{}",
         text(&out)
     );
@@ -820,11 +1150,167 @@ async fn apply_creates_changes_leaves_alone_and_prunes() {
     );
 }
 
+fn greeting_yaml(greeting: &str) -> String {
+    format!(
+        r#"# yaml-language-server: $schema=../schemas/workflow.json
+workflow_id: greet
+name: Greet
+tasks:
+  - id: say
+    name: Say
+    function:
+      name: map
+      input:
+        mappings:
+          - path: greeting
+            logic: {{cat: [{greeting}, " ", {{var: payload.name}}]}}
+"#
+    )
+}
+
+/// YAML definition files end to end; a draft made by hand is reused (no
+/// extra version); versions archived behind apply's back are reactivated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_reads_yaml_reuses_a_draft_and_reactivates_archived_versions() {
+    let s = start(Db::Sqlite).await;
+    let dir = temp_dir();
+    let write = |rel: &str, text: &str| {
+        let path = dir.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    };
+    write("workflows/greet.yaml", &greeting_yaml("hello"));
+    write(
+        "channels/greet.yml",
+        "name: greet\nworkflow_id: greet\nroute_pattern: /greet\nmethods: [POST]\n",
+    );
+    write(
+        "connectors/mem.yaml",
+        "name: mem\nconnector_type: cache\nconfig: {backend: memory, max_entries: 10}\n",
+    );
+    // A test file beside the definitions is not a definition.
+    write(
+        "workflows/greet.test.yaml",
+        "workflow: greet.yaml\ncases: []\n",
+    );
+    let out = apply(&s, &dir, &[]);
+    assert_eq!(
+        stdout_of(&out).lines().collect::<Vec<_>>(),
+        [
+            row("connector", "mem", "create"),
+            row("workflow", "greet", "create (v1 active)"),
+            row("channel", "greet", "create (v1 active)"),
+            "applied: 3 create".into(),
+        ],
+        "{}",
+        text(&out)
+    );
+    let r = s
+        .post("/api/v1/data/greet", json!({"data": {"name": "Ada"}}))
+        .await;
+    assert_eq!(r.ok(200)["greeting"], "hello Ada", "{}", r.text);
+    let out = apply(&s, &dir, &[]);
+    assert_eq!(
+        stdout_of(&out).lines().last(),
+        Some("applied: 3 unchanged"),
+        "{}",
+        text(&out)
+    );
+
+    // A draft made through the API is reused for the new version.
+    let draft = s.admin("POST", "/workflows/greet/versions", None).await;
+    assert_eq!(draft.ok(201)["version"], 2, "{}", draft.text);
+    assert_eq!(
+        versions(&s, "workflows", "greet").await,
+        vec![(1, "active".into(), 100), (2, "draft".into(), 100)]
+    );
+    write("workflows/greet.yaml", &greeting_yaml("hi"));
+    let out = apply(&s, &dir, &[]);
+    assert_eq!(
+        stdout_of(&out).lines().collect::<Vec<_>>(),
+        [
+            row("connector", "mem", "unchanged"),
+            row("workflow", "greet", "new version (v2 active)"),
+            row("channel", "greet", "unchanged"),
+            "applied: 2 unchanged, 1 new version".into(),
+        ],
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        versions(&s, "workflows", "greet").await,
+        vec![(1, "archived".into(), 100), (2, "active".into(), 100)]
+    );
+    let r = s
+        .post("/api/v1/data/greet", json!({"data": {"name": "Ada"}}))
+        .await;
+    assert_eq!(r.ok(200)["greeting"], "hi Ada", "{}", r.text);
+
+    // Archived behind apply's back: the newest versions equal the files, so
+    // they are brought back as they are (no new version).
+    for kind in ["channels", "workflows"] {
+        s.admin(
+            "PATCH",
+            &format!("/{kind}/greet/status"),
+            Some(json!({"status": "archived"})),
+        )
+        .await
+        .ok(200);
+    }
+    s.post("/api/v1/data/greet", json!({"data": {"name": "Ada"}}))
+        .await
+        .error(404, "NOT_FOUND");
+    let out = apply(&s, &dir, &["--dry-run"]);
+    assert_eq!(
+        stdout_of(&out).lines().collect::<Vec<_>>(),
+        [
+            row("connector", "mem", "unchanged"),
+            row("workflow", "greet", "reactivate v2"),
+            row("channel", "greet", "reactivate v1"),
+            "plan: 1 unchanged, 2 reactivate (dry run: nothing was changed)".into(),
+        ],
+        "{}",
+        text(&out)
+    );
+    let out = apply(&s, &dir, &[]);
+    assert_eq!(
+        stdout_of(&out).lines().collect::<Vec<_>>(),
+        [
+            row("connector", "mem", "unchanged"),
+            row("workflow", "greet", "reactivate v2 (v2 active)"),
+            row("channel", "greet", "reactivate v1 (v1 active)"),
+            "applied: 1 unchanged, 2 reactivate".into(),
+        ],
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        versions(&s, "workflows", "greet").await,
+        vec![(1, "archived".into(), 100), (2, "active".into(), 100)]
+    );
+    assert_eq!(
+        versions(&s, "channels", "greet").await,
+        vec![(1, "active".into(), 0)]
+    );
+    let r = s
+        .post("/api/v1/data/greet", json!({"data": {"name": "Ada"}}))
+        .await;
+    assert_eq!(r.ok(200)["greeting"], "hi Ada", "{}", r.text);
+    let out = apply(&s, &dir, &[]);
+    assert_eq!(
+        stdout_of(&out).lines().last(),
+        Some("applied: 3 unchanged"),
+        "{}",
+        text(&out)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn apply_checks_every_file_before_sending_and_uses_the_api_key() {
     let s = start_with(Db::Sqlite, |c| {
         c.admin_auth.enabled = true;
         c.admin_auth.api_key = "apply-secret-key".into();
+        c.admin_auth.read_only_api_key = "apply-read-key".into();
     })
     .await;
     let dir = temp_dir();
@@ -872,13 +1358,46 @@ async fn apply_checks_every_file_before_sending_and_uses_the_api_key() {
         "{}",
         text(&out)
     );
-    let out = sluice()
-        .args(["apply", "--server", &s.base])
-        .arg(&dir)
-        .env("SLUICE_API_KEY", "apply-secret-key")
-        .output()
-        .unwrap();
+    // The published schemas stay public with admin auth on, like the OpenAPI
+    // document (editors fetch them without credentials; they hold no data).
+    for kind in DefinitionKind::ALL {
+        let r = s
+            .get(&format!("/api/v1/schemas/{}.json", kind.name()))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.body, definition_schema(kind));
+    }
+    s.admin("GET", "/functions", None)
+        .await
+        .error(401, "UNAUTHORIZED");
+    // A read-only key can plan (GETs only) but not apply.
+    let out = apply(&s, &dir, &["--api-key", "apply-read-key", "--dry-run"]);
     assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        stdout_of(&out).lines().last(),
+        Some("plan: 1 create (dry run: nothing was changed)"),
+        "{}",
+        text(&out)
+    );
+    let out = apply(&s, &dir, &["--api-key", "apply-read-key"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("403 FORBIDDEN"),
+        "{}",
+        text(&out)
+    );
+    // --api-key: the apply goes through.
+    let out = apply(&s, &dir, &["--api-key", "apply-secret-key"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        stdout_of(&out).lines().collect::<Vec<_>>(),
+        [
+            row("workflow", "greet", "create (v1 active)"),
+            "applied: 1 create".into()
+        ],
+        "{}",
+        text(&out)
+    );
     let r = s
         .send(
             "GET",
@@ -888,8 +1407,23 @@ async fn apply_checks_every_file_before_sending_and_uses_the_api_key() {
         )
         .await;
     assert_eq!(r.body["data"]["status"], "active", "{}", r.text);
+    assert_eq!(r.body["data"]["version"], 1, "{}", r.text);
     // The $schema key of the file is not stored.
     assert!(r.body["data"].get("$schema").is_none(), "{}", r.text);
+    // SLUICE_API_KEY works as well (and a second apply changes nothing).
+    let out = sluice()
+        .args(["apply", "--server", &s.base])
+        .arg(&dir)
+        .env("SLUICE_API_KEY", "apply-secret-key")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        stdout_of(&out).lines().last(),
+        Some("applied: 1 unchanged"),
+        "{}",
+        text(&out)
+    );
 }
 
 // ---------------------------------------------------------------- the worked examples
@@ -1016,7 +1550,7 @@ async fn example_sql_orders_writes_and_reads_postgres() {
     let s = start(Db::Sqlite).await;
     let dir = example_copy(
         "sql-orders",
-        &[("postgres://postgres@127.0.0.1:5432/shop", &url)],
+        &[("postgres://postgres@127.0.0.1:5432/sql_orders", &url)],
     );
     applied(&s, &dir, &[]);
     for (order, amount) in [("o-1", 10.5), ("o-2", 4.25)] {
