@@ -46,6 +46,21 @@ impl Segment {
     /// The member named by this segment's key.
     #[inline(always)]
     pub fn member<'v, 'a>(&self, members: &'v [(&'a str, Value<'a>)]) -> Option<&'v Value<'a>> {
+        if members.len() > HINTED {
+            return self.member_hinted(members);
+        }
+        // A plain loop returning the member: the cheapest form for the
+        // small objects most lookups meet.
+        for (k, v) in members {
+            if key_eq(k, &self.key) {
+                return Some(v);
+            }
+        }
+        None
+    }
+
+    #[inline(never)]
+    fn member_hinted<'v, 'a>(&self, members: &'v [(&'a str, Value<'a>)]) -> Option<&'v Value<'a>> {
         self.position(members).map(|i| &members[i].1)
     }
 
@@ -56,12 +71,7 @@ impl Segment {
     #[inline(always)]
     pub fn position(&self, members: &[(&str, Value<'_>)]) -> Option<usize> {
         if members.len() <= HINTED {
-            for (i, (k, _)) in members.iter().enumerate() {
-                if key_eq(k, &self.key) {
-                    return Some(i);
-                }
-            }
-            return None;
+            return members.iter().position(|(k, _)| key_eq(k, &self.key));
         }
         let hint = self.hint.load(Ordering::Relaxed) as usize;
         if let Some((k, _)) = members.get(hint)
