@@ -105,6 +105,19 @@ async fn redis_get(key: &str) -> Option<String> {
         .unwrap()
 }
 
+async fn redis_set(key: &str, value: &str) {
+    let client = redis::Client::open(REDIS).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .arg("EX")
+        .arg(60)
+        .query_async::<()>(&mut conn)
+        .await
+        .unwrap();
+}
+
 async fn redis_ttl(key: &str) -> i64 {
     let client = redis::Client::open(REDIS).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
@@ -297,10 +310,21 @@ async fn sql_write_then_read_on_mariadb_and_sqlite() {
     }
 }
 
-/// `cache_write` / `cache_read` on the memory backend: strings stay strings,
-/// objects come back parsed, a missing key is null.
+/// Values of every JSON type, some of them strings that look like JSON.
+fn cache_samples() -> Json {
+    json!([
+        "text", "{\"a\": 1}", "[1]", "42", "true", "null", "", "\"quoted\"",
+        42, -2.5, true, false, null, {"a": [1, 2], "b": {"c": "d"}}, [1, "x", null], [], {}
+    ])
+}
+
+/// `cache_write` then `cache_read` through the data plane: every value comes
+/// back exactly as written, whatever its type (a string never turns into a
+/// number or an object), on the memory backend and against the real Redis;
+/// a missing key is null. Redis holds each value's JSON text, and text
+/// another client wrote that is not JSON reads back as a string.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_cache_through_the_data_plane() {
+async fn cache_values_round_trip_exactly_on_memory_and_redis() {
     let s = service(false).await;
     connector(
         &s,
@@ -308,27 +332,100 @@ async fn memory_cache_through_the_data_plane() {
         json!({"type": "cache", "backend": "memory", "max_entries": 100}),
     )
     .await;
-    deploy(
+    connector(
         &s,
-        "memo",
-        json!([
-            task("miss", "cache_read", json!({"connector": "mem", "key": "never", "output": "missing"})),
-            task("w1", "cache_write", json!({"connector": "mem", "key": "s", "value": "text"})),
-            task("w2", "cache_write", json!({"connector": "mem",
-                "key_logic": {"cat": ["o:", {"var": "metadata.path.id"}]}, "value_logic": {"var": "payload"}})),
-            task("r1", "cache_read", json!({"connector": "mem", "key": "s", "output": "s"})),
-            task("r2", "cache_read", json!({"connector": "mem",
-                "key_logic": {"cat": ["o:", {"var": "metadata.path.id"}]}, "output": "o"}))
-        ]),
+        "red",
+        json!({"type": "cache", "backend": "redis", "url": REDIS}),
     )
     .await;
-    let r = s
-        .post("/api/v1/data/memo/3", json!({"data": {"a": [1, 2]}}))
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text);
-    assert_eq!(r.body["data"]["missing"], Json::Null);
-    assert_eq!(r.body["data"]["s"], "text");
-    assert_eq!(r.body["data"]["o"], json!({"a": [1, 2]}));
+    let samples = cache_samples();
+    let n = samples.as_array().unwrap().len();
+    for backend in ["mem", "red"] {
+        let prefix = unique("rt");
+        let key = |i: Json| json!({"cat": [&prefix, ":", {"var": "metadata.path.id"}, ":", i]});
+        let mut tasks = vec![task(
+            "miss",
+            "cache_read",
+            json!({"connector": backend,
+            "key_logic": key(json!("never")), "output": "missing"}),
+        )];
+        for i in 0..n {
+            tasks.push(task(
+                &format!("w{i}"),
+                "cache_write",
+                json!({"connector": backend,
+                "key_logic": key(json!(i)), "value_logic": {"var": format!("payload.values.{i}")}}),
+            ));
+        }
+        // Static values are stored the same way as computed ones.
+        tasks.push(task(
+            "ws",
+            "cache_write",
+            json!({"connector": backend,
+            "key_logic": key(json!("static")), "value": "{\"a\": 1}", "ttl_secs": 60}),
+        ));
+        for i in 0..n {
+            tasks.push(task(
+                &format!("r{i}"),
+                "cache_read",
+                json!({"connector": backend,
+                "key_logic": key(json!(i)), "output": format!("back.{i}")}),
+            ));
+        }
+        tasks.push(task(
+            "rs",
+            "cache_read",
+            json!({"connector": backend,
+            "key_logic": key(json!("static")), "output": "static"}),
+        ));
+        tasks.push(task(
+            "rf",
+            "cache_read",
+            json!({"connector": backend,
+            "key_logic": key(json!("foreign")), "output": "foreign"}),
+        ));
+        let channel = format!("rt-{backend}");
+        deploy(&s, &channel, Json::Array(tasks)).await;
+        if backend == "red" {
+            // Another client's plain text (not JSON) under the key read last.
+            redis_set(&format!("{prefix}:1:foreign"), "plain text").await;
+        }
+
+        let r = s
+            .post(
+                &format!("/api/v1/data/{channel}/1"),
+                json!({"data": {"values": samples}}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{backend}: {}", r.text);
+        let d = &r.body["data"];
+        assert_eq!(d["missing"], Json::Null, "{backend}");
+        assert_eq!(d["back"], samples, "{backend}: {}", r.text);
+        assert_eq!(d["static"], "{\"a\": 1}", "{backend}");
+        if backend == "red" {
+            assert_eq!(d["foreign"], "plain text");
+            // What other clients of the same key find: the JSON text.
+            for (i, stored) in [
+                (0, "\"text\""),
+                (1, "\"{\\\"a\\\": 1}\""),
+                (3, "\"42\""),
+                (8, "42"),
+                (10, "true"),
+                (12, "null"),
+                (13, "{\"a\":[1,2],\"b\":{\"c\":\"d\"}}"),
+            ] {
+                assert_eq!(
+                    redis_get(&format!("{prefix}:1:{i}")).await.as_deref(),
+                    Some(stored),
+                    "sample {i}"
+                );
+            }
+            let ttl = redis_ttl(&format!("{prefix}:1:static")).await;
+            assert!((1..=60).contains(&ttl), "ttl {ttl}");
+        } else {
+            assert_eq!(d["foreign"], Json::Null);
+        }
+    }
 }
 
 /// `mongo_read` against documents seeded with the official driver:
