@@ -1,14 +1,10 @@
 //! The database, cache, document and Kafka functions end to end: the real
 //! service over HTTP, its connectors talking to the real PostgreSQL, MariaDB,
 //! SQLite, Redis, MongoDB-compatible and Kafka-compatible servers that
-//! `scripts/test.sh` starts (`../shared/services/`). The first test is the
-//! README's worked example.
+//! `scripts/test.sh` starts (`../shared/services/`). The README's worked
+//! example (PostgreSQL, HTTP, Redis) runs in `readme.rs`.
 
 use crate::support::{Db, TestServer, fresh_database, kafka_reader, start_with, unique};
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::service::service_fn;
-use hyper::{Request, Response};
 use rdkafka::Message as _;
 use rdkafka::message::Headers as _;
 use serde_json::{Value as Json, json};
@@ -54,44 +50,6 @@ fn task(id: &str, function: &str, input: Json) -> Json {
     json!({"id": id, "name": id, "function": {"name": function, "input": input}})
 }
 
-/// A small "exchange rates" API: `GET /rates/<country>` answers
-/// `{"country", "currency", "rate"}`; anything else 404.
-async fn rates_api() -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((sock, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let svc = service_fn(|req: Request<hyper::body::Incoming>| async move {
-                    let path = req.uri().path().to_owned();
-                    let (status, body) = match path.strip_prefix("/rates/") {
-                        Some("DE") => (
-                            200,
-                            json!({"country": "DE", "currency": "EUR", "rate": 0.92}),
-                        ),
-                        Some("JP") => (
-                            200,
-                            json!({"country": "JP", "currency": "JPY", "rate": 151.5}),
-                        ),
-                        _ => (404, json!({"error": "unknown country"})),
-                    };
-                    Ok::<_, std::convert::Infallible>(
-                        Response::builder()
-                            .status(status)
-                            .header("content-type", "application/json")
-                            .body(Full::new(Bytes::from(body.to_string())))
-                            .unwrap(),
-                    )
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(sock), svc)
-                    .await;
-            });
-        }
-    });
-    format!("http://{addr}")
-}
-
 async fn redis_get(key: &str) -> Option<String> {
     let client = redis::Client::open(REDIS).unwrap();
     let mut conn = client
@@ -126,126 +84,6 @@ async fn redis_ttl(key: &str) -> i64 {
         .query_async(&mut conn)
         .await
         .unwrap()
-}
-
-/// The README's worked example: read a customer from PostgreSQL, call an
-/// HTTP API with a value from the row, cache the combined result in Redis;
-/// a second request is answered from the cache without touching PostgreSQL.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn worked_example_postgres_http_redis() {
-    use sqlx::Connection as _;
-    let db_url = fresh_database(Db::Postgres).await;
-    let mut db = sqlx::PgConnection::connect(&db_url).await.unwrap();
-    sqlx::raw_sql(
-        "CREATE TABLE customers (id BIGINT PRIMARY KEY, name TEXT NOT NULL, country TEXT NOT NULL,
-                                 vip BOOLEAN NOT NULL, balance DOUBLE PRECISION, since TIMESTAMPTZ NOT NULL);
-         INSERT INTO customers VALUES
-           (1, 'Ada', 'DE', true, 120.5, '2024-03-01 09:30:00+00'),
-           (2, 'Kenji', 'JP', false, NULL, '2025-07-15 12:00:00+00');",
-    )
-    .execute(&mut db)
-    .await
-    .unwrap();
-    let api = rates_api().await;
-    let prefix = unique("customer");
-
-    let s = service(false).await;
-    connector(
-        &s,
-        "crm",
-        json!({"type": "db", "connection_string": db_url}),
-    )
-    .await;
-    connector(&s, "rates", json!({"type": "http", "url": api})).await;
-    connector(
-        &s,
-        "cache",
-        json!({"type": "cache", "backend": "redis", "url": REDIS}),
-    )
-    .await;
-    let tasks = json!([
-        task("cached", "cache_read", json!({"connector": "cache",
-            "key_logic": {"cat": [&prefix, ":", {"var": "payload.customer_id"}]}, "output": "cached"})),
-        {"id": "fresh", "name": "fresh", "condition": {"!": {"var": "data.cached"}}, "tasks": [
-            task("customer", "db_read", json!({"connector": "crm",
-                "query": "SELECT id, name, country, vip, balance, since FROM customers WHERE id = $1",
-                "params": [{"var": "payload.customer_id"}], "output": "temp_data.rows"})),
-            task("rate", "http_call", json!({"connector": "rates",
-                "path_logic": {"cat": ["/rates/", {"var": "temp_data.rows.0.country"}]},
-                "response_path": "temp_data.rate"})),
-            task("quote", "map", json!({"mappings": [
-                {"path": "quote.customer", "logic": {"var": "temp_data.rows.0"}},
-                {"path": "quote.currency", "logic": {"var": "temp_data.rate.currency"}},
-                {"path": "quote.local_price", "logic": {"*": [{"var": "payload.price"}, {"var": "temp_data.rate.rate"}]}}
-            ]})),
-            task("store", "cache_write", json!({"connector": "cache",
-                "key_logic": {"cat": [&prefix, ":", {"var": "payload.customer_id"}]},
-                "value_logic": {"var": "data.quote"}, "ttl_secs": 300}))
-        ]},
-        task("answer", "map", json!({"mappings": [
-            {"path": "quote", "logic": {"if": [{"var": "data.cached"}, {"var": "data.cached"}, {"var": "data.quote"}]}},
-            {"path": "from_cache", "logic": {"!!": {"var": "data.cached"}}}
-        ]}))
-    ]);
-    s.deploy(
-        json!({"workflow_id": "quote", "name": "Quote with local price", "tasks": tasks}),
-        json!({"channel_id": "quote", "name": "quote", "channel_type": "sync", "protocol": "rest",
-               "route_pattern": "/quotes", "methods": ["POST"], "workflow_id": "quote"}),
-    )
-    .await;
-
-    let r = s
-        .post(
-            "/api/v1/data/quotes",
-            json!({"data": {"customer_id": 1, "price": 100}}),
-        )
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text);
-    let d = &r.body["data"];
-    assert_eq!(d["from_cache"], false, "{}", r.text);
-    assert_eq!(
-        d["quote"]["customer"],
-        json!({"id": 1, "name": "Ada", "country": "DE", "vip": true, "balance": 120.5,
-               "since": "2024-03-01T09:30:00Z"})
-    );
-    assert_eq!(d["quote"]["currency"], "EUR");
-    assert!((d["quote"]["local_price"].as_f64().unwrap() - 92.0).abs() < 1e-9);
-    // Stored in Redis as JSON text, with the TTL.
-    let key = format!("{prefix}:1");
-    let stored: Json = serde_json::from_str(&redis_get(&key).await.expect("cached")).unwrap();
-    assert_eq!(stored, d["quote"]);
-    let ttl = redis_ttl(&key).await;
-    assert!((1..=300).contains(&ttl), "ttl {ttl}");
-
-    // The second request comes from the cache: change the row behind its
-    // back and the answer is still the cached one.
-    sqlx::query("UPDATE customers SET name = 'Changed' WHERE id = 1")
-        .execute(&mut db)
-        .await
-        .unwrap();
-    let r = s
-        .post(
-            "/api/v1/data/quotes",
-            json!({"data": {"customer_id": 1, "price": 100}}),
-        )
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text);
-    assert_eq!(r.body["data"]["from_cache"], true, "{}", r.text);
-    assert_eq!(r.body["data"]["quote"]["customer"]["name"], "Ada");
-
-    // Another customer: NULL stays null, the other rate applies.
-    let r = s
-        .post(
-            "/api/v1/data/quotes",
-            json!({"data": {"customer_id": 2, "price": 10}}),
-        )
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text);
-    let q = &r.body["data"]["quote"];
-    assert_eq!(q["customer"]["balance"], Json::Null);
-    assert_eq!(q["customer"]["vip"], false);
-    assert_eq!(q["currency"], "JPY");
-    assert!((q["local_price"].as_f64().unwrap() - 1515.0).abs() < 1e-9);
 }
 
 /// `db_write` then `db_read` through the data plane on MariaDB and SQLite
