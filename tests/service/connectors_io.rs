@@ -4,7 +4,7 @@
 //! `scripts/test.sh` starts (`../shared/services/`). The README's worked
 //! example (PostgreSQL, HTTP, Redis) runs in `readme.rs`.
 
-use crate::support::{Db, TestServer, fresh_database, kafka_reader, start_with, unique};
+use crate::support::{Db, TestServer, free_port, fresh_database, kafka_reader, start_with, unique};
 use rdkafka::Message as _;
 use rdkafka::message::Headers as _;
 use serde_json::{Value as Json, json};
@@ -16,8 +16,6 @@ const KAFKA: &str = "127.0.0.1:9092";
 
 async fn service(kafka: bool) -> TestServer {
     start_with(Db::Sqlite, |c| {
-        // The HTTP API of the worked example runs on 127.0.0.1.
-        c.security.allow_private_networks = true;
         c.kafka.enabled = kafka;
         c.kafka.brokers = KAFKA.into();
     })
@@ -146,6 +144,224 @@ async fn sql_write_then_read_on_mariadb_and_sqlite() {
             r.text
         );
     }
+}
+
+/// `db_write` then `db_read` through the data plane on PostgreSQL (`$n`
+/// placeholders; a path parameter is text, so the query casts it): params
+/// bound from the request, and rows typed as the
+/// columns are (integers, text, booleans, double, NULL, JSONB, timestamps in
+/// RFC 3339).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_write_then_read_on_postgres() {
+    use sqlx::Connection as _;
+    let db_url = fresh_database(Db::Postgres).await;
+    let mut db = sqlx::PgConnection::connect(&db_url).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE orders (id BIGINT PRIMARY KEY, item TEXT NOT NULL, paid BOOLEAN NOT NULL,
+                              total DOUBLE PRECISION, extra JSONB, placed TIMESTAMPTZ NOT NULL)",
+    )
+    .execute(&mut db)
+    .await
+    .unwrap();
+    let s = service(false).await;
+    connector(&s, "pg", json!({"type": "db", "connection_string": db_url})).await;
+    deploy(
+        &s,
+        "orders",
+        json!([
+            task("insert", "db_write", json!({"connector": "pg",
+                "query": "INSERT INTO orders (id, item, paid, total, extra, placed) VALUES ($1::bigint, $2, $3, $4, CAST($5 AS JSONB), $6::timestamptz)",
+                "params": [{"var": "metadata.path.id"}, {"var": "payload.item"}, {"var": "payload.paid"},
+                           {"var": "payload.total"}, {"var": "payload.extra"}, {"var": "payload.placed"}],
+                "output": "written"})),
+            task("pay", "db_write", json!({"connector": "pg",
+                "query": "UPDATE orders SET paid = NOT paid WHERE id = $1::bigint OR item = $2",
+                "params": [{"var": "metadata.path.id"}, "never-matches"], "output": "updated"})),
+            task("read", "db_read", json!({"connector": "pg",
+                "query": "SELECT id, item, paid, total, extra, placed FROM orders WHERE id = $1::bigint",
+                "params": [{"var": "metadata.path.id"}], "output": "rows"}))
+        ]),
+    )
+    .await;
+    let r = s
+        .post(
+            "/api/v1/data/orders/41",
+            json!({"data": {"item": "lamp", "paid": false, "total": null,
+                            "extra": {"gift": true}, "placed": "2026-11-22T10:15:00+01:00"}}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"]["written"], json!({"rows_affected": 1}));
+    assert_eq!(r.body["data"]["updated"], json!({"rows_affected": 1}));
+    assert_eq!(
+        r.body["data"]["rows"],
+        json!([{"id": 41, "item": "lamp", "paid": true, "total": null,
+                "extra": {"gift": true}, "placed": "2026-11-22T09:15:00Z"}])
+    );
+    // The row really is in PostgreSQL.
+    let (item, paid): (String, bool) =
+        sqlx::query_as("SELECT item, paid FROM orders WHERE id = 41")
+            .fetch_one(&mut db)
+            .await
+            .unwrap();
+    assert_eq!((item.as_str(), paid), ("lamp", true));
+    // A constraint violation is an upstream error naming it, not retried.
+    let r = s
+        .post(
+            "/api/v1/data/orders/41",
+            json!({"data": {"item": "again", "paid": true, "total": 1.5, "extra": null,
+                            "placed": "2026-11-22T10:15:00Z"}}),
+        )
+        .await;
+    let m = r.error(502, "UPSTREAM_ERROR")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(m.contains("duplicate key"), "{m}");
+    assert!(!m.contains("after"), "not retried: {m}");
+}
+
+/// The circuit breaker guards every connector, not only HTTP: a `db`
+/// connector whose server is down fails with 502 until `failure_threshold`
+/// failures in a row open its breaker, then answers 503 without trying, and
+/// the breaker is listed by the admin API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_db_connector_that_is_down_opens_its_breaker() {
+    let s = start_with(Db::Sqlite, |c| {
+        c.engine.circuit_breaker.failure_threshold = 2;
+        c.engine.circuit_breaker.recovery_timeout_secs = 60;
+    })
+    .await;
+    let down = format!("postgres://postgres@127.0.0.1:{}/nothing", free_port());
+    connector(
+        &s,
+        "down",
+        json!({"type": "db", "connection_string": down, "connect_timeout_ms": 2000,
+               "retry": {"max_retries": 0, "retry_delay_ms": 10}}),
+    )
+    .await;
+    deploy(
+        &s,
+        "reads",
+        json!([task(
+            "q",
+            "db_read",
+            json!({"connector": "down", "query": "SELECT 1"})
+        )]),
+    )
+    .await;
+    for _ in 0..2 {
+        let r = s.post("/api/v1/data/reads/1", json!({"data": {}})).await;
+        let m = r.error(502, "UPSTREAM_ERROR")["message"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert!(m.contains("db_read"), "{m}");
+    }
+    let r = s.post("/api/v1/data/reads/1", json!({"data": {}})).await;
+    let m = r.error(503, "SERVICE_UNAVAILABLE")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(m.contains("circuit breaker 'reads:down' is open"), "{m}");
+
+    let r = s.admin("GET", "/connectors/circuit-breakers", None).await;
+    let b = &r.ok(200)[0];
+    assert_eq!(
+        (
+            &b["key"],
+            &b["channel"],
+            &b["connector"],
+            &b["state"],
+            &b["consecutive_failures"]
+        ),
+        (
+            &json!("reads:down"),
+            &json!("reads"),
+            &json!("down"),
+            &json!("open"),
+            &json!(2)
+        ),
+        "{}",
+        r.text
+    );
+    assert!(b["opened_at"].is_string(), "{b}");
+}
+
+/// Connector clients live across reloads: a value written to a memory
+/// cache is still there after an engine reload and a connector reload (the
+/// same store serves), and gone after a PUT that changes the connector
+/// (a new store is built for the new version).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_cache_clients_survive_reloads_and_are_rebuilt_on_change() {
+    let s = service(false).await;
+    let cache = |max: u64| json!({"type": "cache", "backend": "memory", "max_entries": max});
+    connector(&s, "mem", cache(100)).await;
+    deploy(
+        &s,
+        "put",
+        json!([task(
+            "w",
+            "cache_write",
+            json!({"connector": "mem", "key": "k",
+            "value_logic": {"var": "payload.v"}})
+        )]),
+    )
+    .await;
+    deploy(
+        &s,
+        "get",
+        json!([task(
+            "r",
+            "cache_read",
+            json!({"connector": "mem", "key": "k", "output": "v"})
+        )]),
+    )
+    .await;
+    let get = || async {
+        let r = s.post("/api/v1/data/get/1", json!({"data": {}})).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        r.body["data"]["v"].clone()
+    };
+    let r = s
+        .post("/api/v1/data/put/1", json!({"data": {"v": "kept"}}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(get().await, "kept");
+
+    s.admin("POST", "/engine/reload", None).await.ok(200);
+    assert_eq!(get().await, "kept", "after an engine reload");
+    s.admin("POST", "/connectors/reload", None).await.ok(200);
+    assert_eq!(get().await, "kept", "after a connector reload");
+    // A workflow change reloads the engine too; the store stays.
+    s.admin(
+        "PATCH",
+        "/workflows/get/status",
+        Some(json!({"status": "paused"})),
+    )
+    .await
+    .ok(200);
+    s.admin(
+        "PATCH",
+        "/workflows/get/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    assert_eq!(get().await, "kept", "after a lifecycle reload");
+
+    s.admin(
+        "PUT",
+        "/connectors/mem",
+        Some(json!({"name": "mem", "connector_type": "cache", "config": cache(101)})),
+    )
+    .await
+    .ok(200);
+    assert_eq!(
+        get().await,
+        Json::Null,
+        "a changed connector gets a new store"
+    );
 }
 
 /// Values of every JSON type, some of them strings that look like JSON.
