@@ -273,7 +273,7 @@ impl Run {
                 }
                 "|" => {
                     assert_eq!(it.next().map(String::as_str), Some("jq"));
-                    filter = it.filter(|a| *a != "-c").last().cloned();
+                    filter = it.rfind(|a| *a != "-c").cloned();
                     break;
                 }
                 w if w.starts_with("<<") => {}
