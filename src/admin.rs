@@ -235,18 +235,7 @@ fn checked(
     obj.insert(id_field.into(), Json::String(id.clone()));
     let problems = match kind {
         Kind::Workflow => compile_workflow(&def).err().unwrap_or_default(),
-        Kind::Channel => {
-            let mut p = validate::validate_channel(&def);
-            if let Some(rule) = def.get("validation_logic")
-                && let Err(e) = sluice_compiler::logic::compile(rule)
-            {
-                p.push(Diagnostic {
-                    field: "validation_logic".into(),
-                    message: format!("invalid JSONLogic: {}", e.message),
-                });
-            }
-            p
-        }
+        Kind::Channel => validate::validate_channel(&def),
     };
     if problems.is_empty() {
         Ok((id, def))

@@ -180,7 +180,7 @@ impl ChannelInvoker for Invoker {
             return Err(ConnectorError::new(
                 kind,
                 format!(
-                    "channel_call to '{}': task '{}' failed: {}",
+                    "channel_call to '{}': task '{}' failed: {} ({named})",
                     req.channel, f.task_id, f.message
                 ),
             ));

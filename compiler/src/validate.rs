@@ -644,7 +644,7 @@ pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {
     c.integer(obj, "priority", &root, false, None, None);
     c.string(obj, "created_at", &root, false);
     c.string(obj, "updated_at", &root, false);
-    // validation_logic is JSONLogic: any JSON value.
+    logic(&mut c, obj, "validation_logic", &root);
 
     let config = c.object(obj, "config_json", &root, false);
     let at = root.key("config_json");
@@ -728,7 +728,7 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
         }
         c.integer(rl, "burst", &at, false, Some(1), Some(i64::from(u32::MAX)));
         c.boolean(rl, "fail_open", &at);
-        key_logic(c, rl, &at);
+        logic(c, rl, "key_logic", &at);
     }
     if let Some(d) = c.object(cfg, "deduplication", at, false) {
         let at = at.key("deduplication");
@@ -736,14 +736,14 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
         c.nonempty_string(d, "header", &at, false);
         c.integer(d, "window_secs", &at, false, Some(1), None);
         c.boolean(d, "fail_open", &at);
-        key_logic(c, d, &at);
+        logic(c, d, "key_logic", &at);
     }
     if let Some(k) = c.object(cfg, "cache", at, false) {
         let at = at.key("cache");
         unknown_keys(c, k, &at, crate::def::CacheConfig::KEYS);
         c.boolean(k, "enabled", &at);
         c.integer(k, "ttl_secs", &at, false, Some(1), None);
-        key_logic(c, k, &at);
+        logic(c, k, "key_logic", &at);
     }
     if let Some(b) = c.object(cfg, "backpressure", at, false) {
         let at = at.key("backpressure");
@@ -787,16 +787,14 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
     c.nonempty_string(cfg, "consumer_group", at, false);
 }
 
-/// A `key_logic` must compile as JSONLogic (it is compiled once per engine
-/// snapshot and must not fail there).
-fn key_logic(c: &mut Ctx, obj: &Map<String, Json>, at: &FieldPath) {
-    if let Some(rule) = obj.get("key_logic").filter(|r| !r.is_null())
+/// A channel's rules (`validation_logic`, each `key_logic`) must compile as
+/// JSONLogic: they are compiled once per engine snapshot and must not fail
+/// there. `null` means "absent".
+fn logic(c: &mut Ctx, obj: &Map<String, Json>, key: &str, at: &FieldPath) {
+    if let Some(rule) = obj.get(key).filter(|r| !r.is_null())
         && let Err(e) = crate::logic::compile(rule)
     {
-        c.push(
-            &at.key("key_logic"),
-            format!("invalid JSONLogic: {}", e.message),
-        );
+        c.push(&at.key(key), format!("invalid JSONLogic: {}", e.message));
     }
 }
 

@@ -293,15 +293,10 @@ impl Services {
     }
 }
 
-/// `cache_write` stores strings as they are and other values as JSON text;
-/// `cache_read` gives back objects and arrays parsed, everything else as the
-/// stored string (so a stored string never changes type on the way back).
+/// `cache_write` stores every value as its JSON text (a string with its
+/// quotes), so `cache_read` parses it back to exactly the value written,
+/// whatever its type. Text that is not JSON was written by another client
+/// (a plain `SET k hello`) and comes back as a string.
 fn cached_value(text: String) -> Json {
-    let trimmed = text.trim_start();
-    if (trimmed.starts_with('{') || trimmed.starts_with('['))
-        && let Ok(v) = serde_json::from_str::<Json>(&text)
-    {
-        return v;
-    }
-    Json::String(text)
+    serde_json::from_str(&text).unwrap_or(Json::String(text))
 }

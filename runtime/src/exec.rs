@@ -1114,9 +1114,11 @@ impl<'a> Machine<'a> {
                 key: self.source_string(&p.key, arena, "key")?,
             },
             FunctionPlan::CacheWrite(p) => {
-                let value = match self.source(&p.value, arena)? {
-                    Json::String(s) => s,
-                    other => other.to_string(),
+                // Every value as its JSON text, strings included (see
+                // `connectors::cached_value`, which reads it back).
+                let value = match &p.value {
+                    Source::Static(v) => v.to_string(),
+                    Source::Logic(l) => self.eval(l, arena)?.to_json_string(),
                 };
                 IoRequest::CacheSet {
                     connector: p.connector.to_string(),

@@ -189,12 +189,12 @@ impl HttpConn {
         let response = builder
             .send()
             .await
-            .map_err(|e| transport_error(&what, timeout, &e))?;
+            .map_err(|e| transport_error(&what, timeout, e))?;
         let status = response.status();
         let bytes = response
             .bytes()
             .await
-            .map_err(|e| transport_error(&what, timeout, &e))?;
+            .map_err(|e| transport_error(&what, timeout, e))?;
         if status.is_success() {
             return Ok(parse_body(&bytes));
         }
@@ -259,8 +259,11 @@ fn snippet(bytes: &[u8]) -> String {
 
 /// Maps a reqwest failure: the SSRF guard's refusal is final; a timeout is
 /// `Timeout`; everything else on the wire (connect, reset, truncated body)
-/// is an upstream failure worth retrying.
-fn transport_error(what: &str, timeout: Duration, e: &reqwest::Error) -> ConnectorError {
+/// is an upstream failure worth retrying. reqwest's message would end with
+/// "for url (...)", the full URL: it is dropped, as messages never carry
+/// the base URL (it may hold credentials).
+fn transport_error(what: &str, timeout: Duration, e: reqwest::Error) -> ConnectorError {
+    let e = &e.without_url();
     if let Some(refused) = ssrf::find_refused(e) {
         return ConnectorError::other(format!("{what}: {refused}"));
     }

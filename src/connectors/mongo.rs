@@ -9,9 +9,10 @@
 //!   others `{"$date": {"$numberLong": "ms"}}`), Int32/Int64/Double as plain
 //!   numbers (non-finite doubles as `{"$numberDouble": "NaN"}`), Decimal128 as
 //!   `{"$numberDecimal": "..."}`, binary as `{"$binary": {...}}`.
-//! - At most [`MAX_DOCUMENTS`] documents per call: more are cut off (with a
-//!   warning in the log), so one broad filter cannot exhaust memory. Narrow
-//!   the filter if you need all of them.
+//! - At most [`MAX_DOCUMENTS`] documents per call, so one broad filter cannot
+//!   exhaust memory: a filter matching more is a task error (not retried)
+//!   that says so, never a silently shortened answer a workflow would take
+//!   for the whole result. Narrow the filter.
 //! - Each call is bounded by [`FIND_TIMEOUT`] (server selection included), a
 //!   `Timeout` when it runs out.
 //!
@@ -72,7 +73,7 @@ impl MongoPool {
     }
 
     /// Documents of `database.collection` matching `filter`, in the server's
-    /// natural order, at most [`MAX_DOCUMENTS`].
+    /// natural order; more than [`MAX_DOCUMENTS`] is an error.
     pub async fn find(
         &self,
         database: &str,
@@ -101,7 +102,7 @@ impl MongoPool {
             .client
             .database(database)
             .collection::<Document>(collection);
-        // One more than the cap, to know whether the answer was cut off.
+        // One more than the cap, to know whether there are more.
         let mut cursor = coll
             .find(filter)
             .limit(MAX_DOCUMENTS as i64 + 1)
@@ -110,13 +111,10 @@ impl MongoPool {
         let mut out = Vec::new();
         while cursor.advance().await.map_err(mongo_err)? {
             if out.len() == MAX_DOCUMENTS {
-                tracing::warn!(
-                    database,
-                    collection,
-                    limit = MAX_DOCUMENTS,
-                    "mongo_read: result cut off at the document limit"
-                );
-                break;
+                return Err(ConnectorError::other(format!(
+                    "more than {MAX_DOCUMENTS} documents of {database}.{collection} \
+                     match the filter (the most one call returns); narrow the filter"
+                )));
             }
             let doc = cursor.deserialize_current().map_err(mongo_err)?;
             out.push(Bson::Document(doc).into_relaxed_extjson());
@@ -284,16 +282,32 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn results_are_capped() {
+    async fn more_than_the_cap_is_an_error_not_a_short_answer() {
         let pool = MongoPool::connect(&cfg(URL)).await.unwrap();
         let db = db_name();
         let coll = pool.client.database(&db).collection::<Document>("many");
-        let docs: Vec<Document> = (0..MAX_DOCUMENTS as i32 + 5)
-            .map(|i| doc! {"i": i})
-            .collect();
+        let docs: Vec<Document> = (0..MAX_DOCUMENTS as i32).map(|i| doc! {"i": i}).collect();
         coll.insert_many(docs).await.unwrap();
+        // Exactly the cap: all of them.
         let got = pool.find(&db, "many", json!({})).await.unwrap();
         assert_eq!(got.len(), MAX_DOCUMENTS);
+        // One more: an error that says what to do; a narrower filter works.
+        coll.insert_one(doc! {"i": -1}).await.unwrap();
+        let e = pool.find(&db, "many", json!({})).await.unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::Other);
+        assert!(!e.retryable);
+        assert_eq!(
+            e.message,
+            format!(
+                "more than 10000 documents of {db}.many match the filter \
+                 (the most one call returns); narrow the filter"
+            )
+        );
+        let got = pool
+            .find(&db, "many", json!({"i": {"$lt": 0}}))
+            .await
+            .unwrap();
+        assert_eq!(got.len(), 1);
         pool.client.database(&db).drop().await.unwrap();
     }
 

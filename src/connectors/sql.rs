@@ -844,6 +844,31 @@ mod tests {
                 "ts": "2026-11-22T10:15:00Z", "j": "{\"a\":[1,2]}", "bin": "AP8Q"
             })]
         );
+        // No timestamp type in SQLite: a DATETIME cell comes back as stored
+        // (SQLite's own text form is not rewritten to RFC 3339, a unix time
+        // stays a number); the query converts (docs/decisions.md).
+        pool.write(
+            "INSERT INTO t (id, ts) VALUES (4, '2026-11-22 10:15:00'), (5, 1795342500)",
+            &[],
+        )
+        .await
+        .unwrap();
+        let rows = pool
+            .read(
+                "SELECT ts, strftime('%Y-%m-%dT%H:%M:%SZ', ts) AS iso FROM t WHERE id = 4
+                 UNION ALL
+                 SELECT ts, strftime('%Y-%m-%dT%H:%M:%SZ', ts, 'unixepoch') FROM t WHERE id = 5",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            rows,
+            vec![
+                json!({"ts": "2026-11-22 10:15:00", "iso": "2026-11-22T10:15:00Z"}),
+                json!({"ts": 1_795_342_500, "iso": "2026-11-22T10:15:00Z"}),
+            ]
+        );
         // Parameters bind in order: the second `?` is the string.
         let rows = pool
             .read(

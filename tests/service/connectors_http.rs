@@ -480,6 +480,82 @@ async fn timeouts_are_504() {
     run(&s, "tight", json!({})).await.error(504, "TIMEOUT");
 }
 
+/// A timeout is retryable: with `max_retries: 1` the slow upstream is asked
+/// twice, each attempt gets the full timeout, and the answer is the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_call_is_retried_then_answers_504() {
+    let up = Upstream::start().await;
+    let s = service_with_threshold(true, 10).await;
+    connector(
+        &s,
+        "up",
+        json!({"type": "http", "url": up.base, "retry": {"max_retries": 1, "retry_delay_ms": 50}}),
+    )
+    .await;
+    deploy(
+        &s,
+        "slow",
+        json!([task(
+            "c",
+            json!({"connector": "up", "path": "/slow", "timeout_ms": 200})
+        )]),
+    )
+    .await;
+    let started = Instant::now();
+    let r = run(&s, "slow", json!({})).await;
+    let elapsed = started.elapsed();
+    let e = r.error(504, "TIMEOUT");
+    assert_eq!(
+        e["message"],
+        "task 'c' failed: http_call: connector 'up': GET /slow timed out after 200 ms (after 1 retry)",
+        "{}",
+        r.text
+    );
+    let hits = up.hits("/slow");
+    assert_eq!(hits.len(), 2, "{hits:?}");
+    // The retry starts after the first attempt's full timeout (and the
+    // backoff); the whole call takes two timeouts, not the upstream's 2 s.
+    let gap = hits[1].at - hits[0].at;
+    assert!(gap >= Duration::from_millis(200), "{gap:?}");
+    assert!(elapsed < Duration::from_millis(1500), "{elapsed:?}");
+}
+
+/// A failed connection names the connector, method and path, never the
+/// base URL: it may carry credentials (here a user, a password and a key in
+/// the query), and reqwest's own message would print it whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transport_errors_never_show_the_base_url() {
+    let s = service(true).await;
+    let port = crate::support::free_port();
+    connector(
+        &s,
+        "gone",
+        json!({"type": "http", "url": format!("http://user:hunter2@127.0.0.1:{port}/v1?api_key=k3y"),
+               "retry": no_retry()}),
+    )
+    .await;
+    deploy(
+        &s,
+        "gone",
+        json!([task("c", json!({"connector": "gone", "path": "/things"}))]),
+    )
+    .await;
+    let r = run(&s, "gone", json!({})).await;
+    let m = r.error(502, "UPSTREAM_ERROR")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        m.starts_with(
+            "task 'c' failed: http_call: connector 'gone': GET /things: cannot connect ("
+        ),
+        "{m}"
+    );
+    for secret in ["hunter2", "user", "k3y", "127.0.0.1", &port.to_string()] {
+        assert!(!m.contains(secret), "{secret} in {m}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn circuit_breaker_opens_probes_and_closes() {
     let up = Upstream::start().await;

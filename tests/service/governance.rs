@@ -1,7 +1,8 @@
 //! Channel governance and `channel_call` over real HTTP: deduplication, rate
-//! limits (per channel, per key, platform), backpressure, the response cache,
-//! CORS, invalid settings rejected at create, and in-process channel calls
-//! (payloads, response paths, cycles, depth, the callee's own governance).
+//! limits (per channel, per key, platform), `validation_logic`, backpressure,
+//! the response cache, CORS, invalid settings rejected at create and update,
+//! and in-process channel calls (payloads, response paths, timeouts, cycles,
+//! depth, the callee's own governance).
 
 use crate::support::*;
 use serde_json::{Value as Json, json};
@@ -634,6 +635,124 @@ async fn preflight(s: &TestServer, origin: &str, method: &str, path: &str) -> Re
     .await
 }
 
+// --------------------------------------------------------- validation_logic
+
+/// A REST channel whose `validation_logic` reads all four inputs: the body's
+/// `data`, a header, a query parameter and a path parameter.
+fn validated_channel() -> Json {
+    json!({
+        "channel_id": "checked", "name": "checked", "channel_type": "sync", "protocol": "rest",
+        "route_pattern": "/orders/{order_id}/lines", "methods": ["POST"], "workflow_id": "v",
+        "validation_logic": {"and": [
+            {">": [{"var": "data.qty"}, 0]},
+            {"==": [{"var": "headers.x-tenant"}, "acme"]},
+            {"==": [{"var": "query.mode"}, "strict"]},
+            {"==": [{"var": "path.order_id"}, "A-17"]}
+        ]}
+    })
+}
+
+async fn order_line(s: &TestServer, order: &str, mode: &str, tenant: &str, qty: i64) -> Resp {
+    s.send(
+        "POST",
+        &format!("/api/v1/data/orders/{order}/lines?mode={mode}"),
+        Some(json!({"data": {"qty": qty}})),
+        &[("x-tenant", tenant)],
+    )
+    .await
+}
+
+#[tokio::test]
+async fn validation_logic_reads_data_headers_query_and_path() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(echo("v"), validated_channel()).await;
+    let r = order_line(&s, "A-17", "strict", "acme", 2).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"]["in"], json!({"qty": 2}));
+    let rid = r.body["data"]["rid"].clone();
+
+    // Each input alone can reject: the spec's envelope, nothing more.
+    let rejection = json!({"error": {"code": "BAD_REQUEST",
+        "message": "input validation failed: the channel's validation_logic rejected the request"}});
+    for (what, r) in [
+        ("data", order_line(&s, "A-17", "strict", "acme", 0).await),
+        (
+            "headers",
+            order_line(&s, "A-17", "strict", "other", 2).await,
+        ),
+        ("query", order_line(&s, "A-17", "loose", "acme", 2).await),
+        ("path", order_line(&s, "B-1", "strict", "acme", 2).await),
+    ] {
+        assert_eq!(r.status, 400, "{what}: {}", r.text);
+        assert_eq!(r.body, rejection, "{what}");
+    }
+    // The rule still passes afterwards (a rejection leaves nothing behind),
+    // and that answer is a new run.
+    let r = order_line(&s, "A-17", "strict", "acme", 5).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_ne!(r.body["data"]["rid"], rid);
+}
+
+/// An invalid `validation_logic` or governance setting is refused when a
+/// channel is created and when a draft is updated, with every problem at its
+/// field; a refused update leaves the draft as it was.
+#[tokio::test]
+async fn invalid_channel_rules_are_rejected_at_create_and_update() {
+    let s = start(Db::Sqlite).await;
+    let expected = json!([{"field": "validation_logic",
+        "message": "invalid JSONLogic: unknown operator 'no_such_op'"}]);
+    let mut bad = validated_channel();
+    bad["validation_logic"] = json!({"and": [{"var": "data.qty"}, {"no_such_op": [1]}]});
+    let r = s.admin("POST", "/channels", Some(bad.clone())).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.body["error"]["details"], expected, "{}", r.text);
+    s.admin("GET", "/channels/checked", None)
+        .await
+        .error(404, "NOT_FOUND");
+
+    // A valid draft, then updates that would break it.
+    s.admin("POST", "/channels", Some(validated_channel()))
+        .await
+        .ok(201);
+    let r = s.admin("PUT", "/channels/checked", Some(bad)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.body["error"]["details"], expected, "{}", r.text);
+
+    let mut bad = validated_channel();
+    bad["config_json"] = json!({
+        "rate_limit": {"requests_per_second": -1, "key_logic": {"no_such_op": 1}},
+        "deduplication": {"window_secs": 0},
+        "backpressure": {"max_concurrent": 0},
+        "cors": {"allowed_origins": ["app.example"]},
+        "cache": {"ttl_secs": 60, "scope": "global"}
+    });
+    let r = s.admin("PUT", "/channels/checked", Some(bad)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(
+        r.detail_fields(),
+        [
+            "config_json.rate_limit.requests_per_second",
+            "config_json.rate_limit.key_logic",
+            "config_json.deduplication.window_secs",
+            "config_json.cache.scope",
+            "config_json.backpressure.max_concurrent",
+            "config_json.cors.allowed_origins[0]",
+        ],
+        "{}",
+        r.text
+    );
+
+    // The draft is unchanged: still version 1 with its original rule.
+    let r = s.admin("GET", "/channels/checked", None).await;
+    let d = r.ok(200);
+    assert_eq!(d["version"], 1);
+    assert_eq!(
+        d["validation_logic"],
+        validated_channel()["validation_logic"]
+    );
+    assert!(d["config_json"].get("rate_limit").is_none(), "{}", r.text);
+}
+
 // ---------------------------------------------------------- invalid configs
 
 #[tokio::test]
@@ -887,6 +1006,61 @@ async fn channel_call_applies_the_callees_governance() {
         .to_owned();
     assert!(m.contains("429 RATE_LIMITED"), "{m}");
     assert!(m.contains("front -> guarded"), "{m}");
+}
+
+/// A `channel_call` with `timeout_ms` gives up on a slow callee: 504
+/// `TIMEOUT` (the documented status of a timed-out task) naming the chain,
+/// well before the callee's own (longer) channel timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn channel_call_timeout_ms_bounds_a_slow_callee() {
+    let s = start_with(Db::Sqlite, |c| c.security.allow_private_networks = true).await;
+    let upstream = slow_upstream(Duration::from_secs(3)).await;
+    deploy_io_slow(&s, "slowpoke", &upstream, json!({"timeout_ms": 10000})).await;
+    s.deploy(
+        caller(
+            "front",
+            json!([call_task(
+                "call",
+                json!({"channel": "slowpoke", "timeout_ms": 200})
+            )]),
+        ),
+        named("front", "front", json!({})),
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let r = post_with(&s, "front", json!({}), &[]).await;
+    let elapsed = started.elapsed();
+    let e = r.error(504, "TIMEOUT");
+    assert_eq!(e["task_id"], "call", "{}", r.text);
+    let m = e["message"].as_str().unwrap();
+    assert!(m.contains("channel_call to 'slowpoke'"), "{m}");
+    assert!(m.contains("200 ms"), "{m}");
+    assert!(m.contains("(front -> slowpoke)"), "{m}");
+    assert!(elapsed < Duration::from_millis(2000), "{elapsed:?}");
+
+    // A callee that fails on its own (its upstream is gone) is named with
+    // the chain too, and keeps its kind (502 from an upstream failure).
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    deploy_io_slow(&s, "gone", &closed, json!({})).await;
+    s.deploy(
+        caller(
+            "front2",
+            json!([call_task("call", json!({"channel": "gone"}))]),
+        ),
+        named("front2", "front2", json!({})),
+    )
+    .await;
+    let r = post_with(&s, "front2", json!({}), &[]).await;
+    let m = r.error(502, "UPSTREAM_ERROR")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        m.starts_with("task 'call' failed: channel_call: channel_call to 'gone': task 'call' failed: http_call: connector 'gone-up': POST /slow: cannot connect"),
+        "{m}"
+    );
+    assert!(m.ends_with("(front2 -> gone)"), "{m}");
+    assert!(!m.contains("127.0.0.1"), "never the base URL: {m}");
 }
 
 /// A workflow that answers which version of it ran.

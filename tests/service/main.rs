@@ -11,6 +11,7 @@ mod edge;
 mod governance;
 mod kafka;
 mod otel;
+mod readme;
 mod replicas;
 mod support;
 mod traces;

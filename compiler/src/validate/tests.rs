@@ -785,6 +785,21 @@ fn route_patterns() {
 }
 
 #[test]
+fn channel_validation_logic_must_compile() {
+    let with = |rule: Json| validate_channel(&channel(json!({"validation_logic": rule})));
+    check(with(json!({"!!": [{"var": "data.id"}]})), &[]);
+    // Absent, like a missing field (what the engine makes of `null`).
+    check(with(Json::Null), &[]);
+    check(
+        with(json!({"and": [{"var": "data.id"}, {"no_such_op": [1]}]})),
+        &[(
+            "validation_logic",
+            "invalid JSONLogic: unknown operator 'no_such_op'",
+        )],
+    );
+}
+
+#[test]
 fn channel_config_json() {
     let cfg = |c: Json| validate_channel(&channel(json!({"config_json": c})));
     check(

@@ -1,0 +1,390 @@
+//! The README's worked examples, run as the README shows them: the console
+//! blocks of a section are parsed and every `$` command (psql, the static
+//! file API, curl against the admin and data planes, redis-cli) runs in order
+//! against the real service and servers, and every output the README shows is
+//! compared with what came back. Only the environment is swapped in (the
+//! service's address, a fresh PostgreSQL database, the API's port, a Redis
+//! database of its own), so the README's definitions are exactly what is
+//! tested and cannot drift from it. A command this runner does not know fails
+//! the test, so a README edit cannot silently skip a step.
+
+use crate::support::{Db, TestServer, fresh_database, start_with};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use serde_json::{Value as Json, json};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+const README: &str = include_str!("../../README.md");
+const REDIS: &str = "redis://127.0.0.1:6379/";
+
+/// One `$` command of a console block: the command line, its here-document
+/// (`<<'EOF'`) and the output the README shows under it.
+#[derive(Debug)]
+struct Shown {
+    line: String,
+    stdin: Option<String>,
+    output: String,
+}
+
+/// The commands of the README section titled `title`, in order.
+fn section(title: &str) -> Vec<Shown> {
+    let heading = format!("\n## {title}\n");
+    let start = README
+        .find(&heading)
+        .unwrap_or_else(|| panic!("README.md has no section '## {title}'"))
+        + heading.len();
+    let rest = &README[start..];
+    let body = &rest[..rest.find("\n## ").unwrap_or(rest.len())];
+    let mut shown: Vec<Shown> = Vec::new();
+    let mut console = false;
+    let mut lines = body.lines();
+    while let Some(line) = lines.next() {
+        if !console {
+            console = line.trim_end() == "```console";
+            continue;
+        }
+        if line.trim_end() == "```" {
+            console = false;
+        } else if let Some(command) = line.strip_prefix("$ ") {
+            let stdin = command.contains("<<'EOF'").then(|| {
+                let doc: Vec<&str> = lines.by_ref().take_while(|l| *l != "EOF").collect();
+                doc.join("\n")
+            });
+            shown.push(Shown {
+                line: command.to_owned(),
+                stdin,
+                output: String::new(),
+            });
+        } else {
+            let last = shown
+                .last_mut()
+                .unwrap_or_else(|| panic!("output before any command: {line}"));
+            last.output.push_str(line);
+            last.output.push('\n');
+        }
+    }
+    assert!(!shown.is_empty(), "no console commands under '{title}'");
+    shown
+}
+
+/// Splits a command line into words as a POSIX shell would for these
+/// commands: single quotes literal, double quotes with `\` escapes.
+fn shell_words(line: &str) -> Vec<String> {
+    let (mut words, mut word, mut open) = (Vec::new(), String::new(), false);
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\'' => {
+                open = true;
+                word.extend(chars.by_ref().take_while(|c| *c != '\''));
+            }
+            '"' => {
+                open = true;
+                while let Some(c) = chars.next() {
+                    match c {
+                        '"' => break,
+                        '\\' => word.extend(chars.next()),
+                        c => word.push(c),
+                    }
+                }
+            }
+            c if c.is_whitespace() => {
+                if open {
+                    words.push(std::mem::take(&mut word));
+                    open = false;
+                }
+            }
+            c => {
+                open = true;
+                word.push(c);
+            }
+        }
+    }
+    if open {
+        words.push(word);
+    }
+    words
+}
+
+/// The `jq` filters the README uses: `.a.b` paths and `{k, ...}` objects,
+/// joined by `|`.
+fn jq(filter: &str, input: &Json) -> Json {
+    filter.split('|').fold(input.clone(), |v, stage| {
+        let stage = stage.trim();
+        if let Some(keys) = stage.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
+            Json::Object(
+                keys.split(',')
+                    .map(|k| {
+                        (
+                            k.trim().to_owned(),
+                            v.get(k.trim()).cloned().unwrap_or_default(),
+                        )
+                    })
+                    .collect(),
+            )
+        } else if let Some(path) = stage.strip_prefix('.') {
+            path.split('.')
+                .filter(|k| !k.is_empty())
+                .fold(v, |v, k| v.get(k).cloned().unwrap_or_default())
+        } else {
+            panic!("jq filter '{stage}' is not one this runner knows")
+        }
+    })
+}
+
+/// A static file server standing in for `python3 -m http.server`: it serves
+/// the files the README's `echo ... > file` lines wrote, as
+/// `application/octet-stream` (what Python sends for a file without an
+/// extension), and 404 otherwise.
+async fn serve_files(root: String, files: Arc<Mutex<HashMap<String, String>>>) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let (root, files) = (root.clone(), files.clone());
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let file = files
+                        .lock()
+                        .unwrap()
+                        .get(&format!("{root}{}", req.uri().path()))
+                        .cloned();
+                    async move {
+                        let (status, body) = match file {
+                            Some(text) => (200, text),
+                            None => (404, "File not found".to_owned()),
+                        };
+                        Ok::<_, std::convert::Infallible>(
+                            Response::builder()
+                                .status(status)
+                                .header("content-type", "application/octet-stream")
+                                .body(Full::new(Bytes::from(body)))
+                                .unwrap(),
+                        )
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(sock), svc)
+                    .await;
+            });
+        }
+    });
+    port
+}
+
+/// What the commands run against, and the README values replaced by this
+/// run's (addresses and names only).
+struct Run {
+    s: TestServer,
+    swaps: Vec<(String, String)>,
+    /// PostgreSQL database name in the README → this run's URL.
+    databases: HashMap<String, String>,
+    files: Arc<Mutex<HashMap<String, String>>>,
+    redis: redis::aio::MultiplexedConnection,
+}
+
+impl Run {
+    fn swap(&self, text: &str) -> String {
+        self.swaps
+            .iter()
+            .fold(text.to_owned(), |t, (from, to)| t.replace(from, to))
+    }
+
+    /// Runs one command; returns what it printed when the README shows
+    /// that output, to be compared.
+    async fn run(&mut self, shown: &Shown) -> Option<String> {
+        let words = shell_words(&self.swap(&shown.line));
+        let stdin = shown.stdin.as_deref().map(|s| self.swap(s));
+        let arg = |flag: &str| {
+            let at = words.iter().position(|w| w == flag)?;
+            words.get(at + 1).cloned()
+        };
+        match words[0].as_str() {
+            "psql" => {
+                let (db, sql) = (arg("-d").unwrap(), arg("-c").unwrap());
+                if let Some(name) = sql.strip_prefix("CREATE DATABASE ") {
+                    // A fresh database stands in for the README's.
+                    let url = fresh_database(Db::Postgres).await;
+                    self.swaps.push((
+                        format!("postgres://postgres@127.0.0.1:5432/{name}"),
+                        url.clone(),
+                    ));
+                    self.databases.insert(name.to_owned(), url);
+                } else {
+                    use sqlx::Connection as _;
+                    let url = &self.databases[&db];
+                    let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
+                    sqlx::raw_sql(&sql).execute(&mut conn).await.unwrap();
+                }
+                None
+            }
+            "mkdir" => {
+                let text = arg("echo").unwrap();
+                let file = arg(">").unwrap();
+                // echo ends what it writes with a newline.
+                self.files.lock().unwrap().insert(file, format!("{text}\n"));
+                None
+            }
+            "(cd" if words.iter().any(|w| w == "http.server") => {
+                let port = arg("http.server").unwrap();
+                let local = serve_files(words[1].clone(), self.files.clone()).await;
+                self.swaps.push((
+                    format!("http://127.0.0.1:{port}"),
+                    format!("http://127.0.0.1:{local}"),
+                ));
+                None
+            }
+            "curl" => Some(self.curl(&words, stdin).await),
+            "redis-cli" => {
+                let at = words
+                    .iter()
+                    .position(|w| w.eq_ignore_ascii_case("get"))
+                    .expect("redis-cli get <key>");
+                let value: Option<String> = redis::cmd("GET")
+                    .arg(&words[at + 1])
+                    .query_async(&mut self.redis)
+                    .await
+                    .unwrap();
+                Some(value.unwrap_or_else(|| "(nil)".into()))
+            }
+            other => panic!("the README runs '{other}', which this runner does not know"),
+        }
+    }
+
+    async fn curl(&self, words: &[String], stdin: Option<String>) -> String {
+        let (mut method, mut path, mut body, mut filter) = (None, None, None, None);
+        let mut headers = Vec::new();
+        let mut it = words[1..].iter();
+        while let Some(w) = it.next() {
+            match w.as_str() {
+                "-s" => {}
+                "-X" => method = it.next().cloned(),
+                "-H" => headers.push(it.next().unwrap().clone()),
+                "-d" => {
+                    let d = it.next().unwrap();
+                    body = Some(if d == "@-" {
+                        stdin.clone().expect("-d @- reads the here-document")
+                    } else {
+                        d.clone()
+                    });
+                }
+                "|" => {
+                    assert_eq!(it.next().map(String::as_str), Some("jq"));
+                    filter = it.rfind(|a| *a != "-c").cloned();
+                    break;
+                }
+                w if w.starts_with("<<") => {}
+                w if w.starts_with("localhost:8080/") => {
+                    path = Some(w["localhost:8080".len()..].to_owned());
+                }
+                other => panic!("curl argument '{other}' is not one this runner knows"),
+            }
+        }
+        // curl's default method: POST with a body, else GET.
+        let method = method.unwrap_or_else(|| if body.is_some() { "POST" } else { "GET" }.into());
+        let mut req = self.s.client.request(
+            reqwest::Method::from_bytes(method.as_bytes()).unwrap(),
+            format!("{}{}", self.s.base, path.expect("a localhost:8080 URL")),
+        );
+        for h in headers {
+            let (k, v) = h.split_once(':').unwrap();
+            req = req.header(k.trim(), v.trim());
+        }
+        if let Some(body) = body {
+            req = req.body(body);
+        }
+        let text = req.send().await.unwrap().text().await.unwrap();
+        match filter {
+            None => text,
+            Some(f) => jq(&f, &serde_json::from_str(&text).unwrap()).to_string(),
+        }
+    }
+}
+
+/// "Worked example: PostgreSQL → HTTP API → Redis", command by command; then
+/// what the prose promises: the quote is cached for five minutes, and a
+/// later request is answered from Redis without reading the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worked_example_postgres_http_redis() {
+    let s = start_with(Db::Sqlite, |c| {
+        // SERVICE_SECURITY__ALLOW_PRIVATE_NETWORKS=true, as the README says.
+        c.security.allow_private_networks = true;
+    })
+    .await;
+    // A Redis database of this run's own (1-15; the other tests use 0), so a
+    // concurrent run elsewhere cannot hand it a cached quote.
+    let redis_db = 1 + uuid::Uuid::new_v4().as_u128() % 15;
+    let redis_url = format!("{REDIS}{redis_db}");
+    let mut redis = redis::Client::open(redis_url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("Redis at 127.0.0.1:6379 is required (bash ../shared/services/redis.sh)");
+    redis::cmd("DEL")
+        .arg("quote:1")
+        .query_async::<()>(&mut redis)
+        .await
+        .unwrap();
+    let mut run = Run {
+        s,
+        swaps: vec![(REDIS.to_owned(), redis_url)],
+        databases: HashMap::new(),
+        files: Arc::default(),
+        redis,
+    };
+
+    let commands = section("Worked example: PostgreSQL → HTTP API → Redis");
+    let mut compared = 0;
+    for shown in &commands {
+        let Some(got) = run.run(shown).await else {
+            continue;
+        };
+        let expected = run.swap(shown.output.trim_end());
+        let context = format!("$ {}\nREADME: {expected}\ngot:    {got}", shown.line);
+        if shown.line.starts_with("redis-cli") {
+            assert_eq!(got, expected, "{context}");
+        } else {
+            let want: Json =
+                serde_json::from_str(&expected).unwrap_or_else(|e| panic!("{e}: {context}"));
+            let got: Json = serde_json::from_str(&got).unwrap_or_else(|e| panic!("{e}: {context}"));
+            assert_eq!(got, want, "{context}");
+        }
+        compared += 1;
+    }
+    // 3 connectors, workflow create + activate, channel create + activate,
+    // two data-plane requests, redis-cli.
+    assert_eq!(compared, 10, "{commands:#?}");
+
+    // "caches the quote in Redis for five minutes".
+    let ttl: i64 = redis::cmd("TTL")
+        .arg("quote:1")
+        .query_async(&mut run.redis)
+        .await
+        .unwrap();
+    assert!((1..=300).contains(&ttl), "ttl {ttl}");
+    // "the next request for the same customer is answered from the cache":
+    // with the row changed behind its back, the answer is still the cached one.
+    {
+        use sqlx::Connection as _;
+        let mut conn = sqlx::PgConnection::connect(&run.databases["shop"])
+            .await
+            .unwrap();
+        sqlx::query("UPDATE customers SET name = 'Changed' WHERE id = 1")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    let r = run
+        .s
+        .post(
+            "/api/v1/data/quotes",
+            json!({"data": {"customer_id": 1, "price": 100}}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"]["from_cache"], true, "{}", r.text);
+    assert_eq!(r.body["data"]["quote"]["customer"], "Ada", "{}", r.text);
+}
