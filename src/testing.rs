@@ -208,11 +208,11 @@ impl Cache for Stubs {
         connector: &str,
         key: &str,
     ) -> Result<Option<String>, ConnectorError> {
-        // A null response is a miss; a string is the stored text; anything
-        // else is stored as JSON text, as cache_write would have stored it.
+        // A null response is a miss; any other value is handed back as its
+        // JSON text, the form cache_write stores (strings included), so the
+        // stubbed value is exactly what cache_read gives the workflow.
         Ok(match self.read(connector, json!({"key": key}))? {
             Json::Null => None,
-            Json::String(s) => Some(s),
             other => Some(other.to_string()),
         })
     }
@@ -627,6 +627,46 @@ mod tests {
             project(&actual, &expected),
             json!({"b": {"c": 2}, "list": [{"x": 1}, {"x": 5}]})
         );
+    }
+
+    /// A stubbed cache answer reaches the workflow as the same JSON value,
+    /// whatever its type: the stub hands back what cache_write would store.
+    #[test]
+    fn cache_stubs_answer_in_the_stored_form() {
+        let values = [
+            json!("5"),
+            json!("abc"),
+            json!("{\"a\":1}"),
+            json!(5),
+            json!(true),
+            json!({"a": [1]}),
+        ];
+        let answers = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                serde_json::from_value(json!({"match": {"key": format!("k{i}")}, "response": v}))
+                    .unwrap()
+            })
+            .collect();
+        let stubs = Stubs {
+            answers: HashMap::from([("c".to_string(), answers)]),
+            writes: Mutex::default(),
+        };
+        let scope = CallScope::default();
+        for (i, v) in values.iter().enumerate() {
+            let text = futures_executor(stubs.get(&scope, "c", &format!("k{i}")))
+                .unwrap()
+                .unwrap();
+            assert_eq!(serde_json::from_str::<Json>(&text).unwrap(), *v, "{text}");
+        }
+    }
+
+    fn futures_executor<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(f)
     }
 
     #[test]
