@@ -9,29 +9,18 @@ use crate::value::{Value, key_eq};
 use bumpalo::Bump;
 use smallvec::SmallVec;
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The largest array index a write may create. Writing past the end pads with
 /// nulls, so an unbounded index would let one request allocate without limit.
 pub const MAX_WRITE_INDEX: usize = 100_000;
 
-/// Objects with more members than this are searched from the segment's hint.
-pub const HINTED: usize = 8;
-
 /// One segment of a path.
-#[derive(Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Segment {
     /// The object key this segment names (without a leading `#`).
     pub key: Box<str>,
     /// The array index, when the segment is a plain non-negative integer.
     pub index: Option<usize>,
-    /// Where the key was last found in an object: tried first by the next
-    /// lookup (an inline cache: requests to one channel share a shape, so
-    /// the key is nearly always where it was, and a lookup costs one key
-    /// comparison instead of a scan). Only ever a hint: a wrong one costs
-    /// the scan it replaces. Relaxed, and written only when it changes, so
-    /// threads reading the same plan do not contend on it.
-    hint: AtomicU32,
 }
 
 impl Segment {
@@ -39,18 +28,13 @@ impl Segment {
         Segment {
             key: key.into(),
             index,
-            hint: AtomicU32::new(0),
         }
     }
 
-    /// The member named by this segment's key.
+    /// The member named by this segment's key. A plain loop returning the
+    /// member: `Iterator::find` stayed an out-of-line call per lookup.
     #[inline(always)]
     pub fn member<'v, 'a>(&self, members: &'v [(&'a str, Value<'a>)]) -> Option<&'v Value<'a>> {
-        if members.len() > HINTED {
-            return self.member_hinted(members);
-        }
-        // A plain loop returning the member: the cheapest form for the
-        // small objects most lookups meet.
         for (k, v) in members {
             if key_eq(k, &self.key) {
                 return Some(v);
@@ -59,58 +43,12 @@ impl Segment {
         None
     }
 
-    #[inline(never)]
-    fn member_hinted<'v, 'a>(&self, members: &'v [(&'a str, Value<'a>)]) -> Option<&'v Value<'a>> {
-        self.position(members).map(|i| &members[i].1)
-    }
-
-    /// The index of the member named by this segment's key. Objects of up
-    /// to [`HINTED`] members are scanned: there the hint saves less than it
-    /// costs, and a key that is absent (a `var` with a default, `missing`)
-    /// always costs the scan.
+    /// The index of the member named by this segment's key.
     #[inline(always)]
     pub fn position(&self, members: &[(&str, Value<'_>)]) -> Option<usize> {
-        if members.len() <= HINTED {
-            return members.iter().position(|(k, _)| key_eq(k, &self.key));
-        }
-        let hint = self.hint.load(Ordering::Relaxed) as usize;
-        if let Some((k, _)) = members.get(hint)
-            && key_eq(k, &self.key)
-        {
-            return Some(hint);
-        }
-        self.scan(members)
-    }
-
-    #[inline(never)]
-    fn scan(&self, members: &[(&str, Value<'_>)]) -> Option<usize> {
-        let found = members.iter().position(|(k, _)| key_eq(k, &self.key))?;
-        if let Ok(hint) = u32::try_from(found) {
-            self.hint.store(hint, Ordering::Relaxed);
-        }
-        Some(found)
+        members.iter().position(|(k, _)| key_eq(k, &self.key))
     }
 }
-
-impl Clone for Segment {
-    fn clone(&self) -> Segment {
-        Segment {
-            key: self.key.clone(),
-            index: self.index,
-            hint: AtomicU32::new(self.hint.load(Ordering::Relaxed)),
-        }
-    }
-}
-
-/// Segments are equal when they name the same key and index (the hint is
-/// not part of what a segment means).
-impl PartialEq for Segment {
-    fn eq(&self, other: &Segment) -> bool {
-        self.key == other.key && self.index == other.index
-    }
-}
-
-impl Eq for Segment {}
 
 /// A pre-split dotted path. The empty path (from `""`) names the root.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -538,8 +476,8 @@ mod tests {
         assert!(PathSet::new(&[&Path::parse("#0")]).is_some());
     }
 
-    /// The lookup hint is only a hint: objects of changing shapes (the key
-    /// elsewhere, absent, past the end of a shorter object) read right.
+    /// Lookups and writes of one path over objects of changing shapes (the
+    /// key elsewhere, absent, past the end of a shorter object).
     #[test]
     fn lookups_follow_the_key_wherever_it_is() {
         let arena = Bump::new();
@@ -554,7 +492,7 @@ mod tests {
             (json!({"o": {"c": 5}}), None),
             (json!({"o": {}}), None),
             (json!({"z": 1, "o": {"b": 7, "a": 6}}), Some(json!(6))),
-            // Over `HINTED` members: the hint is used, and moves.
+            // Larger objects, the key moving between them.
             (
                 json!({"o": {"k1": 0, "k2": 0, "k3": 0, "k4": 0, "k5": 0, "k6": 0, "k7": 0, "k8": 0, "a": 10}}),
                 Some(json!(10)),
