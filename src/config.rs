@@ -165,6 +165,9 @@ pub struct Kafka {
     /// Messages one consumer holds at once (fetched, queued or running);
     /// fetching pauses while it is full.
     pub max_in_flight: usize,
+    /// How often a consumer commits the offsets of finished messages (it
+    /// also commits them when it stops and before giving partitions away).
+    pub commit_interval_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -283,6 +286,7 @@ impl Default for Config {
                 topics: Vec::new(),
                 session_timeout_ms: 45_000,
                 max_in_flight: 256,
+                commit_interval_ms: 1000,
             },
             rate_limit: RateLimit {
                 enabled: false,
@@ -404,6 +408,9 @@ impl Config {
         }
         if self.kafka.max_in_flight == 0 {
             return fail("kafka.max_in_flight", "must be at least 1");
+        }
+        if self.kafka.commit_interval_ms == 0 {
+            return fail("kafka.commit_interval_ms", "must be at least 1");
         }
         if self.kafka.session_timeout_ms < 1000 {
             return fail("kafka.session_timeout_ms", "must be at least 1000");

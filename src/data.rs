@@ -160,8 +160,32 @@ async fn run_sync(
         body: &req.body,
         internal: false,
     };
-    let admitted = app.governance.admit(channel, &view, Stage::Run).await?;
+    // OpenTelemetry (only when enabled and sampled): the request's span,
+    // begun before the channel's checks so that a request they refuse (or
+    // the cache answers) has its span too.
+    let traced = app.otel.as_ref().and_then(|o| {
+        o.begin(
+            format!("{} {}", req.method, channel.name),
+            opentelemetry::trace::SpanKind::Server,
+            traceparent,
+            tracestate,
+        )
+        .map(|span| (o, span))
+    });
+    let admitted = match app.governance.admit(channel, &view, Stage::Run).await {
+        Ok(admitted) => admitted,
+        Err(e) => {
+            if let Some(traced) = traced {
+                end_span(traced, req, channel, &[], Err(&e));
+            }
+            return Err(e);
+        }
+    };
     if let Some(hit) = &admitted.hit {
+        if let Some((otel, mut span)) = traced {
+            span.attribute("sluice.cache", "hit");
+            end_span((otel, span), req, channel, &[], Ok(()));
+        }
         let mut response = bytes_response(StatusCode::OK, hit.clone());
         response
             .headers_mut()
@@ -184,16 +208,15 @@ async fn run_sync(
         },
         bucket,
     };
-    // OpenTelemetry (only when enabled and sampled): the request's span.
-    let traced = app.otel.as_ref().and_then(|o| {
-        o.begin(
-            format!("{} {}", req.method, channel.name),
-            opentelemetry::trace::SpanKind::Server,
-            traceparent,
-            tracestate,
-        )
-        .map(|span| (o, span))
-    });
+    // OpenTelemetry on but this request not sampled: outbound calls say so.
+    let unsampled = match (&traced, &app.otel) {
+        (None, Some(_)) => crate::otel::unsampled_traceparent(traceparent),
+        _ => None,
+    };
+    let (traceparent, tracestate) = match &unsampled {
+        Some(fresh) => (Some(fresh.as_str()), None),
+        None => (traceparent, tracestate),
+    };
     // The channel's timeout counts from the request's arrival (no clock
     // read here).
     let deadline = req.started + channel.timeout;
@@ -246,29 +269,43 @@ async fn run_sync(
             )),
         },
     };
-    if let Some((otel, mut span)) = traced {
-        span.attribute("sluice.channel", channel.name.clone());
-        span.attribute("sluice.request_id", req.request_id.as_str().to_owned());
-        let (tasks, error) = match &execution {
-            Ok(e) => (
-                e.tasks.as_slice(),
-                match &e.status {
-                    Status::Failed(f) => {
-                        Some(format!("task '{}' failed: {}", f.task_id, f.message))
-                    }
-                    _ => None,
-                },
-            ),
-            Err(e) => (&[][..], Some(e.message.clone())),
-        };
-        otel.finish(span, tasks, error.as_deref());
-    }
-    let body = respond(channel, execution?, engine_lock_ms)?;
+    let body = match traced {
+        None => respond(channel, execution?, engine_lock_ms)?,
+        Some(traced) => {
+            // The task records outlive the execution `respond` consumes.
+            let tasks = execution
+                .as_ref()
+                .map(|e| e.tasks.clone())
+                .unwrap_or_default();
+            let answer = execution.and_then(|e| respond(channel, e, engine_lock_ms));
+            end_span(traced, req, channel, &tasks, answer.as_ref().map(|_| ()));
+            answer?
+        }
+    };
     // A profiled answer is not cached: its timings belong to this run only.
     if engine_lock_ms.is_none() {
         app.governance.store(&admitted, body.clone()).await;
     }
     Ok(bytes_response(StatusCode::OK, body))
+}
+
+/// Ends a data-plane request's span: its tasks, the status code it was
+/// answered with, and an error status when it was refused or failed.
+fn end_span(
+    (otel, mut span): (&crate::otel::Otel, crate::otel::RequestSpan),
+    req: &Req,
+    channel: &Channel,
+    tasks: &[exec::TaskRecord],
+    answer: Result<(), &ApiError>,
+) {
+    span.attribute("sluice.channel", channel.name.clone());
+    span.attribute("sluice.request_id", req.request_id.as_str().to_owned());
+    let status = answer.map_or_else(|e| e.code.status(), |()| StatusCode::OK);
+    span.attribute("http.response.status_code", i64::from(status.as_u16()));
+    if let Err(e) = answer {
+        span.attribute("sluice.error_code", e.code.as_str());
+    }
+    otel.finish(span, tasks, answer.err().map(|e| e.message.as_str()));
 }
 
 /// The opening of a successful answer, written ahead of the data.

@@ -11,13 +11,20 @@
 //!   other, in offset order, on that partition's lane; partitions run side by
 //!   side. At most `kafka.max_in_flight` messages per consumer are fetched
 //!   and not yet finished; fetching waits for room.
-//! - **At-least-once:** auto-commit is on but commits only offsets stored by
-//!   us (`enable.auto.offset.store=false`), and a lane stores a message's
-//!   offset only after its run finished and was recorded (completed; or
-//!   failed and dead-lettered). Stopping a consumer lets running messages
-//!   finish, skips queued ones (they are redelivered) and commits
-//!   synchronously what finished. A killed process loses no committed work and
-//!   reruns what it had not committed.
+//! - **At-least-once:** a lane stores a message's offset
+//!   (`enable.auto.offset.store=false`) only after its run finished and its
+//!   trace was recorded (completed; or failed and dead-lettered); the stored
+//!   offsets are committed every `kafka.commit_interval_ms` by the consumer
+//!   itself (librdkafka's auto-commit is off, so nothing else commits).
+//!   Stopping a consumer lets running messages finish, skips queued ones
+//!   (they are redelivered) and commits synchronously what finished. A killed
+//!   process loses no committed work and reruns what it had not committed.
+//! - **A lane never gives up on a message:** recording its trace, creating
+//!   the dead-letter producer and publishing the dead letter are retried with
+//!   backoff until they succeed or the consumer stops (then the message is
+//!   left uncommitted and redelivered); a panic in a run is a failed run. A
+//!   lane ends only when its consumer stops, so no partition stalls or skips
+//!   messages behind a lane that is gone.
 //! - **Rebalances** (replicas joining or leaving the group): before a
 //!   partition is revoked, its queued messages are dropped (the new owner
 //!   reads them from the committed offset), the one running is let finish
@@ -33,9 +40,7 @@
 //! - **Failures:** with `kafka.dlq.enabled`, a failed message (and a value
 //!   that is not JSON) is published to `kafka.dlq.topic` as `{source_topic,
 //!   partition, offset, key, error: {code, task_id, message}, payload,
-//!   failed_at}` before its offset is stored; the publish is retried until it
-//!   succeeds or the consumer stops (then the message is redelivered).
-//!   Without the DLQ topic, a failed trace gets a dead-letter entry in storage
+//!   failed_at}` before its offset is stored. Without the DLQ topic, a failed trace gets a dead-letter entry in storage
 //!   and is retried like a failed async trace.
 
 use crate::app::App;
@@ -46,6 +51,7 @@ use rdkafka::consumer::{
 };
 use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
 use serde_json::{Map, Value as Json, json};
@@ -364,16 +370,29 @@ impl ConsumerContext for Rebalancer {
 /// A fetched message waiting on its partition's lane.
 type Queued = (OwnedMessage, u64, OwnedSemaphorePermit);
 
-/// One consumer's loop; returns when `stop` is set (after committing).
-async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<bool>) {
+/// One consumer; returns when `stop` is set (after committing).
+async fn consume(app: Arc<App>, sub: Subscription, stop: watch::Receiver<bool>) {
+    while consume_once(&app, &sub, stop.clone()).await {
+        let mut stop = stop.clone();
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// One consumer's loop, until `stop` is set (after committing); `true` when
+/// it must start over instead (a lane was lost).
+async fn consume_once(app: &Arc<App>, sub: &Subscription, mut stop: watch::Receiver<bool>) -> bool {
     let k = &app.config.kafka;
     let partitions = Arc::new(Partitions::default());
     let consumer: Arc<Kafka> = loop {
         let mut cfg = crate::connectors::kafka::client_config(&k.brokers, None, None);
+        // Commits are ours alone (see `commit_stored`): with librdkafka's
+        // auto-commit on, closing the consumer would commit too.
         cfg.set("group.id", &sub.group)
-            .set("enable.auto.commit", "true")
+            .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
-            .set("auto.commit.interval.ms", "1000")
             .set("auto.offset.reset", "earliest")
             .set("session.timeout.ms", k.session_timeout_ms.to_string())
             .set("queued.max.messages.kbytes", "16384")
@@ -399,13 +418,20 @@ async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<boo
         }
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs(5)) => {}
-            _ = stop.wait_for(|s| *s) => return,
+            _ = stop.wait_for(|s| *s) => return false,
         }
     };
+    let committer = tokio::spawn(commit_stored(
+        consumer.clone(),
+        sub.topic.clone(),
+        Duration::from_millis(k.commit_interval_ms.max(1)),
+        stop.clone(),
+    ));
     let permits = Arc::new(Semaphore::new(k.max_in_flight.max(1)));
     let mut lanes: HashMap<i32, mpsc::UnboundedSender<Queued>> = HashMap::new();
     let mut lane_tasks = Vec::new();
     let mut last_error: Option<Instant> = None;
+    let mut restart = false;
     loop {
         let permit = tokio::select! {
             biased;
@@ -443,10 +469,19 @@ async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<boo
             tx
         });
         // The permit travels with the message: the semaphore bounds the lanes.
-        let _ = lane.send((message, epoch, permit));
+        if lane.send((message, epoch, permit)).is_err() && !*stop.borrow() {
+            // A lane ends only when the consumer stops; one gone otherwise is
+            // a bug. Its partition's later messages must not run past the
+            // lost one: stop here, commit what finished, start over from the
+            // committed offsets.
+            tracing::error!(topic = %sub.topic, partition, "a partition lane ended unexpectedly; restarting the consumer");
+            restart = true;
+            break;
+        }
     }
     drop(lanes);
     futures_util::future::join_all(lane_tasks).await;
+    committer.abort();
     // Commit exactly what finished (never the fetch position).
     let done = std::mem::take(&mut lock(&partitions.state).finished);
     if !done.is_empty() {
@@ -459,6 +494,46 @@ async fn consume(app: Arc<App>, sub: Subscription, mut stop: watch::Receiver<boo
         }
     }
     tracing::info!(channel = %sub.channel, topic = %sub.topic, "Kafka consumer stopped");
+    restart
+}
+
+/// Commits the offsets the lanes stored, every `interval`, until the consumer
+/// stops (its final commit is `consume`'s). librdkafka commits only for the
+/// partitions this member owns, so a revoked partition is never committed
+/// here behind its new owner's back.
+async fn commit_stored(
+    consumer: Arc<Kafka>,
+    topic: String,
+    interval: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        match consumer.commit_consumer_state(CommitMode::Async) {
+            Ok(()) => {}
+            // Nothing finished since the last commit.
+            Err(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::NoOffset) => {}
+            Err(e) => {
+                tracing::warn!(topic = %topic, error = %e, "offset commit failed; retried at the next interval")
+            }
+        }
+    }
+}
+
+/// Sleeps `delay` (doubling it up to 10 s for the next time) unless the
+/// consumer stops first; `false` when it does.
+async fn backoff(stop: &watch::Receiver<bool>, delay: &mut Duration) -> bool {
+    let mut stop = stop.clone();
+    let wait = *delay;
+    *delay = (*delay * 2).min(Duration::from_secs(10));
+    tokio::select! {
+        () = tokio::time::sleep(wait) => {}
+        _ = stop.wait_for(|s| *s) => return false,
+    }
+    !*stop.borrow()
 }
 
 /// Runs one partition's messages in order.
@@ -485,8 +560,8 @@ async fn lane(
             }
             st.busy.insert(partition);
         }
-        let ok = handle(&app, &sub, &message, &stop).await;
-        let keep = ok && lock(&partitions.state).owns(partition, epoch);
+        let done = handle(&app, &sub, &message, &stop).await;
+        let keep = done && lock(&partitions.state).owns(partition, epoch);
         if keep {
             // Fails only when the partition is gone meanwhile: the new owner
             // redelivers from the last commit (at least once).
@@ -502,14 +577,16 @@ async fn lane(
             }
         }
         partitions.idle.notify_all();
-        if !ok {
+        if !done {
+            // Only a stopping consumer leaves a message unfinished.
             break;
         }
     }
 }
 
-/// Runs and records one message; `false` when it must not be committed (the
-/// consumer is stopping before its dead letter could be published).
+/// Runs and records one message; `false` only when the consumer stopped
+/// before the message's dead letter or trace could be stored (it must not be
+/// committed then: it is redelivered).
 async fn handle(
     app: &App,
     sub: &Subscription,
@@ -594,7 +671,22 @@ async fn handle(
                         payload: text.clone(),
                         metadata: metadata.to_string(),
                     };
-                    let ok = crate::queue::execute(app, channel, &claimed, &mut outcome).await;
+                    // A panicking run is a failed run, never a lost lane.
+                    let run = std::panic::AssertUnwindSafe(crate::queue::execute(
+                        app,
+                        channel,
+                        &claimed,
+                        &mut outcome,
+                    ));
+                    let ok = match futures_util::FutureExt::catch_unwind(run).await {
+                        Ok(ok) => ok,
+                        Err(_) => {
+                            tracing::error!(trace_id = %trace_id, "a Kafka message's run panicked");
+                            outcome.errors = json!([{"code": "INTERNAL_ERROR", "task_id": "",
+                                "message": "the run panicked"}]);
+                            false
+                        }
+                    };
                     let m = &channel.metrics;
                     if ok {
                         m.ok.increment(1)
@@ -646,16 +738,28 @@ async fn handle(
     let dead_letter = (!dlq_enabled && !outcome_is_malformed(&outcome))
         .then(|| crate::queue::Queue::retry_policy(&app.config.queue))
         .filter(|_| app.config.queue.dlq_retry_enabled);
-    if let Err(e) = app
-        .store
-        .insert_finished_trace(&trace, &outcome, ok, started_at, dead_letter)
-        .await
-    {
-        // The message still counts as handled: its run is done (and
-        // dead-lettered when it failed); only its record is missing.
-        tracing::error!(trace_id = %trace.trace_id, error = %e, "could not record a Kafka trace");
+    // The offset is stored only once the trace is: a message's trace is
+    // never lost. Retried until the database takes it (a retry finds a row
+    // whose commit was acknowledged too late already there) or the consumer
+    // stops; a redelivered message runs, and is dead-lettered, again.
+    let mut delay = Duration::from_millis(200);
+    loop {
+        let e = match app
+            .store
+            .insert_finished_trace(&trace, &outcome, ok, started_at, dead_letter)
+            .await
+        {
+            Ok(()) => return true,
+            Err(e) => e,
+        };
+        if app.store.get_trace(&trace.trace_id).await.is_ok() {
+            return true;
+        }
+        tracing::error!(trace_id = %trace.trace_id, error = %e, "could not record a Kafka trace; retrying (its offset waits)");
+        if !backoff(stop, &mut delay).await {
+            return false;
+        }
     }
-    true
 }
 
 fn outcome_is_malformed(o: &Outcome) -> bool {
@@ -677,18 +781,28 @@ async fn publish_dead_letter(
 ) -> bool {
     let k = &app.config.kafka;
     let timeout = Duration::from_secs(app.config.engine.global_http_timeout_secs.max(1));
-    let producer = match app
-        .kafka
-        .dlq
-        .get_or_try_init(|| async {
-            crate::connectors::kafka::producer_config(&k.brokers, Some("sluice-dlq"), None, timeout)
+    let mut delay = Duration::from_millis(200);
+    let producer = loop {
+        match app
+            .kafka
+            .dlq
+            .get_or_try_init(|| async {
+                crate::connectors::kafka::producer_config(
+                    &k.brokers,
+                    Some("sluice-dlq"),
+                    None,
+                    timeout,
+                )
                 .create::<FutureProducer>()
-        })
-        .await
-    {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot create the dead-letter producer");
+            })
+            .await
+        {
+            Ok(p) => break p,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot create the dead-letter producer; retrying")
+            }
+        }
+        if !backoff(stop, &mut delay).await {
             return false;
         }
     };
@@ -705,11 +819,9 @@ async fn publish_dead_letter(
                 tracing::warn!(topic = %k.dlq.topic, error = %e, "dead letter not published; retrying");
             }
         }
-        if *stop.borrow() {
+        if !backoff(stop, &mut delay).await {
             return false;
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_secs(10));
     }
 }
 

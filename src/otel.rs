@@ -1,12 +1,16 @@
 //! OpenTelemetry spans over OTLP gRPC, when `tracing.enabled`.
 //!
-//! The tree of one data-plane request or consumed message:
-//! `<channel>` (server or consumer span; its parent is the inbound
-//! `traceparent` when there is a valid one) → `task <id>` per task that ran
-//! → `<function> <connector>` per connector call (attributes: connector,
-//! retry count, breaker state; never a secret). Outbound `http_call`
-//! requests and `publish_kafka` messages carry the connector call's span as
-//! their `traceparent`.
+//! The tree of one data-plane request or consumed message: a root span,
+//! `<METHOD> <channel>` (server span) per data-plane request, `<topic>
+//! process` (consumer span) per Kafka message, `<channel> process` per async
+//! trace run, whose parent is the inbound `traceparent` when there is a valid
+//! one → `task <id>` per task that ran → `<function> <connector>` per
+//! connector call (attributes: connector, retry count, breaker state; never a
+//! secret). Outbound `http_call` requests and `publish_kafka` messages carry
+//! the connector call's span as their `traceparent`. A data-plane request
+//! rejected before its workflow runs (governance, a cache hit) still has its
+//! root span, with `http.response.status_code` and, when refused, an error
+//! status.
 //!
 //! Spans are built when the request ends, from what was recorded on the way
 //! (task start times from the runtime's task records, connector calls from the
@@ -14,7 +18,10 @@
 //! timestamps. With tracing disabled there is no [`Otel`], no call log, no
 //! task recording and no clock read for it: the request path pays nothing.
 //! Sampling is parent-based with the ratio `tracing.sample_rate`; an unsampled
-//! request records nothing either.
+//! request records nothing either, and its outbound calls say so: without a
+//! valid inbound `traceparent` to forward they carry a fresh one flagged not
+//! sampled (`-00`, [`unsampled_traceparent`]), never a sampled one the next
+//! service would start recording under.
 
 use crate::config;
 use opentelemetry::trace::{
@@ -285,6 +292,22 @@ impl CallLog {
     }
 }
 
+/// The `traceparent` an untraced request's outbound calls carry while
+/// OpenTelemetry is on: `None` when the inbound one is valid (forwarded as it
+/// is, with its own sampled flag); else a fresh trace flagged not sampled, so
+/// the next service follows this one's decision instead of starting a sampled
+/// trace of its own.
+pub fn unsampled_traceparent(inbound: Option<&str>) -> Option<String> {
+    if inbound.and_then(|t| parse_traceparent(t, None)).is_some() {
+        return None;
+    }
+    Some(format!(
+        "00-{}-{}-00",
+        TraceId::from_bytes(rand_bytes()),
+        SpanId::from_bytes(rand_span_bytes())
+    ))
+}
+
 /// The request's call log, if the scope carries one.
 pub fn call_log(scope: &CallScope) -> Option<&CallLog> {
     scope.observer.as_ref()?.downcast_ref::<CallLog>()
@@ -466,6 +489,45 @@ mod tests {
         ] {
             assert!(parse_traceparent(bad, None).is_none(), "{bad}");
         }
+    }
+
+    /// OpenTelemetry on, a root the ratio leaves out: its outbound calls
+    /// carry a `-00` traceparent (not the fresh sampled one a service without
+    /// OpenTelemetry sends), and a valid inbound one is forwarded unchanged.
+    #[tokio::test]
+    async fn unsampled_roots_send_not_sampled_downstream() {
+        let cfg = config::Tracing {
+            enabled: true,
+            otlp_endpoint: "http://127.0.0.1:9".into(),
+            sample_rate: 0.0,
+            ..config::Config::default().tracing
+        };
+        let otel = Otel::init(&cfg).unwrap().unwrap();
+        assert!(
+            otel.begin("POST c".into(), SpanKind::Server, None, None)
+                .is_none()
+        );
+        let tp = unsampled_traceparent(None).unwrap();
+        let parsed = parse_traceparent(&tp, None).unwrap();
+        assert!(tp.ends_with("-00") && !parsed.is_sampled(), "{tp}");
+        assert_ne!(unsampled_traceparent(None), Some(tp.clone()));
+        assert!(
+            unsampled_traceparent(Some("garbage"))
+                .unwrap()
+                .ends_with("-00")
+        );
+        let inbound = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
+        assert_eq!(unsampled_traceparent(Some(inbound)), None);
+        // What `http_call` and `publish_kafka` put in their headers.
+        let scope = CallScope {
+            channel: "c".into(),
+            traceparent: Some(tp.clone()),
+            tracestate: None,
+            chain: vec![],
+            observer: None,
+        };
+        assert_eq!(crate::connectors::http::trace_context(&scope), (tp, None));
+        otel.shutdown();
     }
 
     #[test]

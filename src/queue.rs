@@ -360,6 +360,12 @@ pub(crate) async fn execute(
     if let Some((_, span)) = &traced {
         scope.observer = Some(span.observer());
         options.record_tasks = true;
+    } else if app.otel.is_some()
+        && let Some(fresh) = crate::otel::unsampled_traceparent(scope.traceparent.as_deref())
+    {
+        // Not sampled: outbound calls say so (a fresh `-00` parent).
+        scope.traceparent = Some(fresh);
+        scope.tracestate = None;
     }
     channel.metrics.executions.increment(1);
     let run = exec::execute(

@@ -1,49 +1,37 @@
 //! Kafka-consuming channels against the Kafka-compatible broker that
 //! `scripts/test.sh` starts (`../shared/services/kafka.sh`): traces for every
-//! message, metadata from key and headers, per-partition order, the
-//! dead-letter topic (failed and non-JSON messages), and at-least-once
-//! delivery across a SIGKILL of the real binary.
+//! message, metadata from key and headers, per-partition order seen by a
+//! recording upstream, the dead-letter topic (failed and non-JSON messages),
+//! the in-flight bound, the default consumer group, consumers following
+//! pause, archive, reloads and new workflow versions, the explicit final
+//! commit, a trace that cannot be stored holding its offset back, and
+//! at-least-once delivery across a SIGKILL of the real binary.
 
-use crate::support::{Db, TestServer, free_port, kafka_reader, start_with, unique};
+use crate::support::{
+    Db, Record, TestServer, free_port, kafka_committed, kafka_produce, kafka_producer,
+    kafka_reader, kafka_topics, recording_upstream, start_with, unique,
+};
 use rdkafka::Message as _;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::util::Timeout;
 use serde_json::{Value as Json, json};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-const KAFKA: &str = "127.0.0.1:9092";
+const KAFKA: &str = crate::support::KAFKA_BROKERS;
 
-fn producer() -> FutureProducer {
-    rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", KAFKA)
-        .set("linger.ms", "0")
-        .create()
-        .expect("a Kafka producer")
+/// Kafka on, against the test broker, with the short session timeout its
+/// group joins need.
+fn kafka_on(c: &mut sluice::config::Config) {
+    c.kafka.enabled = true;
+    c.kafka.brokers = KAFKA.into();
+    c.kafka.session_timeout_ms = 6000;
 }
 
-async fn produce(
-    p: &FutureProducer,
-    topic: &str,
-    key: Option<&str>,
-    value: &[u8],
-    headers: &[(&str, &str)],
-) {
-    let mut h = OwnedHeaders::new();
-    for (k, v) in headers {
-        h = h.insert(Header {
-            key: k,
-            value: Some(v.as_bytes()),
-        });
+/// A message with this value (and nothing else).
+fn value(v: &[u8]) -> Record<'_> {
+    Record {
+        value: v,
+        ..Record::default()
     }
-    let mut record = FutureRecord::to(topic).payload(value).headers(h);
-    if let Some(k) = key {
-        record = record.key(k);
-    }
-    p.send(record, Timeout::After(Duration::from_secs(10)))
-        .await
-        .expect("Kafka at 127.0.0.1:9092 is required (bash ../shared/services/kafka.sh)");
 }
 
 /// The workflow of the consuming channel: copies what a message brings into
@@ -64,13 +52,66 @@ fn workflow(id: &str) -> Json {
     ]})
 }
 
+/// A Kafka channel `id` (workflow `id`) on `topic`; `group: None` leaves
+/// `consumer_group` out (the platform's `kafka.group_id` applies).
+fn kafka_channel(id: &str, topic: &str, group: Option<&str>) -> Json {
+    let mut config = json!({"topic": topic});
+    if let Some(g) = group {
+        config["consumer_group"] = json!(g);
+    }
+    json!({"channel_id": id, "name": id, "channel_type": "async", "protocol": "kafka",
+           "workflow_id": id, "config_json": config})
+}
+
 async fn deploy_kafka_channel(s: &TestServer, id: &str, topic: &str, group: &str) {
-    s.deploy(
-        workflow(id),
-        json!({"channel_id": id, "name": id, "channel_type": "async", "protocol": "kafka",
-               "workflow_id": id, "config_json": {"topic": topic, "consumer_group": group}}),
+    s.deploy(workflow(id), kafka_channel(id, topic, Some(group)))
+        .await;
+}
+
+/// The workflow of channel `id` reports each message to `upstream` (a
+/// [`recording_upstream`]) as `POST /seen/<partition>/<offset>/<key>/<n>`,
+/// then copies `n` and the workflow's version tag `v` into `data`.
+fn recording_workflow(id: &str, v: i64) -> Json {
+    json!({"workflow_id": id, "name": id, "tasks": [
+        {"id": "report", "name": "report", "function": {"name": "http_call", "input": {
+            "connector": format!("{id}-up"), "method": "POST",
+            "path_logic": {"cat": ["/seen/", {"var": "metadata.partition"}, "/", {"var": "metadata.offset"},
+                                   "/", {"var": "metadata.key"}, "/", {"var": "payload.n"}]}}}},
+        {"id": "copy", "name": "copy", "function": {"name": "map", "input": {"mappings": [
+            {"path": "n", "logic": {"var": "payload.n"}},
+            {"path": "v", "logic": v}
+        ]}}}
+    ]})
+}
+
+async fn deploy_recording(s: &TestServer, id: &str, upstream: &str, channel: Json) {
+    s.admin(
+        "POST",
+        "/connectors",
+        Some(json!({"name": format!("{id}-up"), "connector_type": "http",
+            "config": {"type": "http", "url": upstream, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})),
     )
-    .await;
+    .await
+    .ok(201);
+    s.deploy(recording_workflow(id, 1), channel).await;
+}
+
+/// What a recording upstream saw, in arrival order: (partition, offset, key, n).
+fn reports(rec: &crate::support::Recorded) -> Vec<(i32, i64, String, i64)> {
+    rec.requests()
+        .iter()
+        .map(|seen| {
+            let path = seen.path.as_str();
+            let parts: Vec<&str> = path.trim_start_matches("/seen/").split('/').collect();
+            assert_eq!(parts.len(), 4, "{path}");
+            (
+                parts[0].parse().unwrap(),
+                parts[1].parse().unwrap(),
+                parts[2].to_owned(),
+                parts[3].parse().unwrap(),
+            )
+        })
+        .collect()
 }
 
 /// Every trace of `channel` (newest first).
@@ -107,50 +148,105 @@ async fn wait_traces(
     }
 }
 
+/// Waits until the consumers running are exactly `n`.
+async fn wait_running(s: &TestServer, n: usize) {
+    let until = Instant::now() + Duration::from_secs(30);
+    while s.app.kafka.running().len() != n {
+        assert!(
+            Instant::now() < until,
+            "consumers: {:?}",
+            s.app.kafka.running()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until `group` has committed `want` on `topic`'s partitions.
+async fn wait_committed(group: &str, topic: &str, want: &[Option<i64>]) {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = kafka_committed(group, topic, want.len() as i32).await;
+        if got == want {
+            return;
+        }
+        assert!(Instant::now() < until, "committed {got:?}, want {want:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// The `n`s of the completed traces, each with how many traces it has.
+fn completed_counts(t: &[Json]) -> BTreeMap<i64, usize> {
+    let mut out = BTreeMap::new();
+    for t in t.iter().filter(|t| t["status"] == "completed") {
+        *out.entry(t["data"]["n"].as_i64().unwrap()).or_default() += 1;
+    }
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumes_records_dead_letters_and_keeps_order() {
+async fn consumes_records_and_dead_letters() {
     let topic = unique("sluice-in");
     let dlq = unique("sluice-dlq");
     let group = unique("sluice-group");
     let dlq_topic = dlq.clone();
     let s = start_with(Db::Sqlite, move |c| {
-        c.kafka.enabled = true;
-        c.kafka.brokers = KAFKA.into();
-        c.kafka.session_timeout_ms = 6000;
+        kafka_on(c);
         c.kafka.dlq.enabled = true;
         c.kafka.dlq.topic = dlq_topic;
     })
     .await;
     deploy_kafka_channel(&s, "orders-in", &topic, &group).await;
 
-    let p = producer();
+    let p = kafka_producer();
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    // One key, one partition: these must run in order.
     for n in 0..10 {
-        let value = json!({"data": {"n": n}}).to_string();
-        produce(
+        let v = json!({"data": {"n": n}}).to_string();
+        kafka_produce(
             &p,
             &topic,
-            Some("k1"),
-            value.as_bytes(),
-            &[("traceparent", traceparent), ("X-Origin", "test")],
+            Record {
+                key: Some("k1"),
+                value: v.as_bytes(),
+                headers: &[("traceparent", traceparent), ("X-Origin", "test")],
+                ..Record::default()
+            },
         )
         .await;
     }
     // A bare object (no `data` member) is the payload as a whole.
-    produce(&p, &topic, None, br#"{"n": 100}"#, &[]).await;
+    kafka_produce(&p, &topic, value(br#"{"n": 100}"#)).await;
     // A failing workflow and a value that is not JSON go to the DLQ ...
-    produce(
+    let failed_at = kafka_produce(
         &p,
         &topic,
-        Some("bad"),
-        br#"{"data": {"n": 200, "fail": true}}"#,
-        &[],
+        Record {
+            key: Some("bad"),
+            value: br#"{"data": {"n": 200, "fail": true}}"#,
+            ..Record::default()
+        },
     )
     .await;
-    produce(&p, &topic, Some("garbage"), b"not json {", &[]).await;
+    let garbage_at = kafka_produce(
+        &p,
+        &topic,
+        Record {
+            key: Some("garbage"),
+            value: b"not json {",
+            ..Record::default()
+        },
+    )
+    .await;
     // ... and the consumer goes on with the next message.
-    produce(&p, &topic, Some("k1"), br#"{"data": {"n": 10}}"#, &[]).await;
+    kafka_produce(
+        &p,
+        &topic,
+        Record {
+            key: Some("k1"),
+            value: br#"{"data": {"n": 10}}"#,
+            ..Record::default()
+        },
+    )
+    .await;
 
     let all = wait_traces(
         &s.client,
@@ -165,6 +261,10 @@ async fn consumes_records_dead_letters_and_keeps_order() {
     let completed: Vec<&Json> = all.iter().filter(|t| t["status"] == "completed").collect();
     let failed: Vec<&Json> = all.iter().filter(|t| t["status"] == "failed").collect();
     assert_eq!((completed.len(), failed.len()), (12, 2), "{all:#?}");
+    assert_eq!(
+        completed_counts(&all).into_keys().collect::<Vec<_>>(),
+        (0..=10).chain([100]).collect::<Vec<_>>()
+    );
 
     // Metadata from the message.
     let first = completed
@@ -183,23 +283,6 @@ async fn consumes_records_dead_letters_and_keeps_order() {
         .expect("bare object");
     assert_eq!(bare["data"]["msg_key"], Json::Null);
 
-    // Per-partition order: the k1 messages ran (were created) in offset order.
-    let mut k1: Vec<(String, i64, i64)> = completed
-        .iter()
-        .filter(|t| t["data"]["msg_key"] == "k1")
-        .map(|t| {
-            (
-                t["created_at"].as_str().unwrap().to_owned(),
-                t["data"]["offset"].as_str().unwrap().parse().unwrap(),
-                t["data"]["n"].as_i64().unwrap(),
-            )
-        })
-        .collect();
-    k1.sort();
-    let ns: Vec<i64> = k1.iter().map(|x| x.2).collect();
-    assert_eq!(ns, (0..=10).collect::<Vec<_>>(), "{k1:?}");
-    assert!(k1.windows(2).all(|w| w[0].1 < w[1].1), "{k1:?}");
-
     // The failed trace names the task.
     let f = failed
         .iter()
@@ -207,7 +290,8 @@ async fn consumes_records_dead_letters_and_keeps_order() {
         .expect("failed run");
     assert_eq!(f["errors"][0]["code"], "TASK_ERROR", "{f}");
 
-    // Both dead letters, with the documented fields.
+    // Both dead letters: exactly the documented fields, and the source
+    // message's own partition and offset.
     let c = kafka_reader(&[&dlq]).await;
     let mut letters = Vec::new();
     while letters.len() < 2 {
@@ -218,8 +302,31 @@ async fn consumes_records_dead_letters_and_keeps_order() {
         letters.push(serde_json::from_slice::<Json>(m.payload().unwrap()).unwrap());
     }
     letters.sort_by_key(|l| l["offset"].as_i64());
+    let keys = |j: &Json| -> BTreeSet<String> { j.as_object().unwrap().keys().cloned().collect() };
+    let fields = [
+        "source_topic",
+        "partition",
+        "offset",
+        "key",
+        "error",
+        "payload",
+        "failed_at",
+    ];
+    for l in &letters {
+        assert_eq!(keys(l), fields.map(String::from).into(), "{l}");
+        assert_eq!(
+            keys(&l["error"]),
+            ["code", "task_id", "message"].map(String::from).into(),
+            "{l}"
+        );
+        assert_eq!(l["source_topic"], json!(topic));
+        assert!(l["failed_at"].as_str().unwrap().ends_with('Z'), "{l}");
+    }
     let (failed_letter, garbage) = (&letters[0], &letters[1]);
-    assert_eq!(failed_letter["source_topic"], json!(topic));
+    assert_eq!(
+        (&failed_letter["partition"], &failed_letter["offset"]),
+        (&json!(failed_at.0), &json!(failed_at.1))
+    );
     assert_eq!(failed_letter["key"], "bad");
     assert_eq!(failed_letter["payload"], json!({"n": 200, "fail": true}));
     assert_eq!(failed_letter["error"]["task_id"], "boom");
@@ -230,11 +337,14 @@ async fn consumes_records_dead_letters_and_keeps_order() {
             .unwrap()
             .contains("no-such-connector")
     );
-    assert!(failed_letter["partition"].is_i64() && failed_letter["offset"].is_i64());
-    assert!(failed_letter["failed_at"].as_str().unwrap().ends_with('Z'));
+    assert_eq!(
+        (&garbage["partition"], &garbage["offset"]),
+        (&json!(garbage_at.0), &json!(garbage_at.1))
+    );
     assert_eq!(garbage["key"], "garbage");
     assert_eq!(garbage["payload"], "not json {");
     assert_eq!(garbage["error"]["code"], "BAD_REQUEST");
+    assert_eq!(garbage["error"]["task_id"], "");
     assert!(
         garbage["error"]["message"]
             .as_str()
@@ -243,87 +353,338 @@ async fn consumes_records_dead_letters_and_keeps_order() {
     );
 }
 
-/// The consumer follows the channel: archiving it stops consumption; a
-/// message produced meanwhile is consumed once the channel is active again.
+/// Per-partition order, seen from outside: on a 3-partition topic with six
+/// keys, every message's workflow reports it to an upstream that records
+/// arrival order (each report held 20 ms, so lanes overlap). Per partition
+/// the reports arrive in offset order, and per key in production order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumers_follow_channel_lifecycle() {
-    let topic = unique("sluice-life");
+async fn each_partition_runs_in_offset_order() {
+    const KEYS: usize = 6;
+    const ROUNDS: i64 = 6;
+    let topic = unique("sluice-order");
     let group = unique("sluice-group");
+    kafka_topics(&[&topic], 3).await;
+    let (up, rec) = recording_upstream(Duration::from_millis(20)).await;
     let s = start_with(Db::Sqlite, |c| {
-        c.kafka.enabled = true;
-        c.kafka.brokers = KAFKA.into();
-        c.kafka.session_timeout_ms = 6000;
+        kafka_on(c);
+        c.security.allow_private_networks = true;
     })
     .await;
+    deploy_recording(
+        &s,
+        "ordered",
+        &up,
+        kafka_channel("ordered", &topic, Some(&group)),
+    )
+    .await;
+
+    let p = kafka_producer();
+    let mut produced: BTreeMap<i32, Vec<i64>> = BTreeMap::new();
+    for n in 0..ROUNDS {
+        for k in 0..KEYS {
+            let key = format!("k{k}");
+            let v = json!({"data": {"n": n}}).to_string();
+            let (partition, offset) = kafka_produce(
+                &p,
+                &topic,
+                Record {
+                    key: Some(&key),
+                    value: v.as_bytes(),
+                    ..Record::default()
+                },
+            )
+            .await;
+            produced.entry(partition).or_default().push(offset);
+        }
+    }
+    assert!(produced.len() >= 2, "the keys spread: {produced:?}");
+    let total = KEYS * ROUNDS as usize;
+    wait_traces(
+        &s.client,
+        &s.base,
+        "ordered",
+        Duration::from_secs(90),
+        |t| t.iter().filter(|t| t["status"] == "completed").count() >= total,
+    )
+    .await;
+
+    let seen = reports(&rec);
+    assert_eq!(seen.len(), total, "each message once: {seen:?}");
+    let mut by_partition: BTreeMap<i32, Vec<i64>> = BTreeMap::new();
+    let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for (partition, offset, key, n) in &seen {
+        by_partition.entry(*partition).or_default().push(*offset);
+        by_key.entry(key.clone()).or_default().push(*n);
+    }
+    // Arrival order is offset order, partition by partition (and nothing is
+    // missing: the produced offsets, in order).
+    assert_eq!(by_partition, produced, "arrival order: {seen:?}");
+    for (key, ns) in &by_key {
+        assert_eq!(ns, &(0..ROUNDS).collect::<Vec<_>>(), "key {key}: {seen:?}");
+    }
+    assert_eq!(by_key.len(), KEYS);
+}
+
+/// `kafka.max_in_flight = 2`: with a slow upstream and messages on all three
+/// partitions (whose lanes run side by side), never more than two messages
+/// run at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_messages_are_bounded_across_partitions() {
+    let topic = unique("sluice-bound");
+    let group = unique("sluice-group");
+    kafka_topics(&[&topic], 3).await;
+    let (up, rec) = recording_upstream(Duration::from_millis(250)).await;
+    let s = start_with(Db::Sqlite, |c| {
+        kafka_on(c);
+        c.kafka.max_in_flight = 2;
+        c.security.allow_private_networks = true;
+    })
+    .await;
+    deploy_recording(
+        &s,
+        "bounded",
+        &up,
+        kafka_channel("bounded", &topic, Some(&group)),
+    )
+    .await;
+    let p = kafka_producer();
+    for n in 0..12 {
+        let v = json!({"data": {"n": n}}).to_string();
+        kafka_produce(
+            &p,
+            &topic,
+            Record {
+                partition: Some((n % 3) as i32),
+                key: Some("k"),
+                value: v.as_bytes(),
+                ..Record::default()
+            },
+        )
+        .await;
+    }
+    wait_traces(
+        &s.client,
+        &s.base,
+        "bounded",
+        Duration::from_secs(90),
+        |t| t.iter().filter(|t| t["status"] == "completed").count() >= 12,
+    )
+    .await;
+    let partitions: BTreeSet<i32> = reports(&rec).iter().map(|r| r.0).collect();
+    assert_eq!(partitions, BTreeSet::from([0, 1, 2]));
+    let peak = rec.peak();
+    assert!((1..=2).contains(&peak), "{peak} messages ran at once");
+}
+
+/// A channel without `consumer_group` consumes in `kafka.group_id`: the
+/// broker has that group's commits for the topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_consumer_group_is_kafka_group_id() {
+    let topic = unique("sluice-default");
+    let group = unique("sluice-platform-group");
+    let platform_group = group.clone();
+    kafka_topics(&[&topic], 1).await;
+    let s = start_with(Db::Sqlite, move |c| {
+        kafka_on(c);
+        c.kafka.group_id = platform_group;
+    })
+    .await;
+    s.deploy(workflow("dflt"), kafka_channel("dflt", &topic, None))
+        .await;
+    wait_running(&s, 1).await;
+    assert_eq!(s.app.kafka.running()[0].group, group);
+    let p = kafka_producer();
+    for n in 0..3 {
+        let v = json!({"data": {"n": n}}).to_string();
+        kafka_produce(&p, &topic, value(v.as_bytes())).await;
+    }
+    wait_traces(&s.client, &s.base, "dflt", Duration::from_secs(60), |t| {
+        t.len() == 3
+    })
+    .await;
+    // Committed under the platform's group (within a commit interval).
+    wait_committed(&group, &topic, &[Some(3)]).await;
+}
+
+/// The consumer follows the channel: pausing and archiving stop
+/// consumption; messages produced meanwhile are consumed, once, when the
+/// channel is active again (the group resumes at its committed offset).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_follow_pause_and_archive() {
+    let topic = unique("sluice-life");
+    let group = unique("sluice-group");
+    let s = start_with(Db::Sqlite, kafka_on).await;
     deploy_kafka_channel(&s, "life", &topic, &group).await;
-    let p = producer();
-    produce(&p, &topic, None, br#"{"data": {"n": 1}}"#, &[]).await;
+    let p = kafka_producer();
+    kafka_produce(&p, &topic, value(br#"{"data": {"n": 1}}"#)).await;
     wait_traces(&s.client, &s.base, "life", Duration::from_secs(60), |t| {
         t.len() == 1
     })
     .await;
-    assert_eq!(s.app.kafka.running().len(), 1);
+    wait_running(&s, 1).await;
 
-    // Pausing stops the consumer; a message produced meanwhile waits.
-    let r = s
-        .admin(
-            "PATCH",
-            "/channels/life/status",
-            Some(json!({"status": "paused"})),
-        )
+    let mut n = 1;
+    for (stop, resume) in [("paused", "active"), ("archived", "active")] {
+        let r = s
+            .admin(
+                "PATCH",
+                "/channels/life/status",
+                Some(json!({"status": stop})),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{stop}: {}", r.text);
+        wait_running(&s, 0).await;
+        // Produced while the channel is not active: waits in the topic.
+        n += 1;
+        let v = json!({"data": {"n": n}}).to_string();
+        kafka_produce(&p, &topic, value(v.as_bytes())).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(
+            traces(&s.client, &s.base, "life").await.len(),
+            n as usize - 1,
+            "consumed while {stop}"
+        );
+        // Active again (an archived channel's latest version comes back).
+        let r = s
+            .admin(
+                "PATCH",
+                "/channels/life/status",
+                Some(json!({"status": resume})),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{resume} after {stop}: {}", r.text);
+        wait_running(&s, 1).await;
+        wait_traces(&s.client, &s.base, "life", Duration::from_secs(60), |t| {
+            t.len() >= n as usize
+        })
         .await;
-    assert_eq!(r.status, 200, "{}", r.text);
-    let until = Instant::now() + Duration::from_secs(30);
-    while !s.app.kafka.running().is_empty() {
-        assert!(Instant::now() < until, "consumer still running");
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    produce(&p, &topic, None, br#"{"data": {"n": 2}}"#, &[]).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(traces(&s.client, &s.base, "life").await.len(), 1);
-    // Active again: the same group resumes after the committed offset, so
-    // the waiting message runs and the first one does not run again.
-    let r = s
-        .admin(
-            "PATCH",
-            "/channels/life/status",
-            Some(json!({"status": "active"})),
-        )
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text);
-    let t = wait_traces(&s.client, &s.base, "life", Duration::from_secs(60), |t| {
-        t.len() >= 2
-    })
-    .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let t2 = traces(&s.client, &s.base, "life").await;
-    assert_eq!(t2.len(), 2, "{t2:#?}");
-    assert_eq!(t[0]["data"]["n"], 2);
+    let all = traces(&s.client, &s.base, "life").await;
+    assert_eq!(
+        completed_counts(&all),
+        (1..=n).map(|n| (n, 1)).collect(),
+        "{all:#?}"
+    );
 }
 
-/// A graceful stop commits what finished: a new consumer in the same group
-/// starts after it and runs only the message produced later.
+/// An engine reload and a new workflow version activated while messages are
+/// in flight neither restart the consumer nor lose or repeat a message: each
+/// runs once (the upstream sees it once, it has one trace), the ones after
+/// the activation on the new version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reloads_and_new_versions_lose_and_repeat_nothing() {
+    const FIRST: i64 = 20;
+    const THEN: i64 = 5;
+    let topic = unique("sluice-reload");
+    let group = unique("sluice-group");
+    kafka_topics(&[&topic], 3).await;
+    let (up, rec) = recording_upstream(Duration::from_millis(100)).await;
+    let s = start_with(Db::Sqlite, |c| {
+        kafka_on(c);
+        c.security.allow_private_networks = true;
+    })
+    .await;
+    deploy_recording(&s, "rl", &up, kafka_channel("rl", &topic, Some(&group))).await;
+    wait_running(&s, 1).await;
+    let consumer = s.app.kafka.running();
+    let p = kafka_producer();
+    let produce = |n: i64| {
+        let p = &p;
+        let topic = &topic;
+        async move {
+            let v = json!({"data": {"n": n}}).to_string();
+            let key = format!("k{}", n % 4);
+            kafka_produce(
+                p,
+                topic,
+                Record {
+                    key: Some(&key),
+                    value: v.as_bytes(),
+                    ..Record::default()
+                },
+            )
+            .await;
+        }
+    };
+    for n in 0..FIRST {
+        produce(n).await;
+    }
+    // Some have run, most are still in flight (the upstream holds each
+    // 100 ms; partitions run side by side).
+    wait_traces(&s.client, &s.base, "rl", Duration::from_secs(60), |t| {
+        t.len() >= 3
+    })
+    .await;
+    let r = s.admin("POST", "/engine/reload", None).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    s.admin("POST", "/workflows/rl/versions", None)
+        .await
+        .ok(201);
+    s.admin("PUT", "/workflows/rl", Some(recording_workflow("rl", 2)))
+        .await
+        .ok(200);
+    s.admin(
+        "PATCH",
+        "/workflows/rl/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    let mid = traces(&s.client, &s.base, "rl").await.len() as i64;
+    assert!(
+        mid < FIRST,
+        "the change should land mid-stream ({mid} done)"
+    );
+    for n in FIRST..FIRST + THEN {
+        produce(n).await;
+    }
+    let total = (FIRST + THEN) as usize;
+    wait_traces(&s.client, &s.base, "rl", Duration::from_secs(90), |t| {
+        t.len() >= total
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let all = traces(&s.client, &s.base, "rl").await;
+    assert_eq!(
+        completed_counts(&all),
+        (0..FIRST + THEN).map(|n| (n, 1)).collect(),
+        "{all:#?}"
+    );
+    let mut upstream_ns: Vec<i64> = reports(&rec).iter().map(|r| r.3).collect();
+    upstream_ns.sort_unstable();
+    assert_eq!(upstream_ns, (0..FIRST + THEN).collect::<Vec<_>>());
+    // Produced after the activation: run on version 2.
+    for t in &all {
+        if t["data"]["n"].as_i64().unwrap() >= FIRST {
+            assert_eq!(t["data"]["v"], 2, "{t}");
+            assert_eq!(t["workflow_version"], 2, "{t}");
+        }
+    }
+    assert!(all.iter().any(|t| t["data"]["v"] == 1));
+    // The same consumer all along.
+    assert_eq!(s.app.kafka.running(), consumer);
+}
+
+/// A graceful stop commits what finished, and that commit is the consumer's
+/// explicit final one: with periodic commits far off, nothing is committed
+/// before the stop and exactly the finished offsets after it. A new consumer
+/// in the group then runs only the message produced later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_commits_finished_messages() {
     let topic = unique("sluice-stop");
     let group = unique("sluice-group");
     let config = |c: &mut sluice::config::Config| {
-        c.kafka.enabled = true;
-        c.kafka.brokers = KAFKA.into();
-        c.kafka.session_timeout_ms = 6000;
+        kafka_on(c);
+        c.kafka.commit_interval_ms = 600_000;
     };
+    kafka_topics(&[&topic], 1).await;
     let mut first = start_with(Db::Sqlite, config).await;
     deploy_kafka_channel(&first, "stop", &topic, &group).await;
-    let p = producer();
+    let p = kafka_producer();
     for n in 0..5 {
-        produce(
-            &p,
-            &topic,
-            None,
-            json!({"data": {"n": n}}).to_string().as_bytes(),
-            &[],
-        )
-        .await;
+        let v = json!({"data": {"n": n}}).to_string();
+        kafka_produce(&p, &topic, value(v.as_bytes())).await;
     }
     wait_traces(
         &first.client,
@@ -333,11 +694,14 @@ async fn graceful_shutdown_commits_finished_messages() {
         |t| t.len() == 5,
     )
     .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(kafka_committed(&group, &topic, 1).await, [None]);
     first.shutdown().await;
+    assert_eq!(kafka_committed(&group, &topic, 1).await, [Some(5)]);
 
     let second = start_with(Db::Sqlite, config).await;
     deploy_kafka_channel(&second, "stop", &topic, &group).await;
-    produce(&p, &topic, None, br#"{"data": {"n": 5}}"#, &[]).await;
+    kafka_produce(&p, &topic, value(br#"{"data": {"n": 5}}"#)).await;
     let t = wait_traces(
         &second.client,
         &second.base,
@@ -352,6 +716,52 @@ async fn graceful_shutdown_commits_finished_messages() {
     assert_eq!(t[0]["data"]["n"], 5);
 }
 
+/// A trace that cannot be stored holds its message's offset back: while the
+/// traces table is gone (renamed away on PostgreSQL) the message is retried,
+/// not committed; once the table is back its trace is stored, once, and the
+/// offset committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unrecorded_trace_is_not_committed() {
+    use sqlx::Connection as _;
+    let topic = unique("sluice-norecord");
+    let group = unique("sluice-group");
+    kafka_topics(&[&topic], 1).await;
+    let s = start_with(Db::Postgres, kafka_on).await;
+    deploy_kafka_channel(&s, "norec", &topic, &group).await;
+    let p = kafka_producer();
+    kafka_produce(&p, &topic, value(br#"{"data": {"n": 0}}"#)).await;
+    wait_traces(&s.client, &s.base, "norec", Duration::from_secs(60), |t| {
+        t.len() == 1
+    })
+    .await;
+    wait_committed(&group, &topic, &[Some(1)]).await;
+
+    let mut db = sqlx::PgConnection::connect(&s.app.config.storage.url)
+        .await
+        .unwrap();
+    sqlx::query("ALTER TABLE traces RENAME TO traces_away")
+        .execute(&mut db)
+        .await
+        .unwrap();
+    kafka_produce(&p, &topic, value(br#"{"data": {"n": 1}}"#)).await;
+    // Several commit intervals: the offset stays where it was.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(kafka_committed(&group, &topic, 1).await, [Some(1)]);
+    sqlx::query("ALTER TABLE traces_away RENAME TO traces")
+        .execute(&mut db)
+        .await
+        .unwrap();
+    let all = wait_traces(&s.client, &s.base, "norec", Duration::from_secs(60), |t| {
+        t.len() >= 2
+    })
+    .await;
+    wait_committed(&group, &topic, &[Some(2)]).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let all2 = traces(&s.client, &s.base, "norec").await;
+    assert_eq!(all2.len(), 2, "{all:#?}");
+    assert_eq!(completed_counts(&all2), BTreeMap::from([(0, 1), (1, 1)]));
+}
+
 /// `kafka.topics` in the config file adds topics consumed for a channel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn config_file_topics_are_consumed() {
@@ -360,9 +770,7 @@ async fn config_file_topics_are_consumed() {
     let group = unique("sluice-group");
     let extra_topic = extra.clone();
     let s = start_with(Db::Sqlite, move |c| {
-        c.kafka.enabled = true;
-        c.kafka.brokers = KAFKA.into();
-        c.kafka.session_timeout_ms = 6000;
+        kafka_on(c);
         c.kafka.topics = vec![sluice::config::KafkaTopic {
             topic: extra_topic,
             channel: "cfg".into(),
@@ -370,9 +778,27 @@ async fn config_file_topics_are_consumed() {
     })
     .await;
     deploy_kafka_channel(&s, "cfg", &own, &group).await;
-    let p = producer();
-    produce(&p, &extra, Some("x"), br#"{"data": {"n": 7}}"#, &[]).await;
-    produce(&p, &own, Some("o"), br#"{"data": {"n": 8}}"#, &[]).await;
+    let p = kafka_producer();
+    kafka_produce(
+        &p,
+        &extra,
+        Record {
+            key: Some("x"),
+            value: br#"{"data": {"n": 7}}"#,
+            ..Record::default()
+        },
+    )
+    .await;
+    kafka_produce(
+        &p,
+        &own,
+        Record {
+            key: Some("o"),
+            value: br#"{"data": {"n": 8}}"#,
+            ..Record::default()
+        },
+    )
+    .await;
     let t = wait_traces(&s.client, &s.base, "cfg", Duration::from_secs(60), |t| {
         t.len() >= 2
     })
@@ -474,15 +900,18 @@ async fn at_least_once_across_sigkill() {
     .await
     .unwrap());
 
-    let p = producer();
+    let p = kafka_producer();
     for n in 0..N {
         let key = format!("k{}", n % 3);
-        produce(
+        let v = json!({"data": {"n": n}}).to_string();
+        kafka_produce(
             &p,
             &topic,
-            Some(&key),
-            json!({"data": {"n": n}}).to_string().as_bytes(),
-            &[],
+            Record {
+                key: Some(&key),
+                value: v.as_bytes(),
+                ..Record::default()
+            },
         )
         .await;
     }
@@ -513,4 +942,154 @@ async fn at_least_once_across_sigkill() {
     child.wait().unwrap();
     assert_eq!(completed_ns(&all), (0..N).collect::<BTreeSet<_>>());
     assert!(all.iter().all(|t| t["mode"] == "kafka"));
+}
+
+/// The README's "Kafka channels end to end", run as written: every `$ `
+/// command of its console blocks through `sh` (curl and jq), against this
+/// test's server, on a topic and group of its own; each must print what the
+/// README shows (the trace read is retried while the message is on its way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_kafka_walkthrough_runs() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme
+        .split("\n## Kafka channels end to end\n")
+        .nth(1)
+        .expect("the README has the section")
+        .split("\n## ")
+        .next()
+        .unwrap();
+    // (command, expected output lines)
+    let mut steps: Vec<(String, Vec<String>)> = Vec::new();
+    let mut in_console = false;
+    for line in section.lines() {
+        match line {
+            "```console" => in_console = true,
+            "```" => in_console = false,
+            _ if !in_console => {}
+            _ => match line.strip_prefix("$ ") {
+                Some(cmd) => steps.push((cmd.to_owned(), Vec::new())),
+                None => steps
+                    .last_mut()
+                    .expect("output after a command")
+                    .1
+                    .push(line.to_owned()),
+            },
+        }
+    }
+    assert!(steps.len() >= 10, "{steps:#?}");
+
+    let s = start_with(Db::Sqlite, kafka_on).await;
+    let (topic, group) = (unique("shipments"), unique("shipping"));
+    kafka_topics(&[&topic], 3).await;
+    let host = s.base.trim_start_matches("http://").to_owned();
+    for (cmd, want) in &steps {
+        let cmd = cmd
+            .replace("localhost:8080", &host)
+            .replace("\"shipments\"", &format!("\"{topic}\""))
+            .replace("\"shipping\"", &format!("\"{group}\""));
+        let until = Instant::now() + Duration::from_secs(60);
+        loop {
+            let out = tokio::process::Command::new("sh")
+                .arg("-c")
+                .arg(&cmd)
+                .output()
+                .await
+                .expect("sh runs (curl and jq are on the machine)");
+            let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(str::to_owned)
+                .collect();
+            if out.status.success() && &got == want {
+                break;
+            }
+            // Only reading the trace may need a moment; the rest must print
+            // the README's output at once.
+            assert!(
+                cmd.contains("/data/traces") && Instant::now() < until,
+                "{cmd}\nprinted: {got:#?}\nREADME: {want:#?}\nstderr: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// A dead letter that cannot be published holds its partition: the message
+/// is neither committed nor skipped (the next one waits behind it), and the
+/// lane keeps retrying instead of ending. Here the dead-letter topic's name
+/// is one librdkafka refuses (over 512 characters), so every publish fails.
+/// After a graceful stop, a consumer of the same group with a working
+/// dead-letter topic picks the message up again, dead-letters it, and goes
+/// on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpublishable_dead_letter_is_not_committed() {
+    let topic = unique("sluice-stuck");
+    let group = unique("sluice-group");
+    let dlq = unique("sluice-dlq");
+    kafka_topics(&[&topic], 1).await;
+    let mut first = start_with(Db::Sqlite, |c| {
+        kafka_on(c);
+        c.kafka.dlq.enabled = true;
+        c.kafka.dlq.topic = "x".repeat(600);
+    })
+    .await;
+    deploy_kafka_channel(&first, "stuck", &topic, &group).await;
+    let p = kafka_producer();
+    for v in [
+        br#"{"data": {"n": 0}}"#.as_slice(),
+        br#"{"data": {"n": 1, "fail": true}}"#,
+        br#"{"data": {"n": 2}}"#,
+    ] {
+        kafka_produce(&p, &topic, value(v)).await;
+    }
+    wait_traces(
+        &first.client,
+        &first.base,
+        "stuck",
+        Duration::from_secs(60),
+        |t| !t.is_empty(),
+    )
+    .await;
+    wait_committed(&group, &topic, &[Some(1)]).await;
+    // Retried, not committed, not skipped.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(traces(&first.client, &first.base, "stuck").await.len(), 1);
+    assert_eq!(kafka_committed(&group, &topic, 1).await, [Some(1)]);
+    assert_eq!(first.app.kafka.running().len(), 1);
+    first.shutdown().await;
+    assert_eq!(kafka_committed(&group, &topic, 1).await, [Some(1)]);
+
+    let dlq_topic = dlq.clone();
+    let second = start_with(Db::Sqlite, move |c| {
+        kafka_on(c);
+        c.kafka.dlq.enabled = true;
+        c.kafka.dlq.topic = dlq_topic;
+    })
+    .await;
+    deploy_kafka_channel(&second, "stuck", &topic, &group).await;
+    wait_traces(
+        &second.client,
+        &second.base,
+        "stuck",
+        Duration::from_secs(60),
+        |t| t.len() >= 2,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let t = traces(&second.client, &second.base, "stuck").await;
+    assert_eq!(t.len(), 2, "{t:#?}");
+    // The failed message, and the one that waited behind it.
+    let failed = t.iter().find(|t| t["status"] == "failed").expect("failed");
+    assert_eq!(failed["errors"][0]["task_id"], "boom", "{t:#?}");
+    assert_eq!(completed_counts(&t), BTreeMap::from([(2, 1)]), "{t:#?}");
+    wait_committed(&group, &topic, &[Some(3)]).await;
+    let c = kafka_reader(&[&dlq]).await;
+    let m = tokio::time::timeout(Duration::from_secs(30), c.recv())
+        .await
+        .expect("the dead letter arrives")
+        .unwrap();
+    let letter: Json = serde_json::from_slice(m.payload().unwrap()).unwrap();
+    assert_eq!(letter["offset"], 1, "{letter}");
+    assert_eq!(letter["payload"], json!({"n": 1, "fail": true}));
 }

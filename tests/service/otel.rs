@@ -1,10 +1,15 @@
 //! OpenTelemetry: the service exports spans over OTLP gRPC to a real OTLP
 //! receiver this test runs in-process (the `opentelemetry-proto` service
 //! definitions served by tonic). Checks the span tree, names, parent links,
-//! attributes, the inbound `traceparent` as the root's parent, the outbound
-//! `traceparent` of `http_call`, and that an unsampled request exports nothing.
+//! attributes, the inbound `traceparent` (HTTP header or Kafka message
+//! header) as the root's parent, the outbound `traceparent`/`tracestate` of
+//! `http_call`, spans of requests refused before their workflow ran, and that
+//! an unsampled request exports nothing and tells its upstreams so.
 
-use crate::support::{Db, TestServer, start_with};
+use crate::support::{
+    Db, KAFKA_BROKERS, Record, TestServer, kafka_produce, kafka_producer, kafka_topics,
+    recording_upstream, start_with, unique,
+};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::service::service_fn;
@@ -126,15 +131,53 @@ fn attr(span: &Span, key: &str) -> Option<AnyValue> {
 }
 
 async fn traced_service(endpoint: String) -> TestServer {
+    traced_service_with(endpoint, |_| {}).await
+}
+
+async fn traced_service_with(
+    endpoint: String,
+    adjust: impl FnOnce(&mut sluice::config::Config),
+) -> TestServer {
     start_with(Db::Sqlite, move |c| {
         c.tracing.enabled = true;
         c.tracing.otlp_endpoint = endpoint;
         c.tracing.service_name = "sluice-otel-test".into();
         c.tracing.sample_rate = 1.0;
         c.security.allow_private_networks = true;
+        adjust(c);
     })
     .await
 }
+
+/// Waits until at least `n` spans of trace `trace` (hex) arrived.
+async fn wait_spans(receiver: &Receiver, trace: &str, n: usize) -> Vec<Span> {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let spans: Vec<Span> = receiver
+            .spans
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, sp)| hex(&sp.trace_id) == trace)
+            .map(|(_, sp)| sp.clone())
+            .collect();
+        if spans.len() >= n {
+            return spans;
+        }
+        assert!(Instant::now() < until, "spans so far: {spans:#?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn named<'a>(spans: &'a [Span], name: &str) -> &'a Span {
+    spans
+        .iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("no span {name}: {spans:#?}"))
+}
+
+/// OTLP's `STATUS_CODE_ERROR`.
+const STATUS_ERROR: i32 = 2;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_form_a_tree_under_the_inbound_traceparent() {
@@ -250,4 +293,261 @@ async fn spans_form_a_tree_under_the_inbound_traceparent() {
         .filter(|(_, sp)| hex(&sp.trace_id) == quiet)
         .count();
     assert_eq!(exported, 0);
+}
+
+/// A consumed Kafka message continues the producer's trace: the message's
+/// `traceparent` header is the consumer span's parent, its tasks hang below
+/// it, and the `http_call` its workflow makes carries the connector call's
+/// span as `traceparent` and the message's `tracestate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_messages_continue_the_producers_trace() {
+    let (endpoint, receiver) = start_receiver().await;
+    let (up, rec) = recording_upstream(Duration::ZERO).await;
+    let topic = unique("sluice-otel");
+    let group = unique("sluice-group");
+    kafka_topics(&[&topic], 1).await;
+    let s = traced_service_with(endpoint, |c| {
+        c.kafka.enabled = true;
+        c.kafka.brokers = KAFKA_BROKERS.into();
+        c.kafka.session_timeout_ms = 6000;
+    })
+    .await;
+    s.admin(
+        "POST",
+        "/connectors",
+        Some(json!({"name": "up", "connector_type": "http",
+            "config": {"type": "http", "url": up, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})),
+    )
+    .await
+    .ok(201);
+    s.deploy(
+        json!({"workflow_id": "consume", "name": "consume", "tasks": [
+            {"id": "shape", "name": "shape", "function": {"name": "map", "input": {"mappings": [
+                {"path": "x", "logic": {"var": "payload.x"}}]}}},
+            {"id": "call", "name": "call", "function": {"name": "http_call", "input": {
+                "connector": "up", "method": "POST", "path": "/p"}}}
+        ]}),
+        json!({"channel_id": "consume", "name": "consume", "channel_type": "async",
+               "protocol": "kafka", "workflow_id": "consume",
+               "config_json": {"topic": topic, "consumer_group": group}}),
+    )
+    .await;
+    let trace = "6bf92f3577b34da6a3ce929d0e0e4738";
+    let parent = "10f067aa0ba902b7";
+    kafka_produce(
+        &kafka_producer(),
+        &topic,
+        Record {
+            key: Some("k"),
+            value: br#"{"data": {"x": 1}}"#,
+            headers: &[
+                ("traceparent", &format!("00-{trace}-{parent}-01")),
+                ("tracestate", "vendor=1,other=2"),
+            ],
+            ..Record::default()
+        },
+    )
+    .await;
+
+    let spans = wait_spans(&receiver, trace, 4).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let spans = wait_spans(&receiver, trace, spans.len()).await;
+    assert_eq!(spans.len(), 4, "{spans:#?}");
+    let root = named(&spans, &format!("{topic} process"));
+    let shape = named(&spans, "task shape");
+    let call = named(&spans, "task call");
+    let http = named(&spans, "http_call up");
+    // The producer's span is the consumer span's parent.
+    assert_eq!(hex(&root.parent_span_id), parent);
+    assert_eq!(root.kind, 5, "a consumer span: {root:#?}");
+    assert_eq!(
+        attr(root, "messaging.destination.name"),
+        Some(AnyValue::StringValue(topic.clone()))
+    );
+    assert_eq!(shape.parent_span_id, root.span_id);
+    assert_eq!(call.parent_span_id, root.span_id);
+    assert_eq!(http.parent_span_id, call.span_id);
+    // The upstream call continues the trace below the connector call, with
+    // the message's tracestate.
+    let seen = rec.requests();
+    assert_eq!(seen.len(), 1, "{seen:#?}");
+    assert_eq!(
+        seen[0].traceparent.as_deref(),
+        Some(format!("00-{trace}-{}-01", hex(&http.span_id)).as_str())
+    );
+    assert_eq!(seen[0].tracestate.as_deref(), Some("vendor=1,other=2"));
+}
+
+/// One span per data-plane request, also when the channel's checks refuse it
+/// before its workflow runs (validation 400, rate limit 429) or its cache
+/// answers it: each has `http.response.status_code`, the refused ones an
+/// error status and `sluice.error_code`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_refused_before_their_workflow_have_spans() {
+    let (endpoint, receiver) = start_receiver().await;
+    let s = traced_service(endpoint).await;
+    let wf = |id: &str| {
+        json!({"workflow_id": id, "name": id, "tasks": [
+            {"id": "shape", "name": "shape", "function": {"name": "map", "input": {"mappings": [
+                {"path": "x", "logic": {"var": "payload.x"}}]}}}
+        ]})
+    };
+    let channel = |id: &str, extra: serde_json::Value| {
+        let mut c = json!({"channel_id": id, "name": id, "channel_type": "sync",
+                           "protocol": "http", "workflow_id": id});
+        c.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        c
+    };
+    s.deploy(
+        wf("checked"),
+        channel(
+            "checked",
+            json!({"validation_logic": {"!!": [{"var": "data.x"}]}}),
+        ),
+    )
+    .await;
+    s.deploy(
+        wf("limited"),
+        channel(
+            "limited",
+            json!({"config_json": {"rate_limit": {"requests_per_second": 0.1, "burst": 1}}}),
+        ),
+    )
+    .await;
+    s.deploy(
+        wf("cached"),
+        channel(
+            "cached",
+            json!({"config_json": {"cache": {"ttl_secs": 60}}}),
+        ),
+    )
+    .await;
+
+    // Each request its own trace (the caller's), so its spans are told apart.
+    let send = |channel: &'static str, n: u8, body: serde_json::Value| {
+        let trace = format!("7bf92f3577b34da6a3ce929d0e0e47{n:02x}");
+        let s = &s;
+        async move {
+            let r = s
+                .send(
+                    "POST",
+                    &format!("/api/v1/data/{channel}"),
+                    Some(body),
+                    &[("traceparent", &format!("00-{trace}-20f067aa0ba902b7-01"))],
+                )
+                .await;
+            (r.status, trace)
+        }
+    };
+    let expect = [
+        // ((answered status, trace), expected status, error code)
+        (
+            send("checked", 1, json!({"data": {}})).await,
+            400,
+            Some("BAD_REQUEST"),
+        ),
+        (
+            send("limited", 2, json!({"data": {"x": 1}})).await,
+            200,
+            None,
+        ),
+        (
+            send("limited", 3, json!({"data": {"x": 1}})).await,
+            429,
+            Some("RATE_LIMITED"),
+        ),
+        (
+            send("cached", 4, json!({"data": {"x": 1}})).await,
+            200,
+            None,
+        ),
+        (
+            send("cached", 5, json!({"data": {"x": 1}})).await,
+            200,
+            None,
+        ),
+    ];
+    for (i, ((status, trace), want_status, code)) in expect.iter().enumerate() {
+        assert_eq!(status, want_status, "request {i}");
+        let spans = wait_spans(&receiver, trace, 1).await;
+        let root = spans
+            .iter()
+            .find(|s| s.name.starts_with("POST "))
+            .unwrap_or_else(|| panic!("request {i}: {spans:#?}"));
+        assert_eq!(hex(&root.parent_span_id), "20f067aa0ba902b7");
+        assert_eq!(
+            attr(root, "http.response.status_code"),
+            Some(AnyValue::IntValue(i64::from(*want_status))),
+            "request {i}: {root:#?}"
+        );
+        let status = root.status.clone().unwrap_or_default();
+        match code {
+            Some(code) => {
+                assert_eq!(status.code, STATUS_ERROR, "request {i}: {root:#?}");
+                assert_eq!(
+                    attr(root, "sluice.error_code"),
+                    Some(AnyValue::StringValue((*code).into())),
+                    "request {i}"
+                );
+                // Refused before the workflow: no task ran.
+                assert_eq!(spans.len(), 1, "request {i}: {spans:#?}");
+            }
+            None => assert_ne!(status.code, STATUS_ERROR, "request {i}: {root:#?}"),
+        }
+    }
+    // The second cached request was the cache's: its span says so, and no
+    // task ran for it.
+    let hit = wait_spans(&receiver, &expect[4].0.1, 1).await;
+    assert_eq!(hit.len(), 1, "{hit:#?}");
+    assert_eq!(
+        attr(&hit[0], "sluice.cache"),
+        Some(AnyValue::StringValue("hit".into()))
+    );
+}
+
+/// OpenTelemetry on, a request the ratio leaves out and no inbound
+/// `traceparent`: nothing is exported, and the upstream is told "not sampled"
+/// (`-00`), never handed a fresh sampled trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsampled_requests_tell_upstreams_not_sampled() {
+    let (endpoint, receiver) = start_receiver().await;
+    let (up, rec) = recording_upstream(Duration::ZERO).await;
+    let s = traced_service_with(endpoint, |c| c.tracing.sample_rate = 0.0).await;
+    s.admin(
+        "POST",
+        "/connectors",
+        Some(
+            json!({"name": "up", "connector_type": "http", "config": {"type": "http", "url": up}}),
+        ),
+    )
+    .await
+    .ok(201);
+    s.deploy(
+        json!({"workflow_id": "quiet", "name": "quiet", "tasks": [
+            {"id": "call", "name": "call", "function": {"name": "http_call", "input": {
+                "connector": "up", "method": "POST", "path": "/p"}}}
+        ]}),
+        json!({"channel_id": "quiet", "name": "quiet", "channel_type": "sync", "protocol": "http",
+               "workflow_id": "quiet"}),
+    )
+    .await;
+    for _ in 0..3 {
+        let r = s.post("/api/v1/data/quiet", json!({"data": {}})).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+    let seen = rec.requests();
+    assert_eq!(seen.len(), 3);
+    let parents: std::collections::BTreeSet<String> = seen
+        .iter()
+        .map(|r| r.traceparent.clone().expect("a traceparent"))
+        .collect();
+    assert_eq!(parents.len(), 3, "a fresh one each time: {parents:?}");
+    for tp in &parents {
+        assert!(tp.starts_with("00-") && tp.ends_with("-00"), "{tp}");
+        assert_eq!(tp.len(), 55, "{tp}");
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(receiver.spans.lock().unwrap().is_empty());
 }

@@ -505,3 +505,172 @@ pub async fn kafka_reader(topics: &[&str]) -> rdkafka::consumer::StreamConsumer 
     c.subscribe(topics).expect("subscribe");
     c
 }
+
+/// A producer for the test broker (no batching wait).
+pub fn kafka_producer() -> rdkafka::producer::FutureProducer {
+    rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", KAFKA_BROKERS)
+        .set("linger.ms", "0")
+        .create()
+        .expect("a Kafka producer")
+}
+
+/// One message to produce: a partition of its own choosing (else the key's),
+/// key, value and headers.
+#[derive(Default, Clone, Copy)]
+pub struct Record<'a> {
+    pub partition: Option<i32>,
+    pub key: Option<&'a str>,
+    pub value: &'a [u8],
+    pub headers: &'a [(&'a str, &'a str)],
+}
+
+/// Produces `r` to `topic` and waits for the broker: its (partition, offset).
+pub async fn kafka_produce(
+    p: &rdkafka::producer::FutureProducer,
+    topic: &str,
+    r: Record<'_>,
+) -> (i32, i64) {
+    use rdkafka::message::{Header, OwnedHeaders};
+    let mut h = OwnedHeaders::new();
+    for (k, v) in r.headers {
+        h = h.insert(Header {
+            key: k,
+            value: Some(v.as_bytes()),
+        });
+    }
+    let mut record = rdkafka::producer::FutureRecord::to(topic)
+        .payload(r.value)
+        .headers(h);
+    if let Some(k) = r.key {
+        record = record.key(k);
+    }
+    if let Some(partition) = r.partition {
+        record = record.partition(partition);
+    }
+    let delivery = p
+        .send(
+            record,
+            rdkafka::util::Timeout::After(std::time::Duration::from_secs(10)),
+        )
+        .await
+        .expect("Kafka at 127.0.0.1:9092 is required (bash ../shared/services/kafka.sh)");
+    (delivery.partition, delivery.offset)
+}
+
+/// The offsets `group` has committed on partitions `0..partitions` of
+/// `topic` (`None`: nothing committed), asked of the broker directly.
+pub async fn kafka_committed(group: &str, topic: &str, partitions: i32) -> Vec<Option<i64>> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let (group, topic) = (group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", KAFKA_BROKERS)
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("kafka consumer");
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition(&topic, p);
+        }
+        let committed = c
+            .committed_offsets(tpl, std::time::Duration::from_secs(10))
+            .expect("committed offsets");
+        (0..partitions)
+            .map(
+                |p| match committed.find_partition(&topic, p).map(|e| e.offset()) {
+                    Some(rdkafka::Offset::Offset(n)) => Some(n),
+                    _ => None,
+                },
+            )
+            .collect()
+    })
+    .await
+    .unwrap()
+}
+
+/// One request a [`recording_upstream`] received.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub path: String,
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
+}
+
+/// What a [`recording_upstream`] saw: requests in arrival order and how many
+/// were open at once.
+#[derive(Debug, Default)]
+pub struct Recorded {
+    pub requests: std::sync::Mutex<Vec<Seen>>,
+    open: std::sync::atomic::AtomicUsize,
+    pub peak: std::sync::atomic::AtomicUsize,
+}
+
+impl Recorded {
+    pub fn requests(&self) -> Vec<Seen> {
+        self.requests.lock().unwrap().clone()
+    }
+
+    pub fn peak(&self) -> usize {
+        self.peak.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A local HTTP upstream that records each request (path and trace
+/// headers) as it arrives, holds it `delay` (counting the requests open at
+/// once) and answers `{"ok": true}`.
+pub async fn recording_upstream(delay: std::time::Duration) -> (String, Arc<Recorded>) {
+    use http_body_util::BodyExt as _;
+    use std::sync::atomic::Ordering;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let recorded: Arc<Recorded> = Arc::default();
+    let rec = recorded.clone();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let rec = rec.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let rec = rec.clone();
+                        async move {
+                            let header = |n: &str| {
+                                req.headers()
+                                    .get(n)
+                                    .and_then(|v| v.to_str().ok())
+                                    .map(str::to_owned)
+                            };
+                            let (traceparent, tracestate) =
+                                (header("traceparent"), header("tracestate"));
+                            let path = req.uri().path().to_owned();
+                            // Read whole before the request counts as open.
+                            let _ = req.into_body().collect().await;
+                            let now = rec.open.fetch_add(1, Ordering::SeqCst) + 1;
+                            rec.peak.fetch_max(now, Ordering::SeqCst);
+                            rec.requests.lock().unwrap().push(Seen {
+                                path,
+                                traceparent,
+                                tracestate,
+                            });
+                            tokio::time::sleep(delay).await;
+                            rec.open.fetch_sub(1, Ordering::SeqCst);
+                            Ok::<_, std::convert::Infallible>(
+                                hyper::Response::builder()
+                                    .header("content-type", "application/json")
+                                    .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                                        b"{\"ok\":true}",
+                                    )))
+                                    .unwrap(),
+                            )
+                        }
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(sock), svc)
+                    .await;
+            });
+        }
+    });
+    (format!("http://{addr}"), recorded)
+}
