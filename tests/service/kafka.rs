@@ -1015,15 +1015,24 @@ async fn the_readme_kafka_walkthrough_runs() {
     }
 }
 
-/// A dead letter that cannot be published holds its partition: the message
-/// is neither committed nor skipped (the next one waits behind it), and the
-/// lane keeps retrying instead of ending. Here the dead-letter topic's name
-/// is one librdkafka refuses (over 512 characters), so every publish fails.
-/// After a graceful stop, a consumer of the same group with a working
-/// dead-letter topic picks the message up again, dead-letters it, and goes
-/// on.
+/// A dead letter that cannot be stored holds its partition: the failed
+/// message is neither committed nor skipped (the next one waits behind it),
+/// the consumer keeps running, and after a graceful stop a consumer of the
+/// same group with a working dead-letter topic picks the message up again,
+/// dead-letters it, and goes on. Two ways the dead letter fails: its producer
+/// cannot be created (a `message.timeout.ms` librdkafka refuses, from an
+/// out-of-range `engine.global_http_timeout_secs`), and every publish is
+/// refused (a topic name over librdkafka's 512 characters).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unpublishable_dead_letter_is_not_committed() {
+async fn an_unstorable_dead_letter_is_not_committed() {
+    dead_letter_failure_holds_the_partition(|c| c.engine.global_http_timeout_secs = 3_000_000)
+        .await;
+    dead_letter_failure_holds_the_partition(|c| c.kafka.dlq.topic = "x".repeat(600)).await;
+}
+
+async fn dead_letter_failure_holds_the_partition(
+    misconfigure: impl FnOnce(&mut sluice::config::Config),
+) {
     let topic = unique("sluice-stuck");
     let group = unique("sluice-group");
     let dlq = unique("sluice-dlq");
@@ -1031,7 +1040,8 @@ async fn an_unpublishable_dead_letter_is_not_committed() {
     let mut first = start_with(Db::Sqlite, |c| {
         kafka_on(c);
         c.kafka.dlq.enabled = true;
-        c.kafka.dlq.topic = "x".repeat(600);
+        c.kafka.dlq.topic = unique("sluice-dlq");
+        misconfigure(c);
     })
     .await;
     deploy_kafka_channel(&first, "stuck", &topic, &group).await;
