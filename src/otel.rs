@@ -494,7 +494,7 @@ mod tests {
     /// OpenTelemetry on, a root the ratio leaves out: its outbound calls
     /// carry a `-00` traceparent (not the fresh sampled one a service without
     /// OpenTelemetry sends), and a valid inbound one is forwarded unchanged.
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
     async fn unsampled_roots_send_not_sampled_downstream() {
         let cfg = config::Tracing {
             enabled: true,
@@ -527,7 +527,10 @@ mod tests {
             observer: None,
         };
         assert_eq!(crate::connectors::http::trace_context(&scope), (tp, None));
-        otel.shutdown();
+        // Off the runtime, as the server does: the exporter runs on it.
+        tokio::task::spawn_blocking(move || otel.shutdown())
+            .await
+            .unwrap();
     }
 
     #[test]
