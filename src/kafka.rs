@@ -24,7 +24,9 @@
 //!   backoff until they succeed or the consumer stops (then the message is
 //!   left uncommitted and redelivered); a panic in a run is a failed run. A
 //!   lane ends only when its consumer stops, so no partition stalls or skips
-//!   messages behind a lane that is gone.
+//!   messages behind a lane that is gone. A partition held this way keeps
+//!   its queued messages (and their room in `max_in_flight`): an outage
+//!   long enough slows the whole consumer down rather than losing anything.
 //! - **Rebalances** (replicas joining or leaving the group): before a
 //!   partition is revoked, its queued messages are dropped (the new owner
 //!   reads them from the committed offset), the one running is let finish
@@ -40,8 +42,9 @@
 //! - **Failures:** with `kafka.dlq.enabled`, a failed message (and a value
 //!   that is not JSON) is published to `kafka.dlq.topic` as `{source_topic,
 //!   partition, offset, key, error: {code, task_id, message}, payload,
-//!   failed_at}` before its offset is stored. Without the DLQ topic, a failed trace gets a dead-letter entry in storage
-//!   and is retried like a failed async trace.
+//!   failed_at}` before its offset is stored. Without the DLQ topic, a
+//!   failed trace gets a dead-letter entry in storage and is retried like a
+//!   failed async trace.
 
 use crate::app::App;
 use crate::storage::{NewTrace, Outcome};

@@ -454,7 +454,7 @@ async fn in_flight_messages_are_bounded_across_partitions() {
             &p,
             &topic,
             Record {
-                partition: Some((n % 3) as i32),
+                partition: Some(n % 3),
                 key: Some("k"),
                 value: v.as_bytes(),
                 ..Record::default()
