@@ -4,11 +4,11 @@
 //! against the real service and servers, and every output the README shows is
 //! compared with what came back. Only the environment is swapped in (the
 //! service's address, a fresh PostgreSQL database, the API's port, a Redis
-//! database of its own), so the README's definitions are exactly what is
-//! tested and cannot drift from it. A command this runner does not know fails
+//! database of its own, a Kafka topic and consumer group of its own), so the
+//! README's definitions are exactly what is tested and cannot drift from it. A command this runner does not know fails
 //! the test, so a README edit cannot silently skip a step.
 
-use crate::support::{Db, TestServer, fresh_database, start_with};
+use crate::support::{Db, TestServer, fresh_database, kafka_topics, start_with, unique};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::service::service_fn;
@@ -109,30 +109,47 @@ fn shell_words(line: &str) -> Vec<String> {
     words
 }
 
-/// The `jq` filters the README uses: `.a.b` paths and `{k, ...}` objects,
-/// joined by `|`.
-fn jq(filter: &str, input: &Json) -> Json {
-    filter.split('|').fold(input.clone(), |v, stage| {
-        let stage = stage.trim();
-        if let Some(keys) = stage.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
-            Json::Object(
-                keys.split(',')
-                    .map(|k| {
-                        (
-                            k.trim().to_owned(),
-                            v.get(k.trim()).cloned().unwrap_or_default(),
-                        )
-                    })
-                    .collect(),
-            )
-        } else if let Some(path) = stage.strip_prefix('.') {
-            path.split('.')
-                .filter(|k| !k.is_empty())
-                .fold(v, |v, k| v.get(k).cloned().unwrap_or_default())
-        } else {
-            panic!("jq filter '{stage}' is not one this runner knows")
-        }
-    })
+/// The `jq` filters the README uses: `.a.b` paths (`.a.b[]` for each
+/// element of an array) and `{k, ...}` objects, joined by `|`; the values it
+/// outputs, in order.
+fn jq(filter: &str, input: &Json) -> Vec<Json> {
+    filter
+        .split('|')
+        .fold(vec![input.clone()], |values, stage| {
+            let stage = stage.trim();
+            values
+                .into_iter()
+                .flat_map(|v| {
+                    if let Some(keys) = stage.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
+                        vec![Json::Object(
+                            keys.split(',')
+                                .map(|k| {
+                                    (
+                                        k.trim().to_owned(),
+                                        v.get(k.trim()).cloned().unwrap_or_default(),
+                                    )
+                                })
+                                .collect(),
+                        )]
+                    } else if let Some(path) = stage.strip_prefix('.') {
+                        let (path, each) = match path.strip_suffix("[]") {
+                            Some(p) => (p, true),
+                            None => (path, false),
+                        };
+                        let v = path
+                            .split('.')
+                            .filter(|k| !k.is_empty())
+                            .fold(v, |v, k| v.get(k).cloned().unwrap_or_default());
+                        match v {
+                            Json::Array(items) if each => items,
+                            v => vec![v],
+                        }
+                    } else {
+                        panic!("jq filter '{stage}' is not one this runner knows")
+                    }
+                })
+                .collect()
+        })
 }
 
 /// A static file server standing in for `python3 -m http.server`: it serves
@@ -183,7 +200,8 @@ struct Run {
     /// PostgreSQL database name in the README → this run's URL.
     databases: HashMap<String, String>,
     files: Arc<Mutex<HashMap<String, String>>>,
-    redis: redis::aio::MultiplexedConnection,
+    /// For `redis-cli` (sections that use it).
+    redis: Option<redis::aio::MultiplexedConnection>,
 }
 
 impl Run {
@@ -245,7 +263,7 @@ impl Run {
                     .expect("redis-cli get <key>");
                 let value: Option<String> = redis::cmd("GET")
                     .arg(&words[at + 1])
-                    .query_async(&mut self.redis)
+                    .query_async(self.redis.as_mut().expect("a Redis connection"))
                     .await
                     .unwrap();
                 Some(value.unwrap_or_else(|| "(nil)".into()))
@@ -299,7 +317,12 @@ impl Run {
         let text = req.send().await.unwrap().text().await.unwrap();
         match filter {
             None => text,
-            Some(f) => jq(&f, &serde_json::from_str(&text).unwrap()).to_string(),
+            // As `jq -c` prints them: one value per line.
+            Some(f) => jq(&f, &serde_json::from_str(&text).unwrap())
+                .iter()
+                .map(Json::to_string)
+                .collect::<Vec<_>>()
+                .join("\n"),
         }
     }
 }
@@ -333,7 +356,7 @@ async fn worked_example_postgres_http_redis() {
         swaps: vec![(REDIS.to_owned(), redis_url)],
         databases: HashMap::new(),
         files: Arc::default(),
-        redis,
+        redis: Some(redis),
     };
 
     let commands = section("Worked example: PostgreSQL → HTTP API → Redis");
@@ -361,7 +384,7 @@ async fn worked_example_postgres_http_redis() {
     // "caches the quote in Redis for five minutes".
     let ttl: i64 = redis::cmd("TTL")
         .arg("quote:1")
-        .query_async(&mut run.redis)
+        .query_async(run.redis.as_mut().unwrap())
         .await
         .unwrap();
     assert!((1..=300).contains(&ttl), "ttl {ttl}");
@@ -387,4 +410,56 @@ async fn worked_example_postgres_http_redis() {
     assert_eq!(r.status, 200, "{}", r.text);
     assert_eq!(r.body["data"]["from_cache"], true, "{}", r.text);
     assert_eq!(r.body["data"]["quote"]["customer"], "Ada", "{}", r.text);
+}
+
+/// "Kafka channels end to end", command by command, against the test broker
+/// with the README's settings (`SERVICE_KAFKA__ENABLED=true`,
+/// `SERVICE_KAFKA__SESSION_TIMEOUT_MS=6000`), on a topic and consumer group
+/// of this run's own. Reading the trace is retried while the message is on
+/// its way (the README says "a few seconds later"); every other command
+/// must print what the README shows at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_channels_end_to_end() {
+    let s = start_with(Db::Sqlite, |c| {
+        c.kafka.enabled = true;
+        c.kafka.session_timeout_ms = 6000;
+    })
+    .await;
+    let (topic, group) = (unique("shipments"), unique("shipping"));
+    kafka_topics(&[&topic], 3).await;
+    let mut run = Run {
+        s,
+        swaps: vec![
+            ("\"shipments\"".into(), format!("\"{topic}\"")),
+            ("\"shipping\"".into(), format!("\"{group}\"")),
+        ],
+        databases: HashMap::new(),
+        files: Arc::default(),
+        redis: None,
+    };
+    let commands = section("Kafka channels end to end");
+    for shown in &commands {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let got = run.run(shown).await.expect("a command with output");
+            let expected = run.swap(shown.output.trim_end());
+            let lines = |text: &str| -> Vec<Json> {
+                text.lines()
+                    .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+                    .collect()
+            };
+            if lines(&got) == lines(&expected) {
+                break;
+            }
+            assert!(
+                shown.line.contains("/data/traces") && std::time::Instant::now() < until,
+                "$ {}\nREADME: {expected}\ngot:    {got}",
+                shown.line
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        }
+    }
+    // Connector; workflow, channel (created, activated) twice over; the
+    // request; the trace.
+    assert_eq!(commands.len(), 11, "{commands:#?}");
 }
