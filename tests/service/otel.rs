@@ -10,10 +10,6 @@ use crate::support::{
     Db, KAFKA_BROKERS, Record, TestServer, kafka_produce, kafka_producer, kafka_topics,
     recording_upstream, start_with, unique,
 };
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::service::service_fn;
-use hyper::{Request, Response};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -83,42 +79,6 @@ fn tokio_stream_incoming(
     })
 }
 
-/// An upstream that records the `traceparent` of each request.
-async fn upstream() -> (String, Arc<Mutex<Vec<String>>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
-    let s = seen.clone();
-    tokio::spawn(async move {
-        while let Ok((sock, _)) = listener.accept().await {
-            let s = s.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: Request<hyper::body::Incoming>| {
-                    let tp = req
-                        .headers()
-                        .get("traceparent")
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or_default()
-                        .to_owned();
-                    s.lock().unwrap().push(tp);
-                    async {
-                        Ok::<_, std::convert::Infallible>(
-                            Response::builder()
-                                .header("content-type", "application/json")
-                                .body(Full::new(Bytes::from_static(b"{\"ok\":true}")))
-                                .unwrap(),
-                        )
-                    }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(sock), svc)
-                    .await;
-            });
-        }
-    });
-    (format!("http://{addr}"), seen)
-}
-
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -182,7 +142,7 @@ const STATUS_ERROR: i32 = 2;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_form_a_tree_under_the_inbound_traceparent() {
     let (endpoint, receiver) = start_receiver().await;
-    let (up, seen) = upstream().await;
+    let (up, rec) = recording_upstream(Duration::ZERO).await;
     let s = traced_service(endpoint).await;
     s.admin(
         "POST",
@@ -268,9 +228,10 @@ async fn spans_form_a_tree_under_the_inbound_traceparent() {
     );
     assert!(!format!("{spans:?}").contains("s3cret-token"));
     // The outbound request carried the connector call's span.
+    let seen: Vec<Option<String>> = rec.requests().into_iter().map(|r| r.traceparent).collect();
     assert_eq!(
-        seen.lock().unwrap().as_slice(),
-        [format!("00-{trace}-{}-01", hex(&http.span_id))]
+        seen,
+        [Some(format!("00-{trace}-{}-01", hex(&http.span_id)))]
     );
 
     // An unsampled caller: nothing exported for its trace.
