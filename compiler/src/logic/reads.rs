@@ -6,7 +6,7 @@
 //! (a computed `var` path, `val` climbing out of an iterator, `try`, whose
 //! fallback reads the error as its scope) makes the whole rule "unknown".
 
-use super::{Body, Logic, Node, NodeId, Op, Program};
+use super::{Logic, Node, NodeId, Op, Program};
 use crate::path::Segment;
 
 impl Logic {
@@ -91,9 +91,8 @@ fn collect<'p>(
             if let Some(init) = iter.init {
                 collect(prog, init, depth, reads)?;
             }
-            // Every body shape keeps its node; the shapes only read the
-            // element (or `reduce`'s frame), which the walk below ignores too.
-            let _: &Body = &iter.shape;
+            // Every body shape keeps its node, so the walk reads the body
+            // itself; the shapes only read the element (or `reduce`'s frame).
             collect(prog, iter.body, depth + 1, reads)
         }
     }
