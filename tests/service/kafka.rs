@@ -85,14 +85,7 @@ fn recording_workflow(id: &str, v: i64) -> Json {
 }
 
 async fn deploy_recording(s: &TestServer, id: &str, upstream: &str, channel: Json) {
-    s.admin(
-        "POST",
-        "/connectors",
-        Some(json!({"name": format!("{id}-up"), "connector_type": "http",
-            "config": {"type": "http", "url": upstream, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})),
-    )
-    .await
-    .ok(201);
+    s.http_connector(&format!("{id}-up"), upstream).await;
     s.deploy(recording_workflow(id, 1), channel).await;
 }
 

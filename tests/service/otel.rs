@@ -273,14 +273,7 @@ async fn kafka_messages_continue_the_producers_trace() {
         c.kafka.session_timeout_ms = 6000;
     })
     .await;
-    s.admin(
-        "POST",
-        "/connectors",
-        Some(json!({"name": "up", "connector_type": "http",
-            "config": {"type": "http", "url": up, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})),
-    )
-    .await
-    .ok(201);
+    s.http_connector("up", &up).await;
     s.deploy(
         json!({"workflow_id": "consume", "name": "consume", "tasks": [
             {"id": "shape", "name": "shape", "function": {"name": "map", "input": {"mappings": [

@@ -255,6 +255,18 @@ impl TestServer {
             .await
     }
 
+    /// Creates an `http` connector to `url` without retries.
+    pub async fn http_connector(&self, name: &str, url: &str) {
+        self.admin(
+            "POST",
+            "/connectors",
+            Some(json!({"name": name, "connector_type": "http",
+                "config": {"type": "http", "url": url, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})),
+        )
+        .await
+        .ok(201);
+    }
+
     /// Creates and activates a workflow and a channel.
     pub async fn deploy(&self, workflow: Json, channel: Json) {
         let wid = workflow["workflow_id"].as_str().unwrap().to_owned();
@@ -432,14 +444,7 @@ pub async fn slow_upstream(delay: std::time::Duration) -> String {
 
 /// Deploys channel `id` whose workflow calls the slow upstream.
 pub async fn deploy_io_slow(s: &TestServer, id: &str, upstream: &str, config_json: Json) {
-    s.admin(
-        "POST",
-        "/connectors",
-        Some(json!({"name": format!("{id}-up"), "connector_type": "http",
-            "config": {"type": "http", "url": upstream, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})),
-    )
-    .await
-    .ok(201);
+    s.http_connector(&format!("{id}-up"), upstream).await;
     let wf = json!({"workflow_id": id, "name": id, "tasks": [
         {"id": "call", "name": "call", "function": {"name": "http_call", "input": {
             "connector": format!("{id}-up"), "method": "POST", "path": "/slow", "response_path": "upstream"}}}
