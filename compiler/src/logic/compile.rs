@@ -4,8 +4,8 @@
 use super::eval::{self, index_of, key_text};
 use super::lit::Lit;
 use super::{
-    Body, CompileError, Iter, Logic, MAX_DEPTH, MissingKey, Node, NodeId, Op, Operand, Program,
-    Scalar, Slot,
+    Body, CompileError, Entry, Iter, Logic, MAX_DEPTH, MissingKey, Node, NodeId, Op, Operand,
+    Program, Scalar, Slot,
 };
 use crate::path::{Path, Segment};
 use crate::value::Value;
@@ -32,11 +32,21 @@ pub(super) fn compile(rule: &Json) -> Result<Logic, CompileError> {
         Node::Float(f) => Some(Value::Float(f)),
         _ => None,
     };
+    let entry = match &c.prog.nodes[root as usize] {
+        Node::Str(_) | Node::Json(_) => Entry::Const,
+        Node::Var {
+            level: 0,
+            default: None,
+            ..
+        } => Entry::Var,
+        _ => Entry::Rule,
+    };
     Ok(Logic {
         prog: c.prog,
         root,
         constant,
         scalar,
+        entry,
     })
 }
 

@@ -53,6 +53,20 @@ pub struct Logic {
     /// would store the tag and a narrow payload separately, and the caller's
     /// copy of the value would then stall on store forwarding).
     scalar: Option<Value<'static>>,
+    /// What the root is, decided at compile time so an evaluation reaches
+    /// its work without reading the root node first.
+    entry: Entry,
+}
+
+/// How [`Logic::eval`] starts (when the rule is not a prebuilt scalar).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Entry {
+    /// A string or JSON constant, read from its node.
+    Const,
+    /// One plain `var` of the data: a path walk, no evaluator state.
+    Var,
+    /// Everything else: the interpreter.
+    Rule,
 }
 
 /// Compiles a JSONLogic rule.
@@ -75,16 +89,16 @@ impl Logic {
         if let Some(v) = self.scalar {
             return Ok(v);
         }
-        match &self.prog.nodes[self.root as usize] {
-            Node::Str(s) => Ok(Value::Str(s)),
-            Node::Json(i) => Ok(self.prog.consts[*i as usize].value()),
-            _ => {
+        match self.entry {
+            Entry::Rule => {
                 let error = std::cell::Cell::new(None);
                 match self.eval_rule(&data, arena, &error) {
                     Ok(v) => Ok(v),
                     Err(eval::Fail) => Err(eval::take_error(&error)),
                 }
             }
+            Entry::Var => Ok(self.eval_var(&data)),
+            Entry::Const => Ok(eval::const_value(&self.prog, self.root)),
         }
     }
 
@@ -101,15 +115,15 @@ impl Logic {
         arena: &'a Bump,
         error: &std::cell::Cell<Option<EvalError<'a>>>,
     ) -> eval::R<'a> {
+        eval::run_raw(&self.prog, self.root, data, arena, error)
+    }
+
+    /// One plain `var` needs no evaluator state at all.
+    #[inline(never)]
+    fn eval_var<'a>(&'a self, data: &Value<'a>) -> Value<'a> {
         match &self.prog.nodes[self.root as usize] {
-            // One plain `var` needs no evaluator state at all.
-            Node::Var {
-                level: 0,
-                path,
-                default: None,
-                ..
-            } => Ok(eval::get_path(*data, path).unwrap_or(Value::Null)),
-            _ => eval::run_raw(&self.prog, self.root, data, arena, error),
+            Node::Var { path, .. } => eval::get_path(*data, path).unwrap_or(Value::Null),
+            _ => Value::Null,
         }
     }
 
