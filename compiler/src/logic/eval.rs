@@ -119,6 +119,17 @@ pub(super) fn level_of(marker: &[Value<'_>]) -> u32 {
     }
 }
 
+/// What a quantifier (or `filter`) gives for an empty array: `filter` an
+/// empty array, `all` and `some` false, `none` true.
+#[inline]
+fn empty_result(op: Op) -> Value<'static> {
+    match op {
+        Op::All | Op::Some => Value::Bool(false),
+        Op::None => Value::Bool(true),
+        _ => Value::EMPTY_ARRAY,
+    }
+}
+
 /// The data an expression sees. Iterators push the current item (`reduce`
 /// its `{current, accumulator}` pair, kept unboxed so it costs nothing
 /// unless someone reads the pair as a whole).
@@ -1137,6 +1148,9 @@ impl<'a> Ev<'a, '_> {
                 return Err(self.fail(EvalError::InvalidArguments("all/some/none need an array")));
             }
         };
+        if items.is_empty() {
+            return Ok(empty_result(op));
+        }
         let k = konst.value();
         if op == Op::Filter {
             let mut out = BVec::with_capacity_in(items.len(), self.arena);
