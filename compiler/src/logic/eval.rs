@@ -493,81 +493,123 @@ impl<'a> Ev<'a, '_> {
         Ok(())
     }
 
+    /// The dispatcher. Thin on purpose: every arm with work of its own
+    /// calls out, so this frame saves no registers and the calls become
+    /// jumps (a node costs its own work, not a second prologue).
     fn eval(&self, id: NodeId, scope: &Scope<'_, 'a>) -> R<'a> {
         let prog: &'a Program = self.prog;
-        match &prog.nodes[id as usize] {
-            Node::Var {
-                level,
-                path,
-                default,
-                slot,
-            } => {
-                let found = if *level == 0 {
-                    self.lookup_slot(scope, *slot, path)
-                } else {
-                    self.lookup(scope.at_level(*level), path)
-                };
-                match found {
-                    Some(v) => Ok(v),
-                    None => match default {
-                        Some(d) => self.eval(*d, scope),
-                        None => Ok(Value::Null),
-                    },
-                }
-            }
-            Node::Op { op, start, len } => {
-                let args = &prog.args[*start as usize..(*start + *len) as usize];
-                if let [a, b] = *args {
-                    return self.binary(*op, a, b, args, scope);
-                }
-                if *op == Op::Array {
-                    return self.array(args, scope);
-                }
-                self.op(*op, Args::Nodes(args), scope)
-            }
+        let node = &prog.nodes[id as usize];
+        match node {
+            Node::Var { .. } => self.var_node(node, scope),
+            Node::Op { .. } => self.op_node(node, scope),
             Node::Null => Ok(Value::Null),
             Node::Bool(b) => Ok(Value::Bool(*b)),
             Node::Int(i) => Ok(Value::Int(*i)),
             Node::Float(f) => Ok(Value::Float(*f)),
             Node::Str(s) => Ok(Value::Str(s)),
             Node::Json(i) => Ok(prog.consts[*i as usize].value()),
-            Node::Spread { op, arg } => {
-                // `{"missing": {"merge": [...]}}` checks the merged keys
-                // without building the merged array.
-                if *op == Op::Missing
-                    && let Node::Op {
-                        op: Op::Merge,
-                        start,
-                        len,
-                    } = prog.nodes[*arg as usize]
-                    && let Some(r) = self
-                        .missing_merge(&prog.args[start as usize..(start + len) as usize], scope)
-                {
-                    return r;
-                }
-                let values = match self.eval(*arg, scope)? {
-                    Value::Array(items) => items,
-                    other => std::slice::from_ref(self.arena.alloc(other)),
-                };
-                self.op(*op, Args::Values(values), scope)
-            }
-            Node::Exists { path } => Ok(Value::Bool(self.lookup_scope(scope, path).is_some())),
-            Node::Missing { keys, need } => self.missing_const(keys, *need, scope),
+            Node::Spread { .. } => self.spread_node(node, scope),
+            Node::Exists { path } => self.exists_node(path, scope),
+            Node::Missing { .. } => self.missing_node(node, scope),
             Node::Iter(it) => match &it.shape {
-                Body::Pred { op, path, konst } => {
-                    self.quantify(it.op, it.coll, *op, path, konst, scope)
-                }
+                Body::Pred { .. } => self.quantify(it, scope),
                 _ => self.iterate(it, scope),
             },
-            Node::InStrs { needle, set } => {
-                let found = match self.eval(*needle, scope)? {
-                    Value::Str(s) if set.len() <= 8 => set.iter().any(|k| **k == *s),
-                    Value::Str(s) => set.binary_search_by(|k| (**k).cmp(s)).is_ok(),
-                    _ => false,
-                };
-                Ok(Value::Bool(found))
-            }
+            Node::InStrs { .. } => self.in_strs(node, scope),
         }
+    }
+
+    #[inline(never)]
+    fn var_node(&self, node: &'a Node, scope: &Scope<'_, 'a>) -> R<'a> {
+        let Node::Var {
+            level,
+            path,
+            default,
+            slot,
+        } = node
+        else {
+            return Ok(Value::Null);
+        };
+        let found = if *level == 0 {
+            self.lookup_slot(scope, *slot, path)
+        } else {
+            self.lookup(scope.at_level(*level), path)
+        };
+        match found {
+            Some(v) => Ok(v),
+            None => match default {
+                Some(d) => self.eval(*d, scope),
+                None => Ok(Value::Null),
+            },
+        }
+    }
+
+    #[inline(never)]
+    fn op_node(&self, node: &'a Node, scope: &Scope<'_, 'a>) -> R<'a> {
+        let Node::Op { op, start, len } = *node else {
+            return Ok(Value::Null);
+        };
+        let prog: &'a Program = self.prog;
+        let args = &prog.args[start as usize..(start + len) as usize];
+        if let [a, b] = *args {
+            return self.binary(op, a, b, args, scope);
+        }
+        if op == Op::Array {
+            return self.array(args, scope);
+        }
+        self.op(op, Args::Nodes(args), scope)
+    }
+
+    #[inline(never)]
+    fn spread_node(&self, node: &'a Node, scope: &Scope<'_, 'a>) -> R<'a> {
+        let Node::Spread { op, arg } = *node else {
+            return Ok(Value::Null);
+        };
+        let prog: &'a Program = self.prog;
+        // `{"missing": {"merge": [...]}}` checks the merged keys without
+        // building the merged array.
+        if op == Op::Missing
+            && let Node::Op {
+                op: Op::Merge,
+                start,
+                len,
+            } = prog.nodes[arg as usize]
+            && let Some(r) =
+                self.missing_merge(&prog.args[start as usize..(start + len) as usize], scope)
+        {
+            return r;
+        }
+        let values = match self.eval(arg, scope)? {
+            Value::Array(items) => items,
+            other => std::slice::from_ref(self.arena.alloc(other)),
+        };
+        self.op(op, Args::Values(values), scope)
+    }
+
+    #[inline(never)]
+    fn exists_node(&self, path: &'a [Segment], scope: &Scope<'_, 'a>) -> R<'a> {
+        Ok(Value::Bool(self.lookup_scope(scope, path).is_some()))
+    }
+
+    #[inline(never)]
+    fn missing_node(&self, node: &'a Node, scope: &Scope<'_, 'a>) -> R<'a> {
+        let Node::Missing { keys, need } = node else {
+            return Ok(Value::Null);
+        };
+        self.missing_const(keys, *need, scope)
+    }
+
+    #[inline(never)]
+    fn in_strs(&self, node: &'a Node, scope: &Scope<'_, 'a>) -> R<'a> {
+        let Node::InStrs { needle, set } = node else {
+            return Ok(Value::Null);
+        };
+        let found = match self.eval(*needle, scope)? {
+            Value::Str(s) if set.len() <= 8 => set.iter().any(|k| **k == *s),
+            Value::Str(s) => set.binary_search_by(|k| (**k).cmp(s)).is_ok(),
+            _ => false,
+        };
+        Ok(Value::Bool(found))
     }
 
     /// The current frame, read in place (`exists`, `missing`).
@@ -1103,11 +1145,7 @@ impl<'a> Ev<'a, '_> {
                 })
             }
             // `eval` sends these to `quantify` directly; kept correct here.
-            Body::Pred {
-                op: cmp,
-                path,
-                konst,
-            } => self.quantify(op, it.coll, *cmp, path, konst, scope),
+            Body::Pred { .. } => self.quantify(it, scope),
             Body::General => {
                 let body = it.body;
                 let call = |i: usize, item: &'a Value<'a>, acc: &Value<'a>| {
@@ -1132,15 +1170,17 @@ impl<'a> Ev<'a, '_> {
     /// [`Self::iterate`], whose set-up for its many body shapes costs more
     /// than the whole loop over a short array.
     #[inline(never)]
-    fn quantify(
-        &self,
-        op: Op,
-        coll: NodeId,
-        cmp: Op,
-        path: &'a [Segment],
-        konst: &'a Scalar,
-        scope: &Scope<'_, 'a>,
-    ) -> R<'a> {
+    fn quantify(&self, it: &'a Iter, scope: &Scope<'_, 'a>) -> R<'a> {
+        let Body::Pred {
+            op: cmp,
+            ref path,
+            ref konst,
+        } = it.shape
+        else {
+            return Ok(Value::Null);
+        };
+        let (op, coll, path, konst): (Op, NodeId, &'a [Segment], &'a Scalar) =
+            (it.op, it.coll, path, konst);
         let items = match self.operand(coll, scope)? {
             Value::Array(items) => items,
             _ if op == Op::Filter => &[],
