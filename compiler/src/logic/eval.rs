@@ -551,7 +551,24 @@ impl<'a> Ev<'a, '_> {
         };
         let prog: &'a Program = self.prog;
         let args = &prog.args[start as usize..(start + len) as usize];
-        if let [a, b] = *args {
+        if let [a, b] = *args
+            && matches!(
+                op,
+                Op::Add
+                    | Op::Sub
+                    | Op::Mul
+                    | Op::Div
+                    | Op::Mod
+                    | Op::Lt
+                    | Op::Le
+                    | Op::Gt
+                    | Op::Ge
+                    | Op::Eq
+                    | Op::Ne
+                    | Op::StrictEq
+                    | Op::StrictNe
+            )
+        {
             return self.binary(op, a, b, args, scope);
         }
         if op == Op::Array {
@@ -1474,8 +1491,9 @@ impl<'a> Ev<'a, '_> {
 
     /// `missing` / `missing_some` over constant keys. The missing keys are
     /// noted in a bit mask (up to 64 keys) and the result is allocated once,
-    /// at its exact size, after the scan.
-    #[inline(never)]
+    /// at its exact size, after the scan. Inlined into its one caller,
+    /// [`Self::missing_node`].
+    #[inline(always)]
     fn missing_const(
         &self,
         keys: &'a [MissingKey],
