@@ -2,7 +2,7 @@
 //! compile-time path splitting, constant folding and the nesting limit.
 
 use super::eval::{self, index_of, key_text};
-use super::lit::Lit;
+use super::lit::{Lit, RootConst};
 use super::{
     Body, CompileError, Entry, Iter, Logic, MAX_DEPTH, MissingKey, Node, NodeId, Op, Operand,
     Program, Scalar, Slot,
@@ -41,11 +41,13 @@ pub(super) fn compile(rule: &Json) -> Result<Logic, CompileError> {
         } => Entry::Var,
         _ => Entry::Rule,
     };
+    let root_const = constant.as_ref().and_then(RootConst::new);
     Ok(Logic {
         prog: c.prog,
         root,
         constant,
         scalar,
+        root_const,
         entry,
     })
 }

@@ -102,6 +102,50 @@ fn element<'a>(v: &'a Json, children: &mut std::slice::Iter<'a, Lit>) -> Value<'
     }
 }
 
+/// What a rule that folded to a string, array or object constant answers:
+/// its `Value`, prebuilt once, so an evaluation is one copy (no node read).
+pub(crate) struct RootConst(RootCell);
+
+enum RootOwner {
+    Str(Box<str>),
+    Lit(Lit),
+}
+
+self_cell!(
+    struct RootCell {
+        owner: RootOwner,
+        #[covariant]
+        dependent: Value,
+    }
+);
+
+impl RootConst {
+    /// The prebuilt value of a string, array or object constant; `None` for
+    /// anything else (scalars are kept unboxed by `Logic`).
+    pub(crate) fn new(json: &Json) -> Option<RootConst> {
+        let owner = match json {
+            Json::String(s) => RootOwner::Str(s.as_str().into()),
+            Json::Array(_) | Json::Object(_) => RootOwner::Lit(Lit::new(json.clone())),
+            _ => return None,
+        };
+        Some(RootConst(RootCell::new(owner, |owner| match owner {
+            RootOwner::Str(s) => Value::Str(s),
+            RootOwner::Lit(lit) => lit.value(),
+        })))
+    }
+
+    #[inline(always)]
+    pub(crate) fn value(&self) -> Value<'_> {
+        *self.0.borrow_dependent()
+    }
+}
+
+impl fmt::Debug for RootConst {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RootConst").field(&self.value()).finish()
+    }
+}
+
 impl fmt::Debug for Lit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("Lit").field(self.json()).finish()
@@ -113,11 +157,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn root_constants_are_prebuilt() {
+        for json in [
+            serde_json::json!("text"),
+            serde_json::json!([1, "a", {"b": [null]}]),
+            serde_json::json!({}),
+        ] {
+            assert_eq!(RootConst::new(&json).unwrap().value().to_json(), json);
+        }
+        assert!(RootConst::new(&serde_json::json!(1)).is_none());
+    }
+
+    #[test]
     fn prebuilt_value_matches_json() {
         let json = serde_json::json!({"a": [1, 2.5, "x", [null, {"b": true}]], "c": {}, "d": []});
         let lit = Lit::new(json.clone());
         assert_eq!(lit.value().to_json(), json);
         const fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<Lit>();
+        assert_send_sync::<RootConst>();
     }
 }

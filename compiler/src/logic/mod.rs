@@ -53,6 +53,8 @@ pub struct Logic {
     /// would store the tag and a narrow payload separately, and the caller's
     /// copy of the value would then stall on store forwarding).
     scalar: Option<Value<'static>>,
+    /// The whole rule's value when it folded to a string, array or object.
+    root_const: Option<lit::RootConst>,
     /// What the root is, decided at compile time so an evaluation reaches
     /// its work without reading the root node first.
     entry: Entry,
@@ -98,7 +100,10 @@ impl Logic {
                 }
             }
             Entry::Var => Ok(self.eval_var(&data)),
-            Entry::Const => Ok(eval::const_value(&self.prog, self.root)),
+            Entry::Const => Ok(match &self.root_const {
+                Some(c) => c.value(),
+                None => eval::const_value(&self.prog, self.root),
+            }),
         }
     }
 
