@@ -16,6 +16,13 @@ use std::process::ExitCode;
 
 use sluice::{app, cli, config, server, telemetry};
 
+/// mimalloc for the whole process: each request still allocates a few
+/// buffers (hyper's, the response body, header maps, the handler's box),
+/// and glibc's malloc/free cost about 2.3k instructions per reference
+/// request of the 76k (docs/benchmarks.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "sluice",
