@@ -4,8 +4,8 @@
 use super::eval::{self, index_of, key_text};
 use super::lit::{Lit, RootConst};
 use super::{
-    Body, CompileError, Entry, Iter, Logic, MAX_DEPTH, MissingKey, Node, NodeId, Op, Operand,
-    Program, Scalar, Slot,
+    ARITH_STACK, Body, CompileError, Entry, Iter, Logic, MAX_DEPTH, MissingKey, Node, NodeId, Op,
+    Operand, Program, Scalar, Slot, Step,
 };
 use crate::path::{Path, Segment};
 use crate::value::Value;
@@ -495,9 +495,12 @@ impl Compiler {
                         }
                     }
                     Some((a, b)) => Body::Two(*body_op, a, b),
-                    None => Body::Call {
-                        op: *body_op,
-                        start: *start,
+                    None => match self.arith_program(body, reduce) {
+                        Some(steps) => Body::Arith(steps),
+                        None => Body::Call {
+                            op: *body_op,
+                            start: *start,
+                        },
                     },
                 }
             }
@@ -510,6 +513,43 @@ impl Compiler {
             init: if reduce { ids.get(2).copied() } else { None },
             shape,
         })))
+    }
+
+    /// `id` as a [`Body::Arith`] program, when it is nested two-argument
+    /// arithmetic whose leaves are [`Self::operand`]s and whose stack stays
+    /// within [`ARITH_STACK`].
+    fn arith_program(&self, id: NodeId, reduce: bool) -> Option<Box<[Step]>> {
+        let mut steps = Vec::new();
+        let depth = self.arith_steps(id, reduce, &mut steps, 0)?;
+        (depth <= ARITH_STACK).then(|| steps.into_boxed_slice())
+    }
+
+    /// Appends the postfix steps of `id`; returns the stack depth they need
+    /// when `below` numbers are already on the stack.
+    fn arith_steps(
+        &self,
+        id: NodeId,
+        reduce: bool,
+        steps: &mut Vec<Step>,
+        below: usize,
+    ) -> Option<usize> {
+        if below >= ARITH_STACK {
+            return None;
+        }
+        if let Node::Op { op, start, len: 2 } = self.prog.nodes[id as usize]
+            && matches!(op, Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod)
+        {
+            let (a, b) = (
+                self.prog.args[start as usize],
+                self.prog.args[start as usize + 1],
+            );
+            let left = self.arith_steps(a, reduce, steps, below)?;
+            let right = self.arith_steps(b, reduce, steps, below + 1)?;
+            steps.push(Step::Apply(op));
+            return Some(left.max(right));
+        }
+        steps.push(Step::Load(self.operand(id, reduce)?));
+        Some(below + 1)
     }
 
     /// A body operand that needs no scope: a plain `var` read of the

@@ -6,8 +6,8 @@ use super::ops::compare::{Rel, loose_eq_checked, relate, strict_eq};
 use super::ops::string::{substr_range, write_js_string};
 use super::ops::{to_number, truthy};
 use super::{
-    Body, EvalError, Iter, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Operand, Program, Scalar,
-    Slot,
+    ARITH_STACK, Body, EvalError, Iter, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Operand,
+    Program, Scalar, Slot, Step,
 };
 use crate::path::Segment;
 use crate::value::{Value, key_eq};
@@ -1142,6 +1142,21 @@ impl<'a> Ev<'a, '_> {
                     },
                 )
             }
+            Body::Arith(steps) => self.drive(
+                op,
+                items,
+                init,
+                #[inline(always)]
+                |_, item, acc| Ok(Value::Float(self.run_arith(steps, *item, *acc)?)),
+                #[inline(always)]
+                |_, item| {
+                    Ok(truthy(&Value::Float(self.run_arith(
+                        steps,
+                        *item,
+                        Value::Null,
+                    )?)))
+                },
+            ),
             Body::Call { op: body_op, start } => {
                 let prog: &'a Program = self.prog;
                 let args = &prog.args[*start as usize..*start as usize + 2];
@@ -1353,6 +1368,43 @@ impl<'a> Ev<'a, '_> {
             Value::Float(f) => Ok(f),
             other => to_number(&other).ok_or_else(|| self.fail(EvalError::NaN)),
         }
+    }
+
+    /// One element's [`Body::Arith`] program: the value the nested
+    /// operators would give, each step coercing its operands like
+    /// [`Self::binary`] and failing on a non-finite result.
+    fn run_arith(&self, steps: &'a [Step], item: Value<'a>, acc: Value<'a>) -> Result<f64, Fail> {
+        let mut stack = [0.0f64; ARITH_STACK];
+        let mut n = 0;
+        for step in steps {
+            match step {
+                Step::Load(operand) => {
+                    let x = self.num_value(operand.read(item, acc))?;
+                    *stack.get_mut(n).ok_or(Fail)? = x;
+                    n += 1;
+                }
+                Step::Apply(op) => {
+                    let (Some(&x), Some(&y)) =
+                        (stack.get(n.wrapping_sub(2)), stack.get(n.wrapping_sub(1)))
+                    else {
+                        return Err(Fail);
+                    };
+                    let r = match op {
+                        Op::Add => x + y,
+                        Op::Sub => x - y,
+                        Op::Mul => x * y,
+                        Op::Div => x / y,
+                        _ => x % y,
+                    };
+                    if !r.is_finite() {
+                        return Err(self.fail(EvalError::NaN));
+                    }
+                    n -= 1;
+                    stack[n - 1] = r;
+                }
+            }
+        }
+        Ok(stack[0])
     }
 
     /// A two-argument operator of [`Body::Two`] on evaluated operands (the

@@ -371,12 +371,30 @@ pub(crate) enum Body {
         path: Box<[Segment]>,
         konst: Scalar,
     },
+    /// Nested two-argument arithmetic over such reads and constants
+    /// (`{"+": [{"var": "accumulator"}, {"*": [{"var": "current.price"},
+    /// {"var": "current.qty"}]}]}`), as a postfix program run on a small
+    /// stack of numbers: no scope, no node dispatch, no `Value` between the
+    /// steps. Each step coerces and checks like the operator it replaces.
+    Arith(Box<[Step]>),
     /// Any other two-argument operator: called directly per element with a
     /// scope, skipping the node dispatch. `start` indexes its argument list.
     Call { op: Op, start: u32 },
     /// Anything else: evaluated per element in a scope.
     General,
 }
+
+/// One step of a [`Body::Arith`] program.
+#[derive(Debug)]
+pub(crate) enum Step {
+    /// Push the operand, coerced to a number.
+    Load(Operand),
+    /// Pop two numbers, push the result of `+ - * / %` (finite, or NaN error).
+    Apply(Op),
+}
+
+/// The most numbers a [`Body::Arith`] program keeps at once.
+pub(crate) const ARITH_STACK: usize = 8;
 
 /// An operand of a [`Body`].
 #[derive(Debug)]

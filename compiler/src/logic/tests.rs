@@ -676,3 +676,88 @@ fn rule_arrays_evaluate_each_element() {
     let err = eval_json(json!([1, {"var": "x"}, {"throw": "boom"}]), data).unwrap_err();
     assert!(err.contains("boom"), "{err}");
 }
+
+#[test]
+fn arithmetic_bodies_match_the_general_path() {
+    // Nested two-argument arithmetic over element reads compiles to
+    // `Body::Arith` (a postfix program on a stack of numbers); the same body
+    // wrapped in a unary `+` (which only coerces a number to itself) stays
+    // general. Values, and where one fails the other, must agree.
+    let subtotal =
+        json!({"+": [{"var": "accumulator"}, {"*": [{"var": "current.p"}, {"var": "current.q"}]}]});
+    let logic = compile(&json!({"reduce": [{"var": "xs"}, subtotal, 0]})).unwrap();
+    let Node::Iter(it) = &logic.prog.nodes[logic.root as usize] else {
+        panic!("not an iterator");
+    };
+    assert!(matches!(&it.shape, Body::Arith(steps) if steps.len() == 5));
+    // Deeper than the program's stack: not a program, still correct.
+    let mut deep = json!({"var": "p"});
+    for _ in 0..9 {
+        deep = json!({"+": [1, deep]});
+    }
+    let logic = compile(&json!({"map": [{"var": "xs"}, deep.clone()]})).unwrap();
+    let Node::Iter(it) = &logic.prog.nodes[logic.root as usize] else {
+        panic!("not an iterator");
+    };
+    assert!(!matches!(it.shape, Body::Arith(_)));
+
+    let bodies = [
+        json!({"*": [{"var": "p"}, {"+": [{"var": "q"}, 1]}]}),
+        json!({"/": [{"-": [{"var": "p"}, 1]}, {"%": [{"var": "q"}, 3]}]}),
+        json!({"-": [{"*": [{"var": "p"}, 0.5]}, {"/": [{"var": "q"}, {"var": "p"}]}]}),
+        deep,
+    ];
+    let reduce_bodies = [
+        subtotal,
+        json!({"-": [{"*": [{"var": "accumulator"}, 2]}, {"%": [{"var": "current.q"}, {"var": "current.p"}]}]}),
+    ];
+    let collections = [
+        json!([{"p": 1, "q": 2}, {"p": 2.5, "q": 4}, {"p": -3, "q": 0.5}]),
+        json!([{"p": "2", "q": "3"}, {"p": null, "q": true}, {"p": false, "q": "1e2"}]),
+        json!([{"p": 1, "q": 3}]),
+        json!([{"p": 0, "q": 0}]),
+        json!([{"p": "x", "q": 1}]),
+        json!([{"q": 1}, {}, {"p": [2], "q": [3]}]),
+        json!([{"p": {"a": 1}, "q": 1}]),
+        json!([{"p": 1e308, "q": 1e308}]),
+        json!([]),
+        json!("not an array"),
+    ];
+    let mut checked = 0;
+    let mut failed = 0;
+    let mut check = |fast: Json, general: Json, xs: &Json| {
+        let data = json!({ "xs": xs });
+        let (a, b) = (
+            eval_json(fast.clone(), data.clone()),
+            eval_json(general, data.clone()),
+        );
+        assert_eq!(a, b, "{fast} on {data}");
+        checked += 1;
+        failed += usize::from(a.is_err());
+    };
+    for iter in ["map", "filter", "all", "some", "none"] {
+        for body in &bodies {
+            for xs in &collections {
+                check(
+                    json!({iter: [{"var": "xs"}, body]}),
+                    json!({iter: [{"var": "xs"}, {"+": [body]}]}),
+                    xs,
+                );
+            }
+        }
+    }
+    for body in &reduce_bodies {
+        for init in [json!(0), json!(1.5), json!("2"), json!(null)] {
+            for xs in &collections {
+                check(
+                    json!({"reduce": [{"var": "xs"}, body, init]}),
+                    json!({"reduce": [{"var": "xs"}, {"+": [body]}, init]}),
+                    xs,
+                );
+            }
+        }
+    }
+    assert_eq!(checked, 5 * 4 * 10 + 2 * 4 * 10);
+    // Division by zero, non-numeric strings and overflow all reach the error.
+    assert!(failed > 20, "{failed} failing cases");
+}
