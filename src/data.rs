@@ -172,7 +172,11 @@ async fn run_sync(
         )
         .map(|span| (o, span))
     });
-    let admitted = match app.governance.admit(channel, &view, Stage::Run).await {
+    let admission = match app.governance.admit_in_place(channel, &view, Stage::Run) {
+        Some(done) => done,
+        None => Box::pin(app.governance.admit(channel, &view, Stage::Run)).await,
+    };
+    let admitted = match admission {
         Ok(admitted) => admitted,
         Err(e) => {
             if let Some(traced) = traced {
@@ -283,8 +287,8 @@ async fn run_sync(
         }
     };
     // A profiled answer is not cached: its timings belong to this run only.
-    if engine_lock_ms.is_none() {
-        app.governance.store(&admitted, body.clone()).await;
+    if engine_lock_ms.is_none() && app.governance.stores(&admitted) {
+        Box::pin(app.governance.store(&admitted, body.clone())).await;
     }
     Ok(bytes_response(StatusCode::OK, body))
 }

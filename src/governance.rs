@@ -290,6 +290,31 @@ impl Governance {
         }
     }
 
+    /// The checks of [`Governance::admit`] run to completion in place, when
+    /// nothing in them can wait: without a shared backend (Redis) they are
+    /// synchronous, and their future is then never stored in the caller's
+    /// (it is large; every request's future would carry and copy it).
+    /// `None` with a shared backend: await `admit` instead.
+    pub fn admit_in_place(
+        &self,
+        channel: &Channel,
+        view: &View<'_>,
+        stage: Stage,
+    ) -> Option<Result<Admitted, ApiError>> {
+        if self.shared.is_some() {
+            return None;
+        }
+        Some(
+            futures_util::FutureExt::now_or_never(self.admit(channel, view, stage)).unwrap_or_else(
+                || {
+                    Err(ApiError::internal(
+                        "the channel's checks waited without a shared backend",
+                    ))
+                },
+            ),
+        )
+    }
+
     /// Runs the channel's checks in the spec's order. A rejection by a later
     /// check gives the dedup key back, so a client that retries after a 429
     /// or 503 is not told its retry is a duplicate.
@@ -507,6 +532,11 @@ impl Governance {
     /// admitted with (a no-op when the channel does not cache). With Redis
     /// the write is awaited (one round trip, bounded by
     /// `governance.timeout_ms`), so the next request on any replica sees it.
+    /// Whether [`Governance::store`] has anything to do for this request.
+    pub fn stores(&self, admitted: &Admitted) -> bool {
+        admitted.store_as.is_some()
+    }
+
     pub async fn store(&self, admitted: &Admitted, body: Bytes) {
         let Some((key, ttl)) = &admitted.store_as else {
             return;

@@ -857,7 +857,9 @@ impl<'a> Ev<'a, '_> {
                 }))
             }
             Op::Cat => {
-                let mut out = BString::new_in(self.arena);
+                // Room for a typical result up front: growing in steps
+                // (8, 16, 32 bytes) copied the text at each step.
+                let mut out = BString::with_capacity_in(32, self.arena);
                 for i in 0..n {
                     let v = self.arg(args, i, scope)?;
                     // One string argument is its own result: no copy.
