@@ -120,17 +120,20 @@ fn resolve<'s, 'p>(
     )))
 }
 
+/// Header pairs as the data context holds them (see [`header_pairs_into`]).
+pub(crate) type HeaderPairs<'r> = SmallVec<[(&'r str, &'r str); 16]>;
+
 /// Lowercase header names (hyper keeps them lowercase) with UTF-8 values;
 /// `x-request-id` is the effective request id (the caller's or ours).
-pub(crate) fn header_pairs(req: &Req) -> SmallVec<[(&str, &str); 16]> {
-    let mut pairs: SmallVec<[(&str, &str); 16]> = req
-        .headers
-        .iter()
-        .filter(|(k, _)| k.as_str() != "x-request-id")
-        .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)))
-        .collect();
+/// Filled in place: the list is large, and returning it would copy it.
+pub(crate) fn header_pairs_into<'r>(req: &'r Req, pairs: &mut HeaderPairs<'r>) {
+    pairs.extend(
+        req.headers
+            .iter()
+            .filter(|(k, _)| k.as_str() != "x-request-id")
+            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+    );
     pairs.push(("x-request-id", req.request_id.as_str()));
-    pairs
 }
 
 async fn run_sync(
@@ -140,7 +143,8 @@ async fn run_sync(
     params: &[(&str, &str)],
     engine_lock_ms: Option<f64>,
 ) -> Result<HttpResponse, ApiError> {
-    let headers = header_pairs(req);
+    let mut headers = HeaderPairs::new();
+    header_pairs_into(req, &mut headers);
     // W3C trace context, read from the pairs already built (no second
     // lookup in the header map).
     let header = |name: &str| headers.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);

@@ -26,7 +26,8 @@ pub async fn submit(
     channel: &Arc<Channel>,
     params: &[(&str, &str)],
 ) -> ApiResult {
-    let headers = crate::data::header_pairs(req);
+    let mut headers = crate::data::HeaderPairs::new();
+    crate::data::header_pairs_into(req, &mut headers);
     let query: Vec<(&str, &str)> = req
         .query
         .iter()
