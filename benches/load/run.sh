@@ -117,6 +117,10 @@ fi
 
 rss_kib() { awk "/$1/ {print \$2}" "/proc/$SLUICE_PID/status"; }
 
+# utime and stime of a process in clock ticks (/proc/PID/stat fields 14, 15).
+cpu_ticks() { awk '{print $14 "," $15}' "/proc/$1/stat"; }
+TICK=$(getconf CLK_TCK)
+
 run_wrk() { # name url [wrk duration]
   local script=benches/load/post.lua expect
   if ((SMOKE)); then
@@ -124,8 +128,15 @@ run_wrk() { # name url [wrk duration]
     expect="$work/response.json"
     [[ "$1" == echo* ]] && expect="$REF/request.json"
   fi
+  # The server's CPU time (all threads, user and kernel) over the round.
+  local pid=$SLUICE_PID
+  [[ "$1" == echo* ]] && pid=$ECHO_PID
+  local before after
+  before=$(cpu_ticks "$pid")
   SLUICE_REQUEST="$REF/request.json" SLUICE_EXPECT="${expect:-}" taskset -c 1 \
     wrk -t1 -c"$CONNECTIONS" -d"${3:-$DURATION}" --latency -s "$script" "$2" > "$work/$1.txt" 2>&1
+  after=$(cpu_ticks "$pid")
+  echo "cpu ${before} ${after}" >> "$work/$1.txt"
   python3 - "$work/$1.txt" "$1" >> "$work/results.tsv" <<'PY'
 import re, sys
 text = open(sys.argv[1]).read()
@@ -142,7 +153,8 @@ if differ:
     print(f"{sys.argv[2]}: checked {differ[1]} responses, {differ[2]} differ", file=sys.stderr)
     errors += int(differ[2])
 total = int(re.search(r"(\d+) requests in", text).group(1))
-print(f"{sys.argv[2]}\t{rps}\t{p50}\t{p99}\t{mx}\t{errors + non2xx}\t{total}")
+u0, s0, u1, s1 = (int(x) for x in re.search(r"cpu (\d+),(\d+) (\d+),(\d+)", text).groups())
+print(f"{sys.argv[2]}\t{rps}\t{p50}\t{p99}\t{mx}\t{errors + non2xx}\t{total}\t{u1 - u0}\t{s1 - s0}")
 PY
 }
 
@@ -178,12 +190,15 @@ if ((RELOAD_WORKFLOWS > 0)); then
   LOOP_PID=""
 fi
 
-python3 - "$work/results.tsv" "$peak" "$rss" "${rss_warm:-0}" "$served" "$reload_report" "$work/loop.txt" <<'PY'
+python3 - "$work/results.tsv" "$peak" "$rss" "${rss_warm:-0}" "$served" "$reload_report" "$work/loop.txt" "$TICK" <<'PY'
 import os, statistics, sys
 rows = [l.split("\t") for l in open(sys.argv[1]).read().splitlines()]
 by = {}
-for name, rps, p50, p99, mx, errors, total in rows:
+cpu = {}
+for name, rps, p50, p99, mx, errors, total, user, kernel in rows:
     by.setdefault(name, []).append((float(rps), float(p50), float(p99), float(mx), int(errors), int(total)))
+    c = cpu.setdefault(name, [0, 0, 0])
+    c[0] += int(user); c[1] += int(kernel); c[2] += int(total)
 print(f"{'server':8} {'round':>5} {'req/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>6}")
 for name in ("sluice", "echo"):
     for i, (rps, p50, p99, mx, errors, _) in enumerate(by[name], 1):
@@ -192,6 +207,15 @@ med = {n: tuple(statistics.median(r[i] for r in by[n]) for i in range(3)) for n 
 for n in ("sluice", "echo"):
     print(f"median   {n:6} {med[n][0]:.0f} req/s p50 {med[n][1]:.3f} ms p99 {med[n][2]:.3f} ms")
 print(f"ratio sluice/echo: throughput {med['sluice'][0] / med['echo'][0]:.3f}, p99 {med['sluice'][2] / med['echo'][2]:.2f}x")
+# Where each server's time goes: its own code (user) and the kernel's work
+# for its sockets (system), per request, over all its rounds (clock ticks,
+# so about ±1 % at these durations).
+tick = int(sys.argv[8])
+for n in ("sluice", "echo"):
+    user, kernel, total = cpu[n]
+    if total:
+        us = lambda t: t / tick / total * 1e6
+        print(f"{n} CPU per request: user {us(user):.2f} us, kernel {us(kernel):.2f} us")
 mib = lambda kib: int(kib) / 1024
 print(f"sluice RSS: peak {mib(sys.argv[2]):.1f} MiB; {mib(sys.argv[4]):.1f} MiB after the first round, "
       f"{mib(sys.argv[3]):.1f} MiB after {int(sys.argv[5]):,} requests")
