@@ -87,10 +87,7 @@ pub async fn handle(
     };
     // CORS headers go on errors too, so a browser client can read them.
     let mut response = result.unwrap_or_else(ApiError::into_response);
-    // The Origin header is looked up only for a channel with CORS settings.
-    if channel.def.config_json.cors.is_some() {
-        governance::decorate(channel, req.header(header::ORIGIN), &mut response);
-    }
+    governance::decorate(channel, &req.headers, &mut response);
     Ok(response)
 }
 
@@ -297,7 +294,7 @@ async fn run_sync(
         }
     };
     // A profiled answer is not cached: its timings belong to this run only.
-    if engine_lock_ms.is_none() && app.governance.stores(&admitted) {
+    if engine_lock_ms.is_none() && admitted.stores() {
         Box::pin(app.governance.store(&admitted, body.clone())).await;
     }
     Ok(bytes_response(StatusCode::OK, body))

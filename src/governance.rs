@@ -147,6 +147,13 @@ pub struct Admitted {
     pub hit: Option<Bytes>,
 }
 
+impl Admitted {
+    /// Whether [`Governance::store`] has anything to do for this request.
+    pub fn stores(&self) -> bool {
+        self.store_as.is_some()
+    }
+}
+
 /// One backpressure slot; gives it back on drop (also when the request's
 /// future is cancelled).
 #[derive(Debug)]
@@ -532,11 +539,6 @@ impl Governance {
     /// admitted with (a no-op when the channel does not cache). With Redis
     /// the write is awaited (one round trip, bounded by
     /// `governance.timeout_ms`), so the next request on any replica sees it.
-    /// Whether [`Governance::store`] has anything to do for this request.
-    pub fn stores(&self, admitted: &Admitted) -> bool {
-        admitted.store_as.is_some()
-    }
-
     pub async fn store(&self, admitted: &Admitted, body: Bytes) {
         let Some((key, ttl)) = &admitted.store_as else {
             return;
@@ -904,8 +906,13 @@ fn origin_allowed(channel: &Channel, origin: &str) -> bool {
 }
 
 /// Adds the CORS headers of an allowed origin to a data-plane response; a
-/// disallowed (or absent) origin gets none, and the browser blocks it.
-pub fn decorate(channel: &Channel, origin: Option<&str>, response: &mut HttpResponse) {
+/// disallowed (or absent) origin gets none, and the browser blocks it. The
+/// `Origin` header is looked up only for a channel with CORS settings.
+pub fn decorate(channel: &Channel, request: &http::HeaderMap, response: &mut HttpResponse) {
+    if channel.def.config_json.cors.is_none() {
+        return;
+    }
+    let origin = request.get(header::ORIGIN).and_then(|v| v.to_str().ok());
     let Some(origin) = origin.filter(|o| origin_allowed(channel, o)) else {
         return;
     };
