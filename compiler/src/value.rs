@@ -523,8 +523,10 @@ impl Writer {
         self.reserve(48);
         if !f.is_finite() {
             self.word(word(b"null"), 4);
-        } else if f.fract() == 0.0 && f.abs() < 1e16 {
-            // Exact: every integral float below 1e16 fits an i64.
+        } else if f.abs() < 1e16 && (f as i64) as f64 == f {
+            // Integral: below 1e16 the cast truncates exactly, and the float
+            // is integral when truncating keeps it (`fract` would call libm's
+            // `trunc` on baseline x86-64).
             self.copy(itoa::Buffer::new().format(f as i64).as_bytes());
         } else if let Some((m, k)) = short_decimal(f) {
             if f < 0.0 {
