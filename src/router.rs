@@ -11,14 +11,21 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 pub async fn route(app: &Arc<App>, req: Req) -> HttpResponse {
-    // Decoded once, here; a segment without escapes borrows the path.
-    let segments: SmallVec<[Cow<'_, str>; 8]> = req
-        .path()
-        .split('/')
-        .filter(|s| !s.is_empty())
-        .map(decode)
-        .collect();
-    let seg: SmallVec<[&str; 8]> = segments.iter().map(|s| &**s).collect();
+    // Decoded once, here. A path without escapes (nearly all) is split
+    // straight into borrowed segments; otherwise each segment is decoded
+    // and the list borrows the decoded copies.
+    let path = req.path();
+    let decoded: SmallVec<[Cow<'_, str>; 8]>;
+    let seg: SmallVec<[&str; 8]> = if path.as_bytes().contains(&b'%') {
+        decoded = path
+            .split('/')
+            .filter(|s| !s.is_empty())
+            .map(decode)
+            .collect();
+        decoded.iter().map(|s| &**s).collect()
+    } else {
+        path.split('/').filter(|s| !s.is_empty()).collect()
+    };
     // Handlers are awaited boxed: their futures (the admin plane's most of
     // all) are large, and every future above this one would otherwise carry
     // and copy the largest of them on every request.
