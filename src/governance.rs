@@ -301,13 +301,17 @@ impl Governance {
     /// nothing in them can wait: without a shared backend (Redis) they are
     /// synchronous, and their future is then never stored in the caller's
     /// (it is large; every request's future would carry and copy it).
-    /// `None` with a shared backend: await `admit` instead.
+    /// A channel with nothing to check is admitted at once, with or without
+    /// a shared backend. `None` with a shared backend: await `admit` instead.
     pub fn admit_in_place(
         &self,
         channel: &Channel,
         view: &View<'_>,
         stage: Stage,
     ) -> Option<Result<Admitted, ApiError>> {
+        if self.nothing_to_check(channel) {
+            return Some(Ok(Admitted::default()));
+        }
         if self.shared.is_some() {
             return None;
         }
@@ -320,6 +324,20 @@ impl Governance {
                 },
             ),
         )
+    }
+
+    /// True when no check applies to the channel's requests: no platform
+    /// limit, and the channel has no deduplication, rate limit, validation
+    /// rule, backpressure or enabled cache. `admit` would then build its
+    /// keys only to find them all empty.
+    fn nothing_to_check(&self, channel: &Channel) -> bool {
+        let cfg = &channel.def.config_json;
+        !self.platform.enabled
+            && cfg.deduplication.is_none()
+            && cfg.rate_limit.is_none()
+            && channel.validation.is_none()
+            && cfg.backpressure.is_none()
+            && !cfg.cache.as_ref().is_some_and(|c| c.enabled)
     }
 
     /// Runs the channel's checks in the spec's order. A rejection by a later
