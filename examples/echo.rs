@@ -14,8 +14,15 @@ async fn main() -> std::io::Result<()> {
         .nth(1)
         .unwrap_or_else(|| "127.0.0.1:18081".into());
     let listener = tokio::net::TcpListener::bind(&addr).await?;
+    // SIGTERM ends it normally (an instrumented build writes its profile at
+    // exit; scripts/pgo-build.sh).
+    let mut terminate =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
-        let (stream, _) = listener.accept().await?;
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => accepted?,
+            _ = terminate.recv() => return Ok(()),
+        };
         let _ = stream.set_nodelay(true);
         tokio::spawn(async move {
             let service = hyper::service::service_fn(

@@ -8,6 +8,7 @@
 #   bash benches/load/run.sh            # 3 rounds of 10 s each, 1,000 workflows reloaded
 #   ROUNDS=1 DURATION=5s RELOAD_WORKFLOWS=100 bash benches/load/run.sh
 #   bash benches/load/run.sh --smoke    # CI: 1 round of 1 s, every response checked
+#   PGO=1 bash benches/load/run.sh      # both servers built profile-guided first
 #
 # Needs wrk (installed with apt-get when missing), python3, curl and taskset.
 # Fails if any request errors or answers non-2xx, or if the response differs
@@ -52,7 +53,12 @@ if ! have_wrk; then
   fi
 fi
 
-# SLUICE_BIN and ECHO_BIN run given binaries instead (A/B comparisons).
+# SLUICE_BIN and ECHO_BIN run given binaries instead (A/B comparisons);
+# PGO=1 builds both profile-guided first (scripts/pgo-build.sh).
+if [[ "${PGO:-0}" == 1 && -z "${SLUICE_BIN:-}" ]]; then
+  mapfile -t built < <(bash scripts/pgo-build.sh | tail -n 2)
+  SLUICE_BIN="${built[0]}" ECHO_BIN="${built[1]}"
+fi
 if [[ -z "${SLUICE_BIN:-}" || -z "${ECHO_BIN:-}" ]]; then
   cargo build --release -q --bin sluice --example echo
 fi
@@ -175,6 +181,14 @@ if ((served < MIN_REQUESTS)); then
 fi
 peak=$(rss_kib VmHWM)
 rss=$(rss_kib VmRSS)
+
+# The smoke mode also sends the profile-guided build's training mix
+# (scripts/pgo-build.sh), so a change of the API that the mix no longer
+# matches fails here and not only in a PGO build.
+if ((SMOKE)); then
+  "$SLUICE_BIN" apply --server "http://127.0.0.1:$SLUICE_PORT" examples/composition-canary > /dev/null
+  python3 benches/load/train.py "http://127.0.0.1:$SLUICE_PORT" "$REF" 2
+fi
 
 # Reloads: RELOAD_WORKFLOWS more active workflows and channels, the time of
 # a reload, then the reference load again while reloads run back to back.
