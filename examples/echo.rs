@@ -16,8 +16,7 @@ async fn main() -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     // SIGTERM ends it normally (an instrumented build writes its profile at
     // exit; scripts/pgo-build.sh).
-    let mut terminate =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
         let (stream, _) = tokio::select! {
             accepted = listener.accept() => accepted?,
