@@ -20,6 +20,7 @@
 # with like. Needs what run.sh needs (wrk, python3, curl, taskset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. benches/load/reference.sh
 SHARED="${SLUICE_SHARED_DIR:-$(cd .. && pwd)/shared}"
 REF="$SHARED/bench/reference"
 TARGET="${CARGO_TARGET_DIR:-target}"
@@ -73,11 +74,7 @@ train() {
   ECHO_PID=$!
   for _ in $(seq 100); do curl -sf "127.0.0.1:$PORT/readyz" >/dev/null && break; sleep 0.1; done
   local admin="http://127.0.0.1:$PORT/api/v1/admin"
-  post() { curl -sf -X "$1" "$admin$2" -H 'Content-Type: application/json' -d "$3" >/dev/null; }
-  post POST /workflows "@$REF/workflow.json"
-  post PATCH /workflows/bench-order-enrichment/status '{"status": "active"}'
-  post POST /channels "@$REF/channel.json"
-  post PATCH /channels/bench-orders/status '{"status": "active"}'
+  create_reference "$admin" "$REF"
   # The command line's own profile is not the service's: kept apart.
   LLVM_PROFILE_FILE="$work/cli/apply-%p.profraw" "$gen/sluice" apply \
     --server "http://127.0.0.1:$PORT" examples/composition-canary > /dev/null

@@ -11,6 +11,7 @@
 #   bash benches/load/ab.sh 4 5 old/sluice new/sluice target/release/examples/echo
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. benches/load/reference.sh
 (($# >= 3)) || { echo "usage: ab.sh ROUNDS SECS BIN [BIN ...]" >&2; exit 2; }
 ROUNDS=$1 SECS=$2
 shift 2
@@ -40,11 +41,7 @@ for bin in "$@"; do
     pids+=($!)
     for _ in $(seq 100); do curl -sf "127.0.0.1:$port/readyz" >/dev/null && break; sleep 0.1; done
     admin="http://127.0.0.1:$port/api/v1/admin"
-    post() { curl -sf -X "$1" "$admin$2" -H 'Content-Type: application/json' -d "$3" >/dev/null; }
-    post POST /workflows "@$REF/workflow.json"
-    post PATCH /workflows/bench-order-enrichment/status '{"status": "active"}'
-    post POST /channels "@$REF/channel.json"
-    post PATCH /channels/bench-orders/status '{"status": "active"}'
+    create_reference "$admin" "$REF"
     urls+=("http://127.0.0.1:$port/api/v1/data/bench/orders/ord-7f3a9c")
   fi
   echo "[$i] $bin"

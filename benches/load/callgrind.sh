@@ -12,6 +12,7 @@
 # kept for callgrind_annotate).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. benches/load/reference.sh
 SHARED="${SLUICE_SHARED_DIR:-$(cd .. && pwd)/shared}"
 REF="$SHARED/bench/reference"
 N="${N:-2000}"
@@ -31,11 +32,7 @@ SERVICE_SERVER__PORT=$PORT SERVICE_STORAGE__URL="sqlite://$work/bench.db" \
 PID=$!
 for _ in $(seq 600); do curl -sf "127.0.0.1:$PORT/readyz" >/dev/null && break; sleep 0.2; done
 admin="http://127.0.0.1:$PORT/api/v1/admin"
-post() { curl -sf -X "$1" "$admin$2" -H 'Content-Type: application/json' -d "$3" >/dev/null; }
-post POST /workflows "@$REF/workflow.json"
-post PATCH /workflows/bench-order-enrichment/status '{"status": "active"}'
-post POST /channels "@$REF/channel.json"
-post PATCH /channels/bench-orders/status '{"status": "active"}'
+create_reference "$admin" "$REF"
 URL="http://127.0.0.1:$PORT/api/v1/data/bench/orders/ord-7f3a9c"
 python3 benches/load/drive.py "$URL" "$REF/request.json" 200 4
 callgrind_control -i on "$PID" >/dev/null

@@ -18,6 +18,7 @@
 # checks correctness with 200 plain requests instead.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. benches/load/reference.sh
 SMOKE=0
 [[ "${1:-}" == "--smoke" ]] && SMOKE=1
 SHARED="${SLUICE_SHARED_DIR:-$(cd .. && pwd)/shared}"
@@ -87,11 +88,7 @@ ECHO_PID=$!
 for _ in $(seq 100); do curl -sf "127.0.0.1:$SLUICE_PORT/readyz" >/dev/null && break; sleep 0.1; done
 
 admin="http://127.0.0.1:$SLUICE_PORT/api/v1/admin"
-post() { curl -sf -X "$1" "$admin$2" -H 'Content-Type: application/json' -d "$3" >/dev/null; }
-post POST /workflows "@$REF/workflow.json"
-post PATCH /workflows/bench-order-enrichment/status '{"status": "active"}'
-post POST /channels "@$REF/channel.json"
-post PATCH /channels/bench-orders/status '{"status": "active"}'
+create_reference "$admin" "$REF"
 
 SLUICE_URL="http://127.0.0.1:$SLUICE_PORT/api/v1/data/bench/orders/ord-7f3a9c"
 ECHO_URL="http://127.0.0.1:$ECHO_PORT/"
