@@ -21,8 +21,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . benches/load/reference.sh
-SHARED="${SLUICE_SHARED_DIR:-$(cd .. && pwd)/shared}"
-REF="$SHARED/bench/reference"
 TARGET="${CARGO_TARGET_DIR:-target}"
 PROFILE="${PGO_CARGO_PROFILE:-release}"
 TRAIN_SECS="${PGO_TRAIN_SECS:-5}"

@@ -15,8 +15,6 @@ cd "$(dirname "$0")/../.."
 (($# >= 3)) || { echo "usage: ab.sh ROUNDS SECS BIN [BIN ...]" >&2; exit 2; }
 ROUNDS=$1 SECS=$2
 shift 2
-SHARED="${SLUICE_SHARED_DIR:-$(cd .. && pwd)/shared}"
-REF="$SHARED/bench/reference"
 PORT="${PORT:-18200}"
 TICK=$(getconf CLK_TCK)
 work="$(mktemp -d)"

@@ -13,8 +13,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . benches/load/reference.sh
-SHARED="${SLUICE_SHARED_DIR:-$(cd .. && pwd)/shared}"
-REF="$SHARED/bench/reference"
 N="${N:-2000}"
 PORT="${PORT:-18090}"
 TARGET="${CARGO_TARGET_DIR:-target}"

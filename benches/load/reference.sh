@@ -1,6 +1,10 @@
-# Sourced by the load scripts: creates the reference workflow and channel
-# (../shared/bench/reference/) through a running server's admin API and
-# activates both.
+# Sourced by the load scripts (from the repository root): where the
+# reference workload is (REF, in ../shared/bench/reference/ unless
+# SLUICE_SHARED_DIR says otherwise), and create_reference, which creates its
+# workflow and channel through a running server's admin API and activates
+# both.
+SHARED="${SLUICE_SHARED_DIR:-$(cd .. && pwd)/shared}"
+REF="$SHARED/bench/reference"
 #
 #   create_reference ADMIN_URL REF_DIR
 create_reference() {

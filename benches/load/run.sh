@@ -21,8 +21,6 @@ cd "$(dirname "$0")/../.."
 . benches/load/reference.sh
 SMOKE=0
 [[ "${1:-}" == "--smoke" ]] && SMOKE=1
-SHARED="${SLUICE_SHARED_DIR:-$(cd .. && pwd)/shared}"
-REF="$SHARED/bench/reference"
 if ((SMOKE)); then
   ROUNDS="${ROUNDS:-1}" DURATION="${DURATION:-1s}" RELOAD_WORKFLOWS="${RELOAD_WORKFLOWS:-20}"
   MIN_REQUESTS=0
