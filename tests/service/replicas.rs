@@ -229,11 +229,12 @@ async fn async_work_survives_a_killed_replica() {
         json!({"status": "active"}),
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-
     let bases: Vec<String> = std::iter::once(first.base.clone())
         .chain(others.iter().map(|r| r.base.clone()))
         .collect();
+    // Every replica serves the channel before the first submission (a fixed
+    // wait was too short on a loaded machine).
+    settle(&c, &bases).await;
     for n in 0..300 {
         let base = &bases[n % 3];
         let r = c
