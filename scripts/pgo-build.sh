@@ -59,6 +59,20 @@ dir="$PROFILE"
 [[ "$PROFILE" == dev ]] && dir=debug
 gen="$TARGET/pgo-gen/$dir"
 
+# load URL: wrk on the reference body; a profile of errors is a wrong
+# profile, so any error or non-2xx answer fails the build.
+load() {
+  local out
+  out="$(SLUICE_REQUEST="$REF/request.json" taskset -c 1 wrk -t1 -c64 -d"${TRAIN_SECS}s" \
+    -s benches/load/post.lua "$1")"
+  grep -E "requests in" <<< "$out"
+  if grep -qE "Non-2xx|Socket errors" <<< "$out"; then
+    echo "$out" >&2
+    echo "training load on $1 answered errors" >&2
+    return 1
+  fi
+}
+
 # train SLUICE ECHO: the servers on the training traffic, then SIGTERM (an
 # instrumented binary writes its profile when it exits).
 train() {
@@ -77,10 +91,8 @@ train() {
   LLVM_PROFILE_FILE="$work/cli/apply-%p.profraw" "$gen/sluice" apply \
     --server "http://127.0.0.1:$PORT" examples/composition-canary > /dev/null
   python3 benches/load/train.py "http://127.0.0.1:$PORT" "$REF" 200
-  SLUICE_REQUEST="$REF/request.json" taskset -c 1 wrk -t1 -c64 -d"${TRAIN_SECS}s" \
-    -s benches/load/post.lua "http://127.0.0.1:$PORT/api/v1/data/bench/orders/ord-7f3a9c" | grep -E "requests in|Non-2xx" || true
-  SLUICE_REQUEST="$REF/request.json" taskset -c 1 wrk -t1 -c64 -d"${TRAIN_SECS}s" \
-    -s benches/load/post.lua "http://127.0.0.1:$ECHO_PORT/" | grep -E "requests in|Non-2xx" || true
+  load "http://127.0.0.1:$PORT/api/v1/data/bench/orders/ord-7f3a9c"
+  load "http://127.0.0.1:$ECHO_PORT/"
   kill -TERM "$SLUICE_PID" "$ECHO_PID"
   wait "$SLUICE_PID" "$ECHO_PID" || true
   SLUICE_PID="" ECHO_PID=""

@@ -55,8 +55,10 @@ fi
 # SLUICE_BIN and ECHO_BIN run given binaries instead (A/B comparisons);
 # PGO=1 builds both profile-guided first (scripts/pgo-build.sh).
 if [[ "${PGO:-0}" == 1 && -z "${SLUICE_BIN:-}" ]]; then
-  mapfile -t built < <(bash scripts/pgo-build.sh | tail -n 2)
-  SLUICE_BIN="${built[0]}" ECHO_BIN="${built[1]}"
+  # Its last two lines name the binaries; a failed build stops the run here
+  # (it must not fall back to measuring the ordinary build).
+  pgo_out="$(bash scripts/pgo-build.sh)"
+  SLUICE_BIN="$(tail -n 2 <<< "$pgo_out" | head -n 1)" ECHO_BIN="$(tail -n 1 <<< "$pgo_out")"
 fi
 if [[ -z "${SLUICE_BIN:-}" || -z "${ECHO_BIN:-}" ]]; then
   cargo build --release -q --bin sluice --example echo
