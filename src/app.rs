@@ -47,6 +47,8 @@ pub struct App {
     generation: AtomicU64,
     /// Reloads are serialized (admin side only; the request path never waits on it).
     reload_lock: tokio::sync::Mutex<()>,
+    /// Where reloads are built: a thread at background priority.
+    reloader: engine::Reloader,
 }
 
 /// What a successful reload reports.
@@ -92,6 +94,7 @@ impl App {
             in_flight: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),
+            reloader: engine::Reloader::default(),
         }
     }
 
@@ -138,7 +141,10 @@ impl App {
                 return Err(ReloadError::Storage(e));
             }
         };
-        let built = engine::build(&self.store, generation, self.engine.load_full()).await;
+        let built = self
+            .reloader
+            .build(&self.store, generation, self.engine.load_full())
+            .await;
         let built = match built {
             Ok(b) => b,
             Err(e) => {

@@ -319,6 +319,8 @@ pub struct Built {
 ///
 /// The CPU part (compiling, indexing) runs on a thread of its own, not on a
 /// runtime worker: requests keep being served while a large engine builds.
+/// The service calls this through [`Reloader`], which runs the reading at
+/// background priority too.
 pub async fn build(
     store: &Store,
     generation: u64,
@@ -379,6 +381,108 @@ pub async fn build(
     })
 }
 
+/// Builds snapshots on a thread of its own (`sluice-reload`), at background
+/// priority ([`background_priority`]), with its own current-thread runtime
+/// and its own database connection ([`Store::twin`]): a reload's reading
+/// of stamps and definitions, decoding and comparing them, compiling and
+/// indexing all run on time the request workers leave idle. (Reading on the
+/// shared pool put about 3 ms of normal-priority work per reload of 1,000
+/// workflows on the request core, the SQLite worker's and a request
+/// worker's, and requests queued behind it; docs/benchmarks.md.)
+///
+/// Started on the first reload. An in-memory SQLite database has no second
+/// connection: its reloads build on the caller's runtime, as does any reload
+/// when the thread cannot be started.
+#[derive(Default)]
+pub struct Reloader {
+    jobs: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedSender<Job>>>,
+}
+
+struct Job {
+    generation: u64,
+    previous: Arc<Snapshot>,
+    reply: tokio::sync::oneshot::Sender<Result<Built, ReloadError>>,
+}
+
+impl Reloader {
+    /// [`build`] on the reload thread (see the type's documentation).
+    pub async fn build(
+        &self,
+        store: &Store,
+        generation: u64,
+        previous: Arc<Snapshot>,
+    ) -> Result<Built, ReloadError> {
+        let Some(jobs) = self.sender(store) else {
+            return build(store, generation, previous).await;
+        };
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let job = Job {
+            generation,
+            previous,
+            reply,
+        };
+        if let Err(tokio::sync::mpsc::error::SendError(job)) = jobs.send(job) {
+            return build(store, generation, job.previous).await;
+        }
+        answer.await.unwrap_or_else(|_| {
+            Err(ReloadError::Storage(StorageError::Database(
+                "the reload thread stopped".into(),
+            )))
+        })
+    }
+
+    fn sender(&self, store: &Store) -> Option<tokio::sync::mpsc::UnboundedSender<Job>> {
+        if !store.has_twin() {
+            return None;
+        }
+        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        if jobs.as_ref().is_none_or(|tx| tx.is_closed()) {
+            *jobs = reload_thread(store.clone())
+                .map_err(|e| tracing::warn!(error = %e, "cannot start the reload thread; reloading on a request worker"))
+                .ok();
+        }
+        jobs.clone()
+    }
+}
+
+/// The reload thread: serves jobs until every sender is gone (the `App` is
+/// dropped). Its connection is opened on the first job and again after a
+/// failure to open it.
+fn reload_thread(shared: Store) -> std::io::Result<tokio::sync::mpsc::UnboundedSender<Job>> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name("sluice-reload".into())
+        .spawn(move || {
+            background_priority();
+            runtime.block_on(async move {
+                let mut own: Option<Store> = None;
+                while let Some(job) = rx.recv().await {
+                    if own.is_none() {
+                        match shared.twin().await {
+                            Some(Ok(store)) => own = Some(store),
+                            Some(Err(e)) => {
+                                let _ = job.reply.send(Err(ReloadError::Storage(e)));
+                                continue;
+                            }
+                            None => {}
+                        }
+                    }
+                    let store = own.as_ref().unwrap_or(&shared);
+                    let _ = job
+                        .reply
+                        .send(build(store, job.generation, job.previous).await);
+                }
+                if let Some(store) = own {
+                    store.close().await;
+                }
+            });
+        })?;
+    Ok(tx)
+}
+
 /// Above this many rows with an unknown or changed stamp, a reload reads
 /// every active definition in one query instead of one query per row (a
 /// start-up, or a mass change such as an import).
@@ -413,8 +517,8 @@ async fn resolve(
     rows: Vec<ActiveRow>,
     known: impl Fn(&ActiveRow) -> Option<Arc<str>>,
 ) -> Result<Vec<Row>, StorageError> {
-    // Compared in slices with a yield between them (this runs on a request
-    // worker; see `Store::active_rows`).
+    // Compared in slices with a yield between them (when this runs on a
+    // request worker; see `Store::active_rows`).
     let mut sorted: Vec<Result<Row, ActiveRow>> = Vec::with_capacity(rows.len());
     for (i, row) in rows.into_iter().enumerate() {
         sorted.push(match known(&row) {

@@ -90,7 +90,8 @@ def loop(admin, seconds, out):
 
 
 def thread_cpu(pid):
-    """CPU ticks (user + system) per thread name of process `pid`."""
+    """CPU ticks (user + system) per thread name of process `pid`; threads
+    at background priority (SCHED_IDLE) are counted apart, as "name (idle)"."""
     import collections
     import os
 
@@ -102,6 +103,8 @@ def thread_cpu(pid):
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789-")
         fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[38] == "5":  # policy: SCHED_IDLE
+            name += " (idle)"
         out[name] += int(fields[11]) + int(fields[12])
     return out
 
@@ -117,7 +120,7 @@ def cpu(admin, pid, n):
     after = thread_cpu(pid)
     tick = os.sysconf("SC_CLK_TCK")
     print(f"{n} reloads, {statistics.median(walls):.1f} ms each (median); CPU per reload by thread"
-          " (threads that ended, sluice-reload and sluice-free, are not counted):")
+          " (threads that ended, such as sluice-free, are not counted):")
     for name in sorted(set(before) | set(after)):
         ms = (after[name] - before[name]) * 1000 / tick / n
         if ms:

@@ -918,9 +918,10 @@ impl Store {
     /// Every active version of `kind` without its definition (ascending by
     /// id, version): what a reload reads first.
     ///
-    /// Streamed, with a yield every `REFILL_ROWS` rows: a reload runs on a
-    /// request worker, and decoding thousands of rows in one go would hold
-    /// the requests queued behind it for milliseconds.
+    /// Streamed, with a yield every `REFILL_ROWS` rows: a reload on a
+    /// request worker (an in-memory database's; see `engine::Reloader`)
+    /// decoding thousands of rows in one go would hold the requests queued
+    /// behind it for milliseconds.
     pub async fn active_rows(&self, kind: Kind) -> Result<Vec<ActiveRow>, StorageError> {
         use futures_util::TryStreamExt as _;
         const REFILL_ROWS: usize = 64;

@@ -424,6 +424,10 @@ struct Inner {
     sql: Sql,
     /// Serialises backups of this store so two never pick the same file name.
     backup_lock: tokio::sync::Mutex<()>,
+    /// The URL this store connected to, for [`Store::twin`]; `None` for an
+    /// in-memory SQLite database (another connection would be another,
+    /// empty database). Never logged: it may hold a password.
+    url: Option<String>,
 }
 
 /// Handle to the database; cheap to clone (an `Arc`).
@@ -672,9 +676,11 @@ impl Store {
             // sqlx errors do not echo the URL; keep it that way (it may hold a password).
             StorageError::Database(format!("cannot connect to {b} storage: {e}"))
         };
+        let mut shareable = true;
         let (pools, backend) = match scheme.as_str() {
             "sqlite" => {
                 let memory = url.contains(":memory:") || url.contains("mode=memory");
+                shareable = !memory;
                 let opts = SqliteConnectOptions::from_str(url)
                     .map_err(|e| StorageError::BadRequest(format!("invalid storage.url: {e}")))?
                     .create_if_missing(true)
@@ -736,8 +742,25 @@ impl Store {
                 backend,
                 sql: Sql::new(backend),
                 backup_lock: tokio::sync::Mutex::new(()),
+                url: shareable.then(|| url.to_owned()),
             }),
         })
+    }
+
+    /// A second store on the same database with one connection of its own,
+    /// for work that runs on its own thread and runtime (the engine reload,
+    /// at background priority: the connection, and on SQLite its worker
+    /// thread, belong to the thread that opens it). `None` when the
+    /// database is in-memory SQLite, which only this store's connection
+    /// sees. Must be called on a Tokio runtime, like [`Store::connect`].
+    pub async fn twin(&self) -> Option<Result<Store, StorageError>> {
+        let url = self.inner.url.as_deref()?;
+        Some(Store::connect(url, 1).await)
+    }
+
+    /// Whether [`Store::twin`] can open a second connection.
+    pub fn has_twin(&self) -> bool {
+        self.inner.url.is_some()
     }
 
     /// Applies the embedded migrations of this backend (idempotent).

@@ -162,6 +162,7 @@ backend_tests!(
     backups,
     digests_follow_definitions,
     reload_after_any_change_equals_a_cold_start,
+    reloads_build_at_background_priority_on_their_own_connection,
 );
 
 fn admin(action: &str) -> Audit {
@@ -1698,4 +1699,91 @@ async fn reload_after_any_change_equals_a_cold_start(s: Store, _: PathBuf) {
     s.migrate().await.unwrap();
     assert_eq!(reload_and_compare(&s, &mut warm, "backfill").await, 0);
     assert_eq!(reload_and_compare(&s, &mut warm, "steady").await, 0);
+}
+
+/// Names of this process's threads in the `SCHED_IDLE` class (Linux).
+fn idle_threads() -> Vec<String> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue; // the thread ended meanwhile
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let fields: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+        // Field 41 of proc(5), the scheduling policy (5 = SCHED_IDLE).
+        if fields.get(38) == Some(&"5") {
+            out.push(stat[open + 1..close].to_owned());
+        }
+    }
+    out
+}
+
+async fn reloads_build_at_background_priority_on_their_own_connection(s: Store, _: PathBuf) {
+    let (w, c) = (Kind::Workflow, Kind::Channel);
+    s.create(w, "a", &flow("data.a", 1), admin("create"))
+        .await
+        .unwrap();
+    s.create(
+        c,
+        "ca",
+        &rest_channel("ca", "/ca/{id}", "a"),
+        admin("create"),
+    )
+    .await
+    .unwrap();
+    activate(&s, "a", None, None).await.unwrap();
+    s.set_status(c, "ca", Status::Active, None, None, admin("status"))
+        .await
+        .unwrap();
+    assert!(
+        s.has_twin(),
+        "a database on disk or a server has a second connection"
+    );
+    let reloader = crate::engine::Reloader::default();
+    let built = reloader.build(&s, 1, Arc::default()).await.unwrap();
+    let inline = crate::engine::build(&s, 1, Arc::default()).await.unwrap();
+    assert_eq!(built.snapshot.fingerprint(), inline.snapshot.fingerprint());
+    assert_eq!(built.snapshot.workflows_loaded, 1);
+    assert!(built.snapshot.channels.contains_key("ca"));
+    // The thread that built it, and (SQLite) the worker of its own
+    // connection, run at background priority.
+    let idle = idle_threads();
+    assert!(idle.iter().any(|t| t == "sluice-reload"), "{idle:?}");
+    if s.backend() == Backend::Sqlite {
+        assert!(
+            idle.iter().any(|t| t.starts_with("sqlx-sqlite")),
+            "{idle:?}"
+        );
+    }
+    // A second reload reuses the thread and sees a change made meanwhile.
+    s.set_status(c, "ca", Status::Paused, None, None, admin("status"))
+        .await
+        .unwrap();
+    let again = reloader
+        .build(&s, 2, Arc::new(built.snapshot))
+        .await
+        .unwrap();
+    assert!(again.snapshot.channels.is_empty());
+    assert_eq!(again.snapshot.generation, 2);
+}
+
+/// An in-memory SQLite database has no second connection: its reloads
+/// build on the caller's runtime, and see what the store holds.
+#[tokio::test]
+async fn in_memory_reloads_build_inline() {
+    let s = Store::connect("sqlite::memory:", 4).await.unwrap();
+    s.migrate().await.unwrap();
+    assert!(!s.has_twin());
+    assert!(s.twin().await.is_none());
+    s.create(Kind::Workflow, "a", &flow("data.a", 1), admin("create"))
+        .await
+        .unwrap();
+    activate(&s, "a", None, None).await.unwrap();
+    let built = crate::engine::Reloader::default()
+        .build(&s, 1, Arc::default())
+        .await
+        .unwrap();
+    assert_eq!(built.snapshot.workflows_loaded, 1);
 }
