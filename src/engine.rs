@@ -194,6 +194,14 @@ impl RouteTable {
 pub struct Snapshot {
     pub generation: u64,
     pub built_at: Option<SystemTime>,
+    /// What it serves (read through `Deref`): shared with the next snapshot
+    /// when a reload finds every stored row unchanged.
+    tables: Arc<Tables>,
+}
+
+/// The tables of a snapshot: everything built from the stored rows.
+#[derive(Debug, Default)]
+pub struct Tables {
     /// Channels by name.
     pub channels: FastMap<String, Arc<Channel>>,
     pub routes: RouteTable,
@@ -209,6 +217,14 @@ pub struct Snapshot {
     /// read as and its stamp: the next reload reuses the text of a channel
     /// whose stamp is unchanged instead of reading it again.
     channel_texts: HashMap<String, StoredText>,
+}
+
+impl std::ops::Deref for Snapshot {
+    type Target = Tables;
+
+    fn deref(&self) -> &Tables {
+        &self.tables
+    }
 }
 
 #[derive(Debug)]
@@ -247,6 +263,13 @@ impl CompiledPlan {
 }
 
 impl Snapshot {
+    /// Whether this snapshot serves the very tables of `other` (a reload
+    /// that found nothing changed).
+    #[doc(hidden)]
+    pub fn shares_tables_with(&self, other: &Snapshot) -> bool {
+        Arc::ptr_eq(&self.tables, &other.tables)
+    }
+
     /// Everything this snapshot serves, as text (channels, their definitions
     /// and plans, routes in match order, plans with the definitions they were
     /// compiled from), without the generation and build time: a reload and a
@@ -355,6 +378,23 @@ pub async fn build(
     })
     .await
     .map_err(ReloadError::Storage)?;
+    // Every active row is one the previous snapshot was built from, with the
+    // same stamp, and there is no other: its tables serve on, shared, under
+    // the new generation (nothing to compile, index or free).
+    if all_known(&workflows, previous.compiled.len())
+        && all_known(&channels, previous.channel_texts.len())
+    {
+        let snapshot = Snapshot {
+            generation,
+            built_at: Some(SystemTime::now()),
+            tables: previous.tables.clone(),
+        };
+        return Ok(Built {
+            snapshot,
+            elapsed: started.elapsed(),
+            compiled: 0,
+        });
+    }
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("sluice-reload".into())
@@ -481,6 +521,13 @@ fn reload_thread(shared: Store) -> std::io::Result<tokio::sync::mpsc::UnboundedS
             });
         })?;
     Ok(tx)
+}
+
+/// Whether `rows` are exactly the `before` rows of the previous snapshot:
+/// as many, each known by its stamp (rows have distinct keys, so each
+/// matched a different one).
+fn all_known(rows: &[Row], before: usize) -> bool {
+    rows.len() == before && rows.iter().all(|r| matches!(r, Row::Known(..)))
 }
 
 /// Above this many rows with an unknown or changed stamp, a reload reads
@@ -659,13 +706,11 @@ pub fn assemble(
             },
         );
     }
-    let mut snapshot = Snapshot {
-        generation,
-        built_at: Some(SystemTime::now()),
+    let mut tables = Tables {
         active_workflows: by_id.len(),
         workflows_loaded: by_id.values().map(Vec::len).sum(),
         compiled: compiled_plans,
-        ..Snapshot::default()
+        ..Tables::default()
     };
     // The previous snapshot's channels by id: an unchanged stored channel is
     // recognised before its text is parsed.
@@ -675,7 +720,7 @@ pub fn assemble(
         .map(|c| (c.id.as_str(), c))
         .collect();
     for stored in channels {
-        snapshot.channel_texts.insert(
+        tables.channel_texts.insert(
             stored.id.clone(),
             StoredText {
                 version: stored.version,
@@ -768,7 +813,7 @@ pub fn assemble(
                 .iter()
                 .filter(|s| matches!(s, Seg::Literal(_)))
                 .count();
-            snapshot.routes.insert(Route {
+            tables.routes.insert(Route {
                 segments,
                 methods: channel
                     .def
@@ -781,10 +826,15 @@ pub fn assemble(
                 channel: channel.clone(),
             });
         }
-        snapshot.channels.insert(channel.name.clone(), channel);
+        tables.channels.insert(channel.name.clone(), channel);
     }
-    snapshot.routes.finish();
+    tables.routes.finish();
     if problems.is_empty() {
+        let snapshot = Snapshot {
+            generation,
+            built_at: Some(SystemTime::now()),
+            tables: Arc::new(tables),
+        };
         Ok((snapshot, compiled_count))
     } else {
         Err(ReloadError::Invalid(problems))
