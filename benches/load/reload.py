@@ -3,10 +3,13 @@
 
     reload.py setup ADMIN_URL REF_DIR N   create N workflows (copies of the reference
                                           workflow) and N channels, activate all
-    reload.py time ADMIN_URL ROUNDS       time POST /engine/reload; prints the median
-                                          engine build time and request time (ms)
+    reload.py time ADMIN_URL ROUNDS       time POST /engine/reload (the median engine
+                                          build and request time, ms), then a lifecycle
+                                          change (a channel paused and resumed)
     reload.py loop ADMIN_URL SECONDS OUT  reload back to back for SECONDS (100 ms
-                                          apart); writes "count median_ms max_ms" to OUT
+                                          apart), in turn POST /engine/reload and a
+                                          lifecycle change (a channel paused or
+                                          resumed); writes "count median_ms max_ms" to OUT
     reload.py cpu ADMIN_URL PID N         N reloads back to back (after 5 to warm up);
                                           prints the CPU time per reload of each of the
                                           server's threads by name (/proc, Linux)
@@ -72,18 +75,41 @@ def time_reloads(admin, rounds):
         builds.append(report["duration_ms"])
         walls.append(wall)
     print(
-        f"reload of {report['active_workflows']} active workflows, {report['channels']} channels: "
+        f"reload of {report['active_workflows']} active workflows, {report['channels']} channels, nothing changed: "
         f"engine build {statistics.median(builds):.1f} ms, admin request {statistics.median(walls):.1f} ms "
         f"(medians of {rounds}; {report['compiled']} compiled, the rest reused)"
+    )
+    # A lifecycle change: pause and resume one channel; each answer comes
+    # after the engine has been rebuilt around the changed row.
+    changes = []
+    for i in range(rounds):
+        for status in ("paused", "active"):
+            t = time.monotonic()
+            call(conn, "PATCH", f"{base}/channels/reload-ch-0000/status", {"status": status})
+            changes.append((time.monotonic() - t) * 1000)
+    print(
+        f"reload after a lifecycle change (one of the channels paused, then resumed): "
+        f"admin request {statistics.median(changes):.1f} ms (median of {len(changes)}), "
+        f"write and rebuilt engine included"
     )
 
 
 def loop(admin, seconds, out):
+    """Reloads of both kinds in turn: POST /engine/reload (nothing changed),
+    then a lifecycle change (one channel paused or resumed, which rebuilds
+    the engine around it)."""
     conn, base = connect(admin)
     end = time.monotonic() + seconds
     walls = []
+    status = "paused"
     while time.monotonic() < end:
-        walls.append(reload_once(conn, base)[1])
+        if len(walls) % 2 == 0:
+            walls.append(reload_once(conn, base)[1])
+        else:
+            t = time.monotonic()
+            call(conn, "PATCH", f"{base}/channels/reload-ch-0001/status", {"status": status})
+            walls.append((time.monotonic() - t) * 1000)
+            status = "active" if status == "paused" else "paused"
         time.sleep(0.1)
     with open(out, "w") as f:
         f.write(f"{len(walls)} {statistics.median(walls):.1f} {max(walls):.1f}\n")

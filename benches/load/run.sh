@@ -188,7 +188,8 @@ if ((SMOKE)); then
 fi
 
 # Reloads: RELOAD_WORKFLOWS more active workflows and channels, the time of
-# a reload, then the reference load again while reloads run back to back.
+# a reload (nothing changed, and after a lifecycle change), then the
+# reference load again while both kinds of reload run back to back.
 reload_report=""
 if ((RELOAD_WORKFLOWS > 0)); then
   python3 benches/load/reload.py setup "$admin" "$REF" "$RELOAD_WORKFLOWS"
