@@ -432,7 +432,7 @@ pub async fn build(
 ///
 /// Started on the first reload. An in-memory SQLite database has no second
 /// connection: its reloads build on the caller's runtime, as does any reload
-/// when the thread cannot be started.
+/// when the thread cannot be started or cannot open its connection.
 #[derive(Default)]
 pub struct Reloader {
     jobs: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedSender<Job>>>,
@@ -441,7 +441,14 @@ pub struct Reloader {
 struct Job {
     generation: u64,
     previous: Arc<Snapshot>,
-    reply: tokio::sync::oneshot::Sender<Result<Built, ReloadError>>,
+    reply: tokio::sync::oneshot::Sender<Outcome>,
+}
+
+enum Outcome {
+    Built(Result<Built, ReloadError>),
+    /// The thread could not open its connection: the caller builds on its
+    /// own runtime and the shared pool (as an in-memory database does).
+    NoConnection(StorageError, Arc<Snapshot>),
 }
 
 impl Reloader {
@@ -464,11 +471,16 @@ impl Reloader {
         if let Err(tokio::sync::mpsc::error::SendError(job)) = jobs.send(job) {
             return build(store, generation, job.previous).await;
         }
-        answer.await.unwrap_or_else(|_| {
-            Err(ReloadError::Storage(StorageError::Database(
+        match answer.await {
+            Ok(Outcome::Built(built)) => built,
+            Ok(Outcome::NoConnection(e, previous)) => {
+                tracing::warn!(error = %e, "the reload thread cannot open its database connection; reloading on a request worker");
+                build(store, generation, previous).await
+            }
+            Err(_) => Err(ReloadError::Storage(StorageError::Database(
                 "the reload thread stopped".into(),
-            )))
-        })
+            ))),
+        }
     }
 
     fn sender(&self, store: &Store) -> Option<tokio::sync::mpsc::UnboundedSender<Job>> {
@@ -486,8 +498,9 @@ impl Reloader {
 }
 
 /// The reload thread: serves jobs until every sender is gone (the `App` is
-/// dropped). Its connection is opened on the first job and again after a
-/// failure to open it.
+/// dropped). Its connection is opened on the first job; when that fails
+/// (the database refuses one more connection, say), the job goes back to the
+/// caller, and the next job tries again.
 fn reload_thread(shared: Store) -> std::io::Result<tokio::sync::mpsc::UnboundedSender<Job>> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -504,16 +517,15 @@ fn reload_thread(shared: Store) -> std::io::Result<tokio::sync::mpsc::UnboundedS
                         match shared.twin().await {
                             Some(Ok(store)) => own = Some(store),
                             Some(Err(e)) => {
-                                let _ = job.reply.send(Err(ReloadError::Storage(e)));
+                                let _ = job.reply.send(Outcome::NoConnection(e, job.previous));
                                 continue;
                             }
                             None => {}
                         }
                     }
                     let store = own.as_ref().unwrap_or(&shared);
-                    let _ = job
-                        .reply
-                        .send(build(store, job.generation, job.previous).await);
+                    let built = build(store, job.generation, job.previous).await;
+                    let _ = job.reply.send(Outcome::Built(built));
                 }
                 if let Some(store) = own {
                     store.close().await;

@@ -1806,3 +1806,50 @@ async fn in_memory_reloads_build_inline() {
         .unwrap();
     assert_eq!(built.snapshot.workflows_loaded, 1);
 }
+
+/// When the reload thread cannot open its own connection, the reload is
+/// built on the shared pool instead of failing, and the next one tries the
+/// connection again.
+#[tokio::test]
+async fn a_reload_without_its_own_connection_uses_the_shared_pool() {
+    let dir = std::env::temp_dir().join(format!(
+        "sluice_test_twin_{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}", dir.join("s.db").display());
+    let s = Store::connect(&url, 4).await.unwrap();
+    s.migrate().await.unwrap();
+    s.create(Kind::Workflow, "a", &flow("data.a", 1), admin("create"))
+        .await
+        .unwrap();
+    activate(&s, "a", None, None).await.unwrap();
+    // The same pool, but a second connection would go where none can open.
+    let Pools::Sqlite(pool) = &s.inner.pools else {
+        unreachable!()
+    };
+    let unreachable = Store {
+        inner: Arc::new(Inner {
+            pools: Pools::Sqlite(pool.clone()),
+            backend: Backend::Sqlite,
+            sql: Sql::new(Backend::Sqlite),
+            backup_lock: tokio::sync::Mutex::new(()),
+            url: Some(format!(
+                "sqlite://{}",
+                dir.join("missing/dir/s.db").display()
+            )),
+        }),
+    };
+    assert!(matches!(unreachable.twin().await, Some(Err(_))));
+    let reloader = crate::engine::Reloader::default();
+    for generation in [1, 2] {
+        let built = reloader
+            .build(&unreachable, generation, Arc::default())
+            .await
+            .unwrap();
+        assert_eq!(built.snapshot.workflows_loaded, 1);
+        assert_eq!(built.snapshot.generation, generation);
+    }
+    s.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
