@@ -1598,17 +1598,9 @@ async fn reload_and_compare(
     compiled
 }
 
-async fn reload_after_any_change_equals_a_cold_start(s: Store, _: PathBuf) {
+/// Workflow `a` and channel `ca` (route `/ca/{id}`, serving `a`), both active.
+async fn active_flow_and_channel(s: &Store) {
     let (w, c) = (Kind::Workflow, Kind::Channel);
-    let mut warm = Arc::default();
-    let status = |kind, id: &'static str, to, version, rollout| {
-        let s = s.clone();
-        async move {
-            s.set_status(kind, id, to, version, rollout, admin("status"))
-                .await
-                .unwrap();
-        }
-    };
     s.create(w, "a", &flow("data.a", 1), admin("create"))
         .await
         .unwrap();
@@ -1620,8 +1612,26 @@ async fn reload_after_any_change_equals_a_cold_start(s: Store, _: PathBuf) {
     )
     .await
     .unwrap();
-    status(w, "a", Status::Active, None, None).await;
-    status(c, "ca", Status::Active, None, None).await;
+    s.set_status(w, "a", Status::Active, None, None, admin("status"))
+        .await
+        .unwrap();
+    s.set_status(c, "ca", Status::Active, None, None, admin("status"))
+        .await
+        .unwrap();
+}
+
+async fn reload_after_any_change_equals_a_cold_start(s: Store, _: PathBuf) {
+    let (w, c) = (Kind::Workflow, Kind::Channel);
+    let mut warm = Arc::default();
+    let status = |kind, id: &'static str, to, version, rollout| {
+        let s = s.clone();
+        async move {
+            s.set_status(kind, id, to, version, rollout, admin("status"))
+                .await
+                .unwrap();
+        }
+    };
+    active_flow_and_channel(&s).await;
     assert_eq!(reload_and_compare(&s, &mut warm, "activation").await, 1);
     let fingerprint = warm.fingerprint();
     assert!(fingerprint.contains("data.a"), "{fingerprint}");
@@ -1740,22 +1750,8 @@ fn idle_threads() -> Vec<String> {
 }
 
 async fn reloads_build_at_background_priority_on_their_own_connection(s: Store, _: PathBuf) {
-    let (w, c) = (Kind::Workflow, Kind::Channel);
-    s.create(w, "a", &flow("data.a", 1), admin("create"))
-        .await
-        .unwrap();
-    s.create(
-        c,
-        "ca",
-        &rest_channel("ca", "/ca/{id}", "a"),
-        admin("create"),
-    )
-    .await
-    .unwrap();
-    activate(&s, "a", None, None).await.unwrap();
-    s.set_status(c, "ca", Status::Active, None, None, admin("status"))
-        .await
-        .unwrap();
+    let c = Kind::Channel;
+    active_flow_and_channel(&s).await;
     assert!(
         s.has_twin(),
         "a database on disk or a server has a second connection"
