@@ -97,7 +97,22 @@ fn check_expected(exec: &Execution) {
 }
 
 fn main() {
-    let workflow = common::read_json("bench/reference/workflow.json");
+    let mut workflow = common::read_json("bench/reference/workflow.json");
+    // Profiling aid: `SLUICE_BENCH_TASKS=<k>` keeps the workflow's first k
+    // tasks, so the instructions of each task are the difference between
+    // two runs (docs/benchmarks.md, session 12).
+    let tasks = std::env::var("SLUICE_BENCH_TASKS")
+        .ok()
+        .and_then(|k| k.parse::<usize>().ok());
+    assert!(
+        tasks.is_none() || std::env::var_os("SLUICE_BENCH_PROFILE").is_some(),
+        "SLUICE_BENCH_TASKS is a profiling aid: set SLUICE_BENCH_PROFILE too"
+    );
+    if let Some(k) = tasks
+        && let Some(list) = workflow["tasks"].as_array_mut()
+    {
+        list.truncate(k.max(1));
+    }
     let body = common::read_bytes("bench/reference/request.json");
     let plan = compile_workflow(&workflow)
         .expect("reference workflow compiles")
@@ -106,10 +121,14 @@ fn main() {
     let scope = CallScope::default();
     let options = Options::default();
 
-    check_expected(&run_once(&plan, &body, &services, &scope, &options));
+    let first = run_once(&plan, &body, &services, &scope, &options);
+    if tasks.is_none() {
+        check_expected(&first);
+    }
 
     // Profiling aid (`valgrind --tool=callgrind --toggle-collect=reference::run_once`):
-    // `SLUICE_BENCH_PROFILE=<n>` runs n executions and exits.
+    // `SLUICE_BENCH_PROFILE=<n>` runs n executions and exits. A truncated
+    // workflow (`SLUICE_BENCH_TASKS`) is only for that.
     if let Some(n) = std::env::var("SLUICE_BENCH_PROFILE")
         .ok()
         .and_then(|n| n.parse::<u64>().ok())
