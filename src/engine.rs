@@ -349,6 +349,25 @@ pub async fn build(
     generation: u64,
     previous: Arc<Snapshot>,
 ) -> Result<Built, ReloadError> {
+    build_on(store, generation, previous, Assemble::OnItsOwnThread).await
+}
+
+/// Where [`build`] compiles and indexes.
+#[derive(Clone, Copy)]
+enum Assemble {
+    /// On a thread started for it: the caller is a request worker.
+    OnItsOwnThread,
+    /// Right here: the caller is the reload thread, at background priority
+    /// already.
+    Here,
+}
+
+async fn build_on(
+    store: &Store,
+    generation: u64,
+    previous: Arc<Snapshot>,
+    at: Assemble,
+) -> Result<Built, ReloadError> {
     let started = Instant::now();
     // First the active rows without their definitions; then the text of
     // only the rows whose stamp differs from what `previous` was built from.
@@ -395,25 +414,31 @@ pub async fn build(
             compiled: 0,
         });
     }
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("sluice-reload".into())
-        .spawn(move || {
-            background_priority();
-            let workflows: Vec<StoredRecord> =
-                workflows.into_iter().map(Row::into_stored).collect();
-            let channels: Vec<StoredRecord> = channels.into_iter().map(Row::into_stored).collect();
-            let built = assemble(&workflows, &channels, generation, &previous);
-            let _ = tx.send(built);
-        })
-        .map_err(|e| {
-            ReloadError::Storage(StorageError::Database(format!(
-                "cannot start the reload thread: {e}"
-            )))
-        })?;
-    let (snapshot, compiled) = rx.await.map_err(|_| {
-        ReloadError::Storage(StorageError::Database("the reload thread panicked".into()))
-    })??;
+    let assemble_rows = move || {
+        let workflows: Vec<StoredRecord> = workflows.into_iter().map(Row::into_stored).collect();
+        let channels: Vec<StoredRecord> = channels.into_iter().map(Row::into_stored).collect();
+        assemble(&workflows, &channels, generation, &previous)
+    };
+    let (snapshot, compiled) = match at {
+        Assemble::Here => assemble_rows()?,
+        Assemble::OnItsOwnThread => {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            std::thread::Builder::new()
+                .name("sluice-reload".into())
+                .spawn(move || {
+                    background_priority();
+                    let _ = tx.send(assemble_rows());
+                })
+                .map_err(|e| {
+                    ReloadError::Storage(StorageError::Database(format!(
+                        "cannot start the reload thread: {e}"
+                    )))
+                })?;
+            rx.await.map_err(|_| {
+                ReloadError::Storage(StorageError::Database("the reload thread panicked".into()))
+            })??
+        }
+    };
     Ok(Built {
         snapshot,
         elapsed: started.elapsed(),
@@ -524,7 +549,7 @@ fn reload_thread(shared: Store) -> std::io::Result<tokio::sync::mpsc::UnboundedS
                         }
                     }
                     let store = own.as_ref().unwrap_or(&shared);
-                    let built = build(store, job.generation, job.previous).await;
+                    let built = build_on(store, job.generation, job.previous, Assemble::Here).await;
                     let _ = job.reply.send(Outcome::Built(built));
                 }
                 if let Some(store) = own {
