@@ -11,7 +11,7 @@
 //!   `connectors/circuit-breakers` GET; `connectors/circuit-breakers/{key}` POST; `connectors/{id}` GET, PUT, DELETE
 //! - `engine/status` GET, `engine/reload` POST, `functions` GET, `audit-logs` GET, `backups` GET, POST
 
-use crate::api::{self, ApiError, ApiResult, Code};
+use crate::api::{self, ApiError, ApiResult};
 use crate::app::App;
 use crate::auth::Principal;
 use crate::engine::ReloadError;
@@ -29,34 +29,53 @@ use std::sync::Arc;
 
 /// Dispatches an admin request (`segments` are the path after `/api/v1/admin`).
 pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Principal) -> ApiResult {
-    let m = &req.method;
+    // HEAD is answered as GET (hyper sends the head without the body).
+    let m = if req.method == Method::HEAD {
+        &Method::GET
+    } else {
+        &req.method
+    };
+    let not_allowed = |allow: &'static str| -> ApiResult {
+        Err(ApiError::method_not_allowed(&req.method, req.path(), allow))
+    };
+    let only = |allowed: Method| -> Result<Allowed, ApiError> {
+        if *m == allowed {
+            Ok(Allowed)
+        } else {
+            Err(ApiError::method_not_allowed(
+                &req.method,
+                req.path(),
+                allow_of(&allowed),
+            ))
+        }
+    };
     match segments {
         [kind @ ("workflows" | "channels")] => {
             let kind = kind_of(kind);
             match *m {
                 Method::GET => list(app, req, kind).await,
                 Method::POST => create(app, req, kind, who).await,
-                _ => not_allowed(m),
+                _ => not_allowed("GET, POST"),
             }
         }
         [kind @ ("workflows" | "channels"), "import"] => {
-            only(m, Method::POST)?
+            only(Method::POST)?
                 .then(import(app, req, kind_of(kind), who))
                 .await
         }
-        ["workflows", "export"] => only(m, Method::GET)?.then(export(app, req)).await,
-        ["workflows", "validate"] => only(m, Method::POST)?.then(validate_workflow(req)).await,
+        ["workflows", "export"] => only(Method::GET)?.then(export(app, req)).await,
+        ["workflows", "validate"] => only(Method::POST)?.then(validate_workflow(req)).await,
         [kind @ ("workflows" | "channels"), id] => {
             let kind = kind_of(kind);
             match *m {
                 Method::GET => get(app, req, kind, id).await,
                 Method::PUT => update(app, req, kind, id, who).await,
                 Method::DELETE => delete(app, kind, id, who).await,
-                _ => not_allowed(m),
+                _ => not_allowed("GET, PUT, DELETE"),
             }
         }
         [kind @ ("workflows" | "channels"), id, "status"] => {
-            only(m, Method::PATCH)?
+            only(Method::PATCH)?
                 .then(set_status(app, req, kind_of(kind), id, who))
                 .await
         }
@@ -65,54 +84,48 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
             match *m {
                 Method::GET => versions(app, req, kind, id).await,
                 Method::POST => new_version(app, kind, id, who).await,
-                _ => not_allowed(m),
+                _ => not_allowed("GET, POST"),
             }
         }
-        ["workflows", id, "rollout"] => {
-            only(m, Method::PATCH)?
-                .then(rollout(app, req, id, who))
-                .await
-        }
-        ["workflows", id, "test"] => only(m, Method::POST)?.then(dry_run(app, req, id)).await,
+        ["workflows", id, "rollout"] => only(Method::PATCH)?.then(rollout(app, req, id, who)).await,
+        ["workflows", id, "test"] => only(Method::POST)?.then(dry_run(app, req, id)).await,
         ["connectors"] => match *m {
             Method::GET => list_connectors(app, req).await,
             Method::POST => create_connector(app, req, who).await,
-            _ => not_allowed(m),
+            _ => not_allowed("GET, POST"),
         },
         ["connectors", "import"] => {
-            only(m, Method::POST)?
+            only(Method::POST)?
                 .then(import_connectors(app, req, who))
                 .await
         }
-        ["connectors", "reload"] => only(m, Method::POST)?.then(reload_connectors(app)).await,
+        ["connectors", "reload"] => only(Method::POST)?.then(reload_connectors(app)).await,
         ["connectors", "circuit-breakers"] => {
-            only(m, Method::GET)?
+            only(Method::GET)?
                 .then(async { api::ok(&app.connectors.policy.breakers.list()) })
                 .await
         }
         ["connectors", "circuit-breakers", key] => {
-            only(m, Method::POST)?
-                .then(reset_breaker(app, key, who))
-                .await
+            only(Method::POST)?.then(reset_breaker(app, key, who)).await
         }
         ["connectors", id] => match *m {
             Method::GET => get_connector(app, id).await,
             Method::PUT => update_connector(app, req, id, who).await,
             Method::DELETE => delete_connector(app, id, who).await,
-            _ => not_allowed(m),
+            _ => not_allowed("GET, PUT, DELETE"),
         },
-        ["engine", "status"] => only(m, Method::GET)?.then(engine_status(app)).await,
-        ["engine", "reload"] => only(m, Method::POST)?.then(engine_reload(app, who)).await,
+        ["engine", "status"] => only(Method::GET)?.then(engine_status(app)).await,
+        ["engine", "reload"] => only(Method::POST)?.then(engine_reload(app, who)).await,
         ["functions"] => {
-            only(m, Method::GET)?
+            only(Method::GET)?
                 .then(async { api::ok(&sluice_compiler::functions::catalogue_json()) })
                 .await
         }
-        ["audit-logs"] => only(m, Method::GET)?.then(audit_logs(app, req)).await,
+        ["audit-logs"] => only(Method::GET)?.then(audit_logs(app, req)).await,
         ["backups"] => match *m {
             Method::GET => list_backups(app),
             Method::POST => create_backup(app, who).await,
-            _ => not_allowed(m),
+            _ => not_allowed("GET, POST"),
         },
         _ => Err(ApiError::not_found(format!(
             "No admin endpoint at {}",
@@ -130,19 +143,16 @@ impl Allowed {
     }
 }
 
-fn only(method: &Method, allowed: Method) -> Result<Allowed, ApiError> {
-    if *method == allowed {
-        Ok(Allowed)
-    } else {
-        not_allowed(method).map(|_| Allowed)
+/// The `Allow` header of a path that takes one method.
+fn allow_of(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::PATCH => "PATCH",
+        Method::DELETE => "DELETE",
+        _ => "",
     }
-}
-
-fn not_allowed(method: &Method) -> ApiResult {
-    Err(ApiError::new(
-        Code::MethodNotAllowed,
-        format!("method {method} is not allowed on this path"),
-    ))
 }
 
 fn kind_of(segment: &str) -> Kind {
@@ -228,19 +238,32 @@ fn checked(
                 }],
             ));
         }
-        (Some(path_id), _) => path_id.to_owned(),
-        (None, Some(Json::String(s))) => s,
-        (None, _) => uuid::Uuid::new_v4().to_string(),
+        // An id of the wrong type (`null` included) is an error the
+        // validator reports with the other problems; it is never replaced by
+        // a generated one.
+        (_, Some(given)) if !given.is_string() => None,
+        (Some(path_id), _) => Some(path_id.to_owned()),
+        (None, Some(Json::String(s))) => Some(s),
+        (None, _) => Some(uuid::Uuid::new_v4().to_string()),
     };
-    obj.insert(id_field.into(), Json::String(id.clone()));
-    let problems = match kind {
+    if let Some(id) = &id {
+        obj.insert(id_field.into(), Json::String(id.clone()));
+    }
+    let mut problems = match kind {
         Kind::Workflow => compile_workflow(&def).err().unwrap_or_default(),
         Kind::Channel => validate::validate_channel(&def),
     };
-    if problems.is_empty() {
-        Ok((id, def))
-    } else {
-        Err(ApiError::invalid(kind.label(), problems))
+    match id {
+        Some(id) if problems.is_empty() => Ok((id, def)),
+        _ => {
+            if problems.is_empty() {
+                problems.push(Diagnostic {
+                    field: id_field.into(),
+                    message: "expected string".into(),
+                });
+            }
+            Err(ApiError::invalid(kind.label(), problems))
+        }
     }
 }
 
@@ -302,8 +325,10 @@ async fn versions(app: &App, req: &Req, kind: Kind, id: &str) -> ApiResult {
     let (limit, offset) = paging(req)?;
     let all = app.store.versions(kind, id).await?;
     let total = all.len() as i64;
+    // Newest first, like every list.
     let page = all
         .iter()
+        .rev()
         .skip(offset as usize)
         .take(limit as usize)
         .map(|r| r.to_json(kind))
@@ -432,16 +457,58 @@ async fn validate_workflow(req: &Req) -> ApiResult {
     }
 }
 
+/// The definitions of an import body: a JSON array, or the export's own
+/// answer `{"data": [...]}` as it came.
+fn import_items(body: Json) -> Result<Vec<Json>, ApiError> {
+    match body {
+        Json::Array(items) => Ok(items),
+        Json::Object(mut obj) if obj.len() == 1 && obj.get("data").is_some_and(Json::is_array) => {
+            match obj.remove("data") {
+                Some(Json::Array(items)) => Ok(items),
+                _ => unreachable!("checked above"),
+            }
+        }
+        _ => Err(ApiError::bad_request(
+            "import expects a JSON array of definitions (or an export's {\"data\": [...]})",
+        )),
+    }
+}
+
+/// `?dry_run=`: `true` or `false` (`1` and `0` too); anything else is a 400,
+/// so a misspelt dry run never writes.
+fn dry_run_flag(req: &Req) -> Result<bool, ApiError> {
+    match req.query("dry_run") {
+        None | Some("false" | "0") => Ok(false),
+        Some("true" | "1") => Ok(true),
+        Some(other) => Err(ApiError::bad_request(format!(
+            "dry_run must be true or false, got '{other}'"
+        ))),
+    }
+}
+
+/// One failed import item.
+fn import_failure(index: usize, field: &str, message: impl Into<String>) -> Json {
+    json!({"index": index, "details": [{"field": field, "message": message.into()}]})
+}
+
+/// The field a lifecycle conflict is about: a channel's name or the id.
+fn conflict_field(kind: Kind, message: &str) -> &'static str {
+    if kind == Kind::Channel && message.starts_with("a channel named") {
+        "name"
+    } else {
+        kind.id_field()
+    }
+}
+
 async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
-    let body = req.json()?;
-    let Json::Array(items) = body else {
-        return Err(ApiError::bad_request(
-            "import expects a JSON array of definitions",
-        ));
-    };
-    let dry_run = req.query("dry_run") == Some("true");
+    let items = import_items(req.json()?)?;
+    let dry_run = dry_run_flag(req)?;
     let mut created = Vec::new();
     let mut failed = Vec::new();
+    // A dry run answers what the import would: the same checks, and the
+    // conflicts with stored resources and with earlier items of the batch.
+    let mut seen_ids = std::collections::HashSet::new();
+    let mut seen_names = std::collections::HashSet::new();
     for (index, item) in items.into_iter().enumerate() {
         let (id, def) = match checked(kind, item, None) {
             Ok(ok) => ok,
@@ -457,7 +524,24 @@ async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
             }
         };
         if dry_run {
-            created.push(Json::String(id));
+            let name = def.get("name").and_then(Json::as_str).unwrap_or_default();
+            let exists = match app.store.get(kind, &id, None).await {
+                Ok(_) => true,
+                Err(crate::storage::StorageError::NotFound(_)) => false,
+                Err(e) => return Err(e.into()),
+            };
+            if exists || !seen_ids.insert(id.clone()) {
+                let message = format!("{} '{id}' already exists", kind.label());
+                failed.push(import_failure(index, kind.id_field(), message));
+            } else if kind == Kind::Channel
+                && (!seen_names.insert(name.to_owned())
+                    || app.store.channel_name_taken(name, &id).await?)
+            {
+                let message = format!("a channel named '{name}' already exists");
+                failed.push(import_failure(index, "name", message));
+            } else {
+                created.push(Json::String(id));
+            }
             continue;
         }
         match app
@@ -468,7 +552,8 @@ async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
             Ok(_) => created.push(Json::String(id)),
             Err(e) => {
                 let e = ApiError::from(e);
-                failed.push(json!({"index": index, "details": [{"field": kind.id_field(), "message": e.message}]}));
+                let field = conflict_field(kind, &e.message);
+                failed.push(import_failure(index, field, e.message));
             }
         }
     }
@@ -499,6 +584,24 @@ async fn export(app: &App, req: &Req) -> ApiResult {
 
 async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
     let body = req.json()?;
+    if !body.is_object() {
+        return Err(ApiError::bad_request(
+            "the body must be a JSON object {\"data\": …, \"metadata\"?: {…}}",
+        ));
+    }
+    if let Some(meta) = body.get("metadata")
+        && !meta.is_object()
+        && !meta.is_null()
+    {
+        return Err(ApiError::invalid(
+            "request",
+            vec![Diagnostic::type_mismatch(
+                &sluice_compiler::diag::FieldPath::root().key("metadata"),
+                "object",
+                meta,
+            )],
+        ));
+    }
     let version = req.query("version").and_then(|v| v.parse().ok());
     let record = app.store.get(Kind::Workflow, id, version).await?;
     let compiled = compile_workflow(&record.to_json(Kind::Workflow))
@@ -609,13 +712,49 @@ async fn get_connector(app: &App, name: &str) -> ApiResult {
 }
 
 async fn update_connector(app: &App, req: &Req, name: &str, who: Principal) -> ApiResult {
-    let def = checked_connector(req.json()?, Some(name))?;
+    let mut def = req.json()?;
+    // A definition read back from the API carries `******` for its secrets;
+    // sending it back (after editing something else) keeps the stored ones.
+    match app.store.get_connector(name).await {
+        Ok(record) => {
+            let shown = masked(record.definition.clone());
+            restore_masked(&mut def, &record.definition, &shown);
+        }
+        Err(crate::storage::StorageError::NotFound(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let def = checked_connector(def, Some(name))?;
     let record = app
         .store
         .update_connector(name, &def, audit(who, "update"))
         .await?;
     connectors_changed(app).await;
     api::ok(&masked(record.to_connector_json()))
+}
+
+/// Wherever `new` holds exactly what the API showed for the stored value
+/// (`shown`, the stored definition masked) and masking had changed it, puts
+/// the stored value back. A secret written out anew is taken as written.
+fn restore_masked(new: &mut Json, stored: &Json, shown: &Json) {
+    if new == shown && shown != stored {
+        *new = stored.clone();
+        return;
+    }
+    match (new, stored, shown) {
+        (Json::Object(new), Json::Object(stored), Json::Object(shown)) => {
+            for (key, value) in new.iter_mut() {
+                if let (Some(stored), Some(shown)) = (stored.get(key), shown.get(key)) {
+                    restore_masked(value, stored, shown);
+                }
+            }
+        }
+        (Json::Array(new), Json::Array(stored), Json::Array(shown)) => {
+            for ((value, stored), shown) in new.iter_mut().zip(stored).zip(shown) {
+                restore_masked(value, stored, shown);
+            }
+        }
+        _ => {}
+    }
 }
 
 async fn delete_connector(app: &App, name: &str, who: Principal) -> ApiResult {
@@ -627,33 +766,40 @@ async fn delete_connector(app: &App, name: &str, who: Principal) -> ApiResult {
 }
 
 async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
-    let Json::Array(items) = req.json()? else {
-        return Err(ApiError::bad_request(
-            "import expects a JSON array of definitions",
-        ));
-    };
-    let dry_run = req.query("dry_run") == Some("true");
+    let items = import_items(req.json()?)?;
+    let dry_run = dry_run_flag(req)?;
     let (mut created, mut failed) = (Vec::new(), Vec::new());
+    let mut seen = std::collections::HashSet::new();
     for (index, item) in items.into_iter().enumerate() {
-        match checked_connector(item, None) {
+        let def = match checked_connector(item, None) {
+            Ok(def) => def,
             Err(e) => {
-                failed.push(json!({"index": index, "details": e.details.unwrap_or_default()}))
+                failed.push(json!({"index": index, "details": e.details.unwrap_or_default()}));
+                continue;
             }
-            Ok(def) => {
-                let name = def
-                    .get("name")
-                    .and_then(Json::as_str)
-                    .unwrap_or_default()
-                    .to_owned();
-                if dry_run {
-                    created.push(Json::String(name));
-                } else {
-                    match app.store.create_connector(&def, audit(who, "import")).await {
-                        Ok(_) => created.push(Json::String(name)),
-                        Err(e) => failed.push(json!({"index": index, "details": [{"field": "name", "message": ApiError::from(e).message}]})),
-                    }
-                }
+        };
+        let name = def
+            .get("name")
+            .and_then(Json::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        if dry_run {
+            let exists = match app.store.get_connector(&name).await {
+                Ok(_) => true,
+                Err(crate::storage::StorageError::NotFound(_)) => false,
+                Err(e) => return Err(e.into()),
+            };
+            if exists || !seen.insert(name.clone()) {
+                let message = format!("connector '{name}' already exists");
+                failed.push(import_failure(index, "name", message));
+            } else {
+                created.push(Json::String(name));
             }
+            continue;
+        }
+        match app.store.create_connector(&def, audit(who, "import")).await {
+            Ok(_) => created.push(Json::String(name)),
+            Err(e) => failed.push(import_failure(index, "name", ApiError::from(e).message)),
         }
     }
     if !dry_run && !created.is_empty() {

@@ -80,6 +80,8 @@ pub struct ApiError {
     pub task_id: Option<String>,
     /// `Retry-After` seconds, for 429 and 503.
     pub retry_after: Option<u64>,
+    /// The `Allow` header of a 405: the methods the path takes.
+    pub allow: Option<&'static str>,
 }
 
 impl ApiError {
@@ -90,6 +92,7 @@ impl ApiError {
             details: None,
             task_id: None,
             retry_after: None,
+            allow: None,
         }
     }
 
@@ -133,6 +136,18 @@ impl ApiError {
         self
     }
 
+    /// 405: `method` is not one of `allow` (a comma-separated list, sent as
+    /// the `Allow` header).
+    pub fn method_not_allowed(method: &http::Method, path: &str, allow: &'static str) -> Self {
+        ApiError {
+            allow: Some(allow),
+            ..Self::new(
+                Code::MethodNotAllowed,
+                format!("method {method} is not allowed on {path}; it takes {allow}"),
+            )
+        }
+    }
+
     /// The envelope as JSON.
     pub fn body(&self) -> serde_json::Value {
         let mut error = serde_json::json!({"code": self.code.as_str(), "message": self.message});
@@ -153,6 +168,11 @@ impl ApiError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if let Some(allow) = self.allow {
+            response
+                .headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static(allow));
         }
         response
     }

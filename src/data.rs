@@ -109,10 +109,13 @@ fn resolve<'s, 'p>(
     if let [name] = parts {
         return match snapshot.channels.get(*name) {
             Some(channel) if method == Method::POST => Ok((channel, SmallVec::new())),
-            Some(_) => Err(ApiError::new(
-                Code::MethodNotAllowed,
-                format!("channel '{name}' is called with POST, not {method}"),
-            )),
+            Some(_) => Err(ApiError {
+                allow: Some("POST"),
+                ..ApiError::new(
+                    Code::MethodNotAllowed,
+                    format!("channel '{name}' is called with POST, not {method}"),
+                )
+            }),
             None => Err(ApiError::not_found(format!("Channel '{name}' not found"))),
         };
     }

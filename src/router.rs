@@ -84,9 +84,10 @@ fn get_only(req: &Req) -> Result<(), ApiError> {
     if req.method == Method::GET || req.method == Method::HEAD {
         Ok(())
     } else {
-        Err(ApiError::new(
-            crate::api::Code::MethodNotAllowed,
-            format!("method {} is not allowed on {}", req.method, req.path()),
+        Err(ApiError::method_not_allowed(
+            &req.method,
+            req.path(),
+            "GET, HEAD",
         ))
     }
 }

@@ -3,7 +3,7 @@
 //! `GET /api/v1/data/traces[/{id}]` read the trace records. The run itself
 //! happens in `queue`.
 
-use crate::api::{self, ApiError, ApiResult, Code};
+use crate::api::{self, ApiError, ApiResult};
 use crate::app::App;
 use crate::engine::Channel;
 use crate::server::Req;
@@ -111,9 +111,10 @@ pub async fn submit(
 /// `GET /api/v1/data/traces` (`rest` empty) and `GET /api/v1/data/traces/{id}`.
 pub async fn read(app: &Arc<App>, req: &Req, rest: &[&str]) -> ApiResult {
     if req.method != Method::GET && req.method != Method::HEAD {
-        return Err(ApiError::new(
-            Code::MethodNotAllowed,
-            format!("method {} is not allowed on {}", req.method, req.path()),
+        return Err(ApiError::method_not_allowed(
+            &req.method,
+            req.path(),
+            "GET, HEAD",
         ));
     }
     if let [id] = rest {

@@ -129,10 +129,15 @@ impl WorkflowDef {
     }
 
     /// Moves an `id` given in the engine spelling into `workflow_id`, so that
-    /// stored and returned definitions use the spec's field name.
+    /// stored and returned definitions use the spec's field name, and drops a
+    /// `condition: true` (the default, which answers show when it was left out).
     pub fn normalize(&mut self) {
         if let Some(id) = self.id.take() {
             self.workflow_id.get_or_insert(id);
+        }
+        // `true` is the default the API's answers show for a missing one.
+        if self.condition == Some(Json::Bool(true)) {
+            self.condition = None;
         }
     }
 }

@@ -809,16 +809,10 @@ fn required_array<'j>(input: &'j Map<String, Json>, key: &str) -> Result<&'j [Js
     }
 }
 
-/// JSON type names as messages use them.
+/// JSON type names as messages use them (one vocabulary with the
+/// validator's: a whole number is an `integer`).
 pub fn json_type(v: &Json) -> &'static str {
-    match v {
-        Json::Null => "null",
-        Json::Bool(_) => "boolean",
-        Json::Number(_) => "number",
-        Json::String(_) => "string",
-        Json::Array(_) => "array",
-        Json::Object(_) => "object",
-    }
+    crate::diag::type_name(v)
 }
 
 fn parse_fn(input: &Map<String, Json>) -> Result<(ReadPath, WritePath), InputProblem> {

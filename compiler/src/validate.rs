@@ -263,7 +263,29 @@ impl Ctx {
         }
         ok.then_some(s)
     }
+
+    /// An identifier that would name a fixed endpoint instead of the resource
+    /// (`/api/v1/admin/workflows/export` is the export, so a workflow with
+    /// that id could be created but never read or deleted).
+    fn not_reserved(&mut self, id: Option<&str>, at: &FieldPath, reserved: &[&str], under: &str) {
+        if let Some(id) = id
+            && reserved.contains(&id)
+        {
+            self.push(
+                at,
+                format!("'{id}' is reserved: {under}{id} is an endpoint of its own"),
+            );
+        }
+    }
 }
+
+/// Identifiers taken by fixed paths beside `{id}`: a resource named so could
+/// not be reached at its own path.
+const RESERVED_WORKFLOW_IDS: &[&str] = &["export", "import", "validate"];
+const RESERVED_CHANNEL_IDS: &[&str] = &["import"];
+/// `/api/v1/data/traces[/{id}]` reads async traces before channels are routed.
+const RESERVED_CHANNEL_NAMES: &[&str] = &["traces"];
+const RESERVED_CONNECTOR_NAMES: &[&str] = &["circuit-breakers", "import", "reload"];
 
 fn range_message(min: Option<i64>, max: Option<i64>) -> Option<String> {
     Some(match (min, max) {
@@ -313,6 +335,14 @@ pub fn validate_workflow(def: &Json) -> Vec<Diagnostic> {
 
     let workflow_id = c.identifier(obj, "workflow_id", &root, false);
     let id = c.identifier(obj, "id", &root, false);
+    let admin = "/api/v1/admin/workflows/";
+    c.not_reserved(
+        workflow_id,
+        &root.key("workflow_id"),
+        RESERVED_WORKFLOW_IDS,
+        admin,
+    );
+    c.not_reserved(id, &root.key("id"), RESERVED_WORKFLOW_IDS, admin);
     if let (Some(a), Some(b)) = (workflow_id, id)
         && a != b
     {
@@ -595,10 +625,22 @@ pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {
     let Some(obj) = c.root(def) else { return c.out };
     let root = FieldPath::root();
 
-    c.identifier(obj, "channel_id", &root, false);
+    let id = c.identifier(obj, "channel_id", &root, false);
+    c.not_reserved(
+        id,
+        &root.key("channel_id"),
+        RESERVED_CHANNEL_IDS,
+        "/api/v1/admin/channels/",
+    );
     // The name routes traffic (`/api/v1/data/{name}`), so it follows the
     // identifier rules.
-    c.identifier(obj, "name", &root, true);
+    let name = c.identifier(obj, "name", &root, true);
+    c.not_reserved(
+        name,
+        &root.key("name"),
+        RESERVED_CHANNEL_NAMES,
+        "/api/v1/data/",
+    );
     let channel_type = c.one_of(obj, "channel_type", &root, false, &["sync", "async"]);
     let protocol = c.one_of(obj, "protocol", &root, false, &["rest", "http", "kafka"]);
     let has_route = obj.contains_key("route_pattern");
@@ -670,6 +712,12 @@ fn check_route_pattern(c: &mut Ctx, pattern: &str, at: &FieldPath) {
     }
     let mut params: Vec<&str> = Vec::new();
     let segments: Vec<&str> = rest.split('/').collect();
+    if segments[0] == "traces" && segments.len() <= 2 {
+        c.push(
+            at,
+            "must not be /traces or /traces/{…}: /api/v1/data/traces/{trace_id} reads async traces",
+        );
+    }
     for seg in &segments {
         if seg.is_empty() {
             c.push(
@@ -834,7 +882,13 @@ pub fn validate_connector(def: &Json) -> Vec<Diagnostic> {
     let root = FieldPath::root();
 
     // The name is the connector's identifier (`/connectors/{id}`).
-    c.identifier(obj, "name", &root, true);
+    let name = c.identifier(obj, "name", &root, true);
+    c.not_reserved(
+        name,
+        &root.key("name"),
+        RESERVED_CONNECTOR_NAMES,
+        "/api/v1/admin/connectors/",
+    );
     let declared = c
         .one_of(obj, "connector_type", &root, true, ConnectorType::NAMES)
         .and_then(ConnectorType::from_name);
@@ -1135,6 +1189,30 @@ fn is_secret_key(k: &str) -> bool {
 fn is_secret_header(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
     SECRET_HEADER_PARTS.iter().any(|p| name.contains(p))
+}
+
+/// [`mask_secrets`], with the header rule applied to every object, not only
+/// under `headers`: for values whose origin is unknown, such as the fields a
+/// workflow's `log` task writes (`{"h": {"var": "metadata.headers"}}`).
+pub fn mask_secrets_everywhere(v: &mut Json) {
+    match v {
+        Json::Object(m) => {
+            for (k, item) in m.iter_mut() {
+                if (is_secret_key(k) || is_secret_header(k)) && !item.is_null() {
+                    *item = Json::String(MASK.to_owned());
+                } else {
+                    mask_secrets_everywhere(item);
+                }
+            }
+        }
+        Json::Array(items) => items.iter_mut().for_each(mask_secrets_everywhere),
+        Json::String(text) => {
+            if let Some(masked) = mask_url_password(text) {
+                *text = masked;
+            }
+        }
+        _ => {}
+    }
 }
 
 /// Replaces secrets with `******` in place, at any depth: the value of every

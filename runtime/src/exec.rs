@@ -974,7 +974,11 @@ impl<'a> Machine<'a> {
                         .map_err(|m| fail(format!("fields.{k}: {m}")))?;
                     extra.push((k.as_ref(), v));
                 }
-                let fields_json = Value::Object(arena.alloc_slice_copy(&extra)).to_json_string();
+                // Secrets never reach the log: the fields are masked as API
+                // answers are (secret-named keys at any depth, secret-looking
+                // header values, URL passwords).
+                let mut fields_json = Value::Object(arena.alloc_slice_copy(&extra)).to_json();
+                sluice_compiler::validate::mask_secrets_everywhere(&mut fields_json);
                 let workflow = &*self.plan.workflow_id;
                 let task_id = &*task.id;
                 match level {

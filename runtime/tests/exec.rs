@@ -989,3 +989,53 @@ fn mappings_run_together_write_like_one_by_one() {
         r.exec.errors[0]
     );
 }
+
+/// A `log` task's fields reach the log masked like API answers: a secret-named
+/// key at any depth, a secret-looking header, a URL password.
+#[test]
+fn log_fields_are_masked() {
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .finish();
+    let p = plan(wf(json!([task(
+        "l",
+        "log",
+        json!({"message": "visible", "level": "warn", "fields": {
+            "token": {"var": "metadata.headers.authorization"},
+            "hdrs": {"var": "metadata.headers"},
+            "nested": {"password": "pw-123", "db": "postgres://u:hunter2@h/d"},
+            "plain": "kept"
+        }})
+    )])));
+    tracing::subscriber::with_default(subscriber, || {
+        run_with(
+            &[&p],
+            json!({}),
+            &[("authorization", "Bearer s3cr3t"), ("x-api-key", "k3y")],
+            &Services::default(),
+            &Options::default(),
+        );
+    });
+    let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert!(text.contains("visible"), "{text}");
+    assert!(text.contains("kept"), "{text}");
+    assert!(text.contains("******"), "{text}");
+    for secret in ["s3cr3t", "k3y", "pw-123", "hunter2"] {
+        assert!(!text.contains(secret), "{secret} leaked: {text}");
+    }
+}

@@ -79,7 +79,10 @@ pub(crate) fn prepare(kind: Kind, definition: &Json) -> Result<Prepared, Storage
     let text_of = |k: &str| clean.get(k).and_then(Json::as_str).map(str::to_owned);
     let name = text_of("name").unwrap_or_default();
     let (channel_type, protocol) = match kind {
-        Kind::Channel => (text_of("channel_type"), text_of("protocol")),
+        Kind::Channel => {
+            let (channel_type, protocol) = super::effective_channel(&clean);
+            (Some(channel_type.to_owned()), Some(protocol.to_owned()))
+        }
         Kind::Workflow => (None, None),
     };
     let definition = Json::Object(clean);
@@ -756,6 +759,15 @@ impl Store {
         })
     }
 
+    /// Whether a channel other than `id` is named `name` (what `create`
+    /// would refuse; a dry-run import asks without writing).
+    pub async fn channel_name_taken(&self, name: &str, id: &str) -> Result<bool, StorageError> {
+        let k = self.sql().kind(Kind::Channel);
+        Ok(dispatch!(self, pool => {
+            fetch_optional!(pool, &k.name_taken, name, id)?.is_some()
+        }))
+    }
+
     /// Every version, ascending. NotFound if the id has none.
     pub async fn versions(&self, kind: Kind, id: &str) -> Result<Vec<Record>, StorageError> {
         let k = self.sql().kind(kind);
@@ -959,6 +971,33 @@ impl Store {
     /// (run by `migrate`; a no-op once every row has one). The digest is of
     /// the text as read back, which names the stored definition as well as
     /// the text written does: equal digests mean equal definitions.
+    pub(crate) async fn backfill(&self) -> Result<(), StorageError> {
+        self.backfill_digests().await?;
+        self.backfill_channel_defaults().await
+    }
+
+    /// Channels written before their `channel_type` and `protocol` columns
+    /// held the effective values (a definition without them stored NULL, so
+    /// `?protocol=rest` missed a channel routed as REST by default). Run by
+    /// `migrate`; a no-op once every row has both.
+    async fn backfill_channel_defaults(&self) -> Result<(), StorageError> {
+        let k = self.sql().kind(Kind::Channel);
+        dispatch!(self, pool => {
+            let rows = fetch_all!(pool, &k.effective_missing)?;
+            for row in &rows {
+                let get_s = |i: usize| row.try_get_unchecked::<String, usize>(i).map_err(super::db_err);
+                let id = get_s(0)?;
+                let version = row.try_get::<i64, usize>(1).map_err(super::db_err)?;
+                let def: Json = serde_json::from_str(&get_s(2)?).unwrap_or(Json::Null);
+                let empty = serde_json::Map::new();
+                let (channel_type, protocol) =
+                    super::effective_channel(def.as_object().unwrap_or(&empty));
+                execute!(pool, &k.effective_set, channel_type, protocol, &id, version)?;
+            }
+        });
+        Ok(())
+    }
+
     pub(crate) async fn backfill_digests(&self) -> Result<(), StorageError> {
         for kind in [Kind::Workflow, Kind::Channel] {
             let k = self.sql().kind(kind);

@@ -292,6 +292,34 @@ impl Record {
                 }
             }
         }
+        // Fields left out take their documented defaults; the answer shows
+        // them, as the stored text (and its digest) stays as written.
+        let default = |m: &mut Map<String, Json>, key: &str, value: Json| {
+            m.entry(key).or_insert(value);
+        };
+        match kind {
+            Kind::Workflow => {
+                default(&mut m, "priority", 0.into());
+                default(&mut m, "condition", true.into());
+                default(&mut m, "tags", Json::Array(Vec::new()));
+                default(&mut m, "continue_on_error", false.into());
+            }
+            Kind::Channel => {
+                let (channel_type, protocol) = effective_channel(&m);
+                let (channel_type, protocol) = (channel_type.to_owned(), protocol.to_owned());
+                default(&mut m, "channel_type", channel_type.into());
+                default(&mut m, "protocol", protocol.into());
+                default(&mut m, "priority", 0.into());
+                if let Json::Object(config) = m
+                    .entry("config_json")
+                    .or_insert_with(|| Json::Object(Map::new()))
+                {
+                    config
+                        .entry("timeout_ms")
+                        .or_insert(DEFAULT_CHANNEL_TIMEOUT_MS.into());
+                }
+            }
+        }
         m.insert("version".into(), self.version.into());
         m.insert("status".into(), self.status.as_str().into());
         if kind == Kind::Workflow {
@@ -312,6 +340,28 @@ impl Record {
         m.insert("updated_at".into(), self.updated_at.clone().into());
         Json::Object(m)
     }
+}
+
+/// A channel's `config_json.timeout_ms` when it gives none.
+const DEFAULT_CHANNEL_TIMEOUT_MS: u64 = 30_000;
+
+/// A channel's effective `(channel_type, protocol)`: as given, else `rest`
+/// with a `route_pattern` and `http` without, and `async` for `kafka`,
+/// `sync` otherwise (as `ChannelDef` reads them). Stored in their columns so
+/// the list filters see the defaults too.
+pub(crate) fn effective_channel(def: &Map<String, Json>) -> (&str, &str) {
+    let protocol = def.get("protocol").and_then(Json::as_str).unwrap_or(
+        if def.contains_key("route_pattern") {
+            "rest"
+        } else {
+            "http"
+        },
+    );
+    let channel_type = def
+        .get("channel_type")
+        .and_then(Json::as_str)
+        .unwrap_or(if protocol == "kafka" { "async" } else { "sync" });
+    (channel_type, protocol)
 }
 
 /// Filters and page of a list call. `limit`/`offset` are taken as given (the HTTP
@@ -771,8 +821,9 @@ impl Store {
             Pools::MySql(p) => MIGRATOR_MYSQL.run(p).await,
         };
         r.map_err(|e| StorageError::Database(format!("migration failed: {e}")))?;
-        // Rows written before 0004 get their digest once.
-        self.backfill_digests().await
+        // Rows written before 0004 get their digest once, and channels their
+        // effective type and protocol.
+        self.backfill().await
     }
 
     pub fn backend(&self) -> Backend {

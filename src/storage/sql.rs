@@ -103,6 +103,10 @@ pub(crate) struct KindSql {
     /// Rows written before the digest column existed (filled in by `migrate`).
     pub digest_missing: String,
     pub digest_set: String,
+    /// Channel rows whose `channel_type` or `protocol` column is NULL
+    /// (written before they held the effective values; filled by `migrate`).
+    pub effective_missing: String,
+    pub effective_set: String,
     pub name_taken: String,
 }
 
@@ -159,6 +163,11 @@ impl KindSql {
             ),
             digest_set: f(
                 "UPDATE {t} SET digest = ? WHERE id = ? AND version = ? AND digest IS NULL",
+            ),
+            effective_missing: f("SELECT id, version, {def} AS definition FROM {t} \
+                 WHERE channel_type IS NULL OR protocol IS NULL"),
+            effective_set: f(
+                "UPDATE {t} SET channel_type = ?, protocol = ? WHERE id = ? AND version = ?",
             ),
             name_taken: f("SELECT id FROM {t} WHERE name = ? AND id <> ? LIMIT 1"),
         }

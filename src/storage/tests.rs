@@ -163,6 +163,7 @@ backend_tests!(
     digests_follow_definitions,
     reload_after_any_change_equals_a_cold_start,
     reloads_build_at_background_priority_on_their_own_connection,
+    channel_filters_see_effective_type_and_protocol,
 );
 
 fn admin(action: &str) -> Audit {
@@ -287,6 +288,10 @@ async fn create_and_get(s: Store, _: PathBuf) {
             "name",
             "tags",
             "tasks",
+            // Defaults of the fields the definition left out.
+            "priority",
+            "condition",
+            "continue_on_error",
             "version",
             "status",
             "rollout_percentage",
@@ -1728,6 +1733,59 @@ async fn reload_after_any_change_equals_a_cold_start(s: Store, _: PathBuf) {
     s.migrate().await.unwrap();
     assert_eq!(reload_and_compare(&s, &mut warm, "backfill").await, 0);
     assert_eq!(reload_and_compare(&s, &mut warm, "steady").await, 0);
+}
+
+/// The `channel_type` and `protocol` columns hold the effective values, so
+/// the list filters find channels that left them to their defaults; rows
+/// written before (NULL columns) are filled in by `migrate`.
+async fn channel_filters_see_effective_type_and_protocol(s: Store, _: PathBuf) {
+    let c = Kind::Channel;
+    let defs = [
+        (
+            "r",
+            json!({"name": "r", "workflow_id": "w", "route_pattern": "/r", "methods": ["GET"]}),
+        ),
+        ("n", json!({"name": "n", "workflow_id": "w"})),
+        (
+            "k",
+            json!({"name": "k", "workflow_id": "w", "protocol": "kafka", "config_json": {"topic": "t"}}),
+        ),
+    ];
+    for (id, def) in &defs {
+        s.create(c, id, def, admin("create")).await.unwrap();
+    }
+    let ids = |q: ListQuery| {
+        let s = &s;
+        async move {
+            let (records, _) = s.list(c, &q).await.unwrap();
+            let mut ids: Vec<String> = records.into_iter().map(|r| r.id).collect();
+            ids.sort();
+            ids
+        }
+    };
+    let by = |protocol: Option<&str>, channel_type: Option<&str>| ListQuery {
+        protocol: protocol.map(str::to_owned),
+        channel_type: channel_type.map(str::to_owned),
+        limit: 100,
+        ..ListQuery::default()
+    };
+    let check = || async {
+        assert_eq!(ids(by(Some("rest"), None)).await, ["r"]);
+        assert_eq!(ids(by(Some("http"), None)).await, ["n"]);
+        assert_eq!(ids(by(Some("kafka"), Some("async"))).await, ["k"]);
+        assert_eq!(ids(by(None, Some("sync"))).await, ["n", "r"]);
+    };
+    check().await;
+    // As an older version wrote them: NULL where the definition said nothing.
+    raw(
+        &s,
+        "UPDATE channels SET channel_type = NULL, protocol = NULL",
+        "UPDATE channels SET channel_type = NULL, protocol = NULL",
+    )
+    .await;
+    assert_eq!(ids(by(Some("rest"), None)).await, Vec::<String>::new());
+    s.migrate().await.unwrap();
+    check().await;
 }
 
 /// Names of this process's threads in the `SCHED_IDLE` class (Linux).

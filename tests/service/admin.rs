@@ -99,7 +99,8 @@ async fn workflow_lifecycle(db: Db) {
         .iter()
         .map(|v| v["status"].clone())
         .collect();
-    assert_eq!(statuses, vec![json!("archived"), json!("active")]);
+    // Newest first: v2 (active), then v1 (archived).
+    assert_eq!(statuses, vec![json!("active"), json!("archived")]);
 
     // Rollback: re-activating v1 makes it the only active version.
     let back = s
@@ -118,7 +119,8 @@ async fn workflow_lifecycle(db: Db) {
         .iter()
         .map(|v| v["status"].clone())
         .collect();
-    assert_eq!(statuses, vec![json!("active"), json!("archived")]);
+    // v2 archived, v1 active again.
+    assert_eq!(statuses, vec![json!("archived"), json!("active")]);
 
     // Bad rollout values.
     let bad = s
@@ -217,7 +219,9 @@ async fn lists_filter_and_page(db: Db) {
             Some(Json::Array(defs.clone())),
         )
         .await;
-    assert_eq!(dry.ok(200)["created"].as_array().unwrap().len(), 2);
+    // A dry run reports the conflicts the import would meet.
+    assert_eq!(dry.ok(200)["created"], json!([]));
+    assert_eq!(dry.body["data"]["failed"].as_array().unwrap().len(), 2);
     // Re-importing the same ids conflicts per item; renamed ones are created.
     let mut renamed = defs.clone();
     for d in &mut renamed {
@@ -768,3 +772,351 @@ on_every_backend!(
     reloads_follow_every_admin_change_on_every_backend,
     reloads_follow_every_admin_change
 );
+
+/// An id of the wrong type is reported like every other field error, never
+/// replaced by a generated one; ids that name an endpoint are refused.
+#[tokio::test]
+async fn ids_are_checked_not_replaced() {
+    let s = start(Db::Sqlite).await;
+    for bad in [json!(5), json!(null), json!(["x"])] {
+        let mut w = workflow("ignored");
+        w["workflow_id"] = bad.clone();
+        let r = s.admin("POST", "/workflows", Some(w.clone())).await;
+        r.error(400, "BAD_REQUEST");
+        assert_eq!(r.detail_fields(), ["workflow_id"], "{}", r.text);
+        let r = s.admin("POST", "/workflows/import", Some(json!([w]))).await;
+        assert_eq!(r.ok(200)["created"], json!([]), "{}", r.text);
+        assert_eq!(
+            r.body["data"]["failed"][0]["details"][0]["field"],
+            "workflow_id"
+        );
+        let mut c = channel("ignored", "w");
+        c["channel_id"] = bad;
+        let r = s.admin("POST", "/channels", Some(c)).await;
+        r.error(400, "BAD_REQUEST");
+        assert_eq!(r.detail_fields(), ["channel_id"], "{}", r.text);
+    }
+    assert_eq!(s.admin("GET", "/workflows", None).await.ok(200), &json!([]));
+    // PUT with a wrong-typed id in the body is refused too.
+    s.admin("POST", "/workflows", Some(workflow("d")))
+        .await
+        .ok(201);
+    let mut w = workflow("d");
+    w["workflow_id"] = json!(5);
+    let r = s.admin("PUT", "/workflows/d", Some(w)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["workflow_id"]);
+
+    for id in ["export", "import", "validate"] {
+        let r = s.admin("POST", "/workflows", Some(workflow(id))).await;
+        r.error(400, "BAD_REQUEST");
+        assert_eq!(r.detail_fields(), ["workflow_id"], "{}", r.text);
+    }
+    let r = s
+        .admin("POST", "/channels", Some(channel("import", "d")))
+        .await;
+    assert_eq!(r.detail_fields(), ["channel_id"], "{}", r.text);
+    for name in ["import", "reload", "circuit-breakers"] {
+        let def = json!({"name": name, "connector_type": "http",
+                         "config": {"type": "http", "url": "https://example.com"}});
+        let r = s.admin("POST", "/connectors", Some(def)).await;
+        r.error(400, "BAD_REQUEST");
+        assert_eq!(r.detail_fields(), ["name"], "{}", r.text);
+    }
+}
+
+/// A dry-run import answers what the import would, conflicts included, and
+/// writes nothing; `dry_run` takes only a boolean; an export's own answer is
+/// accepted as an import body.
+#[tokio::test]
+async fn dry_run_imports_predict_the_import() {
+    let s = start(Db::Sqlite).await;
+    s.admin("POST", "/workflows", Some(workflow("taken")))
+        .await
+        .ok(201);
+    let batch = json!([workflow("taken"), workflow("fresh"), workflow("fresh")]);
+    let dry = s
+        .admin(
+            "POST",
+            "/workflows/import?dry_run=true",
+            Some(batch.clone()),
+        )
+        .await;
+    let dry = dry.ok(200).clone();
+    assert_eq!(dry["dry_run"], true);
+    assert_eq!(dry["created"], json!(["fresh"]));
+    let failed: Vec<_> = dry["failed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["index"].clone())
+        .collect();
+    assert_eq!(failed, [json!(0), json!(2)]);
+    assert_eq!(
+        dry["failed"][0]["details"][0]["message"],
+        "workflow 'taken' already exists"
+    );
+    assert_eq!(s.admin("GET", "/workflows", None).await.body["total"], 1);
+    let real = s
+        .admin("POST", "/workflows/import", Some(batch.clone()))
+        .await;
+    let real = real.ok(200).clone();
+    assert_eq!(
+        (
+            real["created"].clone(),
+            real["failed"].as_array().unwrap().len()
+        ),
+        (dry["created"].clone(), 2)
+    );
+    assert_eq!(real["dry_run"], false);
+
+    for bad in ["1x", "yes", "TRUE"] {
+        s.admin(
+            "POST",
+            &format!("/workflows/import?dry_run={bad}"),
+            Some(json!([workflow("other")])),
+        )
+        .await
+        .error(400, "BAD_REQUEST");
+    }
+    let one = s
+        .admin(
+            "POST",
+            "/workflows/import?dry_run=1",
+            Some(json!([workflow("other")])),
+        )
+        .await;
+    assert_eq!(one.ok(200)["created"], json!(["other"]));
+    s.admin("GET", "/workflows/other", None)
+        .await
+        .error(404, "NOT_FOUND");
+
+    // Channels: an existing name is a conflict on `name`, dry or not.
+    s.admin("POST", "/channels", Some(channel("c1", "taken")))
+        .await
+        .ok(201);
+    let mut same_name = channel("c2", "taken");
+    same_name["name"] = json!("c1");
+    for path in ["/channels/import?dry_run=true", "/channels/import"] {
+        let r = s
+            .admin("POST", path, Some(json!([same_name.clone()])))
+            .await;
+        let failed = &r.ok(200)["failed"][0]["details"][0];
+        assert_eq!(failed["field"], "name", "{path}: {}", r.text);
+        assert_eq!(failed["message"], "a channel named 'c1' already exists");
+    }
+
+    // Connectors: an existing name and a repeat inside the batch.
+    let conn = |name: &str| {
+        json!({"name": name, "connector_type": "http",
+                                   "config": {"type": "http", "url": "https://example.com"}})
+    };
+    s.admin("POST", "/connectors", Some(conn("api")))
+        .await
+        .ok(201);
+    let r = s
+        .admin(
+            "POST",
+            "/connectors/import?dry_run=true",
+            Some(json!([conn("api"), conn("b"), conn("b")])),
+        )
+        .await;
+    assert_eq!(r.ok(200)["created"], json!(["b"]));
+    assert_eq!(r.body["data"]["failed"].as_array().unwrap().len(), 2);
+    s.admin("GET", "/connectors/b", None)
+        .await
+        .error(404, "NOT_FOUND");
+
+    // The export's answer, as it came, imports into a fresh service.
+    let exported = s.admin("GET", "/workflows/export", None).await;
+    exported.ok(200);
+    let other = start(Db::Sqlite).await;
+    let r = other
+        .admin("POST", "/workflows/import", Some(exported.body.clone()))
+        .await;
+    let mut created: Vec<String> = r.ok(200)["created"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect();
+    created.sort();
+    assert_eq!(created, ["fresh", "taken"]);
+}
+
+/// Answers show the documented defaults of fields left out, the list filters
+/// see the same effective values, and version history is newest first.
+async fn defaults_and_history(db: Db) {
+    let s = start(db).await;
+    let w = json!({"workflow_id": "bare", "name": "bare",
+                   "tasks": [{"id": "a", "name": "a", "function": {"name": "log", "input": {"message": "m"}}}]});
+    let got = s.admin("POST", "/workflows", Some(w)).await;
+    let data = got.ok(201);
+    assert_eq!(
+        (
+            &data["priority"],
+            &data["tags"],
+            &data["continue_on_error"],
+            &data["condition"]
+        ),
+        (&json!(0), &json!([]), &json!(false), &json!(true))
+    );
+    // Named by route pattern: rest; by name only: http. Both sync.
+    let rest = json!({"channel_id": "r", "name": "r", "workflow_id": "bare",
+                      "route_pattern": "/r/{id}", "methods": ["GET"]});
+    let named = json!({"channel_id": "n", "name": "n", "workflow_id": "bare"});
+    let r = s.admin("POST", "/channels", Some(rest)).await;
+    let data = r.ok(201);
+    assert_eq!(
+        (&data["protocol"], &data["channel_type"]),
+        (&json!("rest"), &json!("sync"))
+    );
+    assert_eq!(data["config_json"]["timeout_ms"], 30000);
+    let n = s.admin("POST", "/channels", Some(named)).await;
+    assert_eq!(n.ok(201)["protocol"], "http");
+    let ids = |r: &Resp| -> Vec<String> {
+        r.body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["channel_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        ids(&s.admin("GET", "/channels?protocol=rest", None).await),
+        ["r"]
+    );
+    assert_eq!(
+        ids(&s.admin("GET", "/channels?protocol=http", None).await),
+        ["n"]
+    );
+    assert_eq!(
+        ids(&s.admin("GET", "/channels?channel_type=sync", None).await).len(),
+        2
+    );
+
+    // Version history: newest first, paged.
+    s.admin(
+        "PATCH",
+        "/workflows/bare/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    s.admin("POST", "/workflows/bare/versions", None)
+        .await
+        .ok(201);
+    let v = s.admin("GET", "/workflows/bare/versions", None).await;
+    let versions: Vec<_> = v
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["version"].clone())
+        .collect();
+    assert_eq!(versions, [json!(2), json!(1)]);
+    assert_eq!(
+        s.admin("GET", "/workflows/bare/versions?limit=1", None)
+            .await
+            .ok(200)[0]["version"],
+        2
+    );
+}
+
+on_every_backend!(
+    answers_show_defaults_and_history_is_newest_first,
+    defaults_and_history
+);
+
+/// A 405 says which methods the path takes; HEAD reads like GET.
+#[tokio::test]
+async fn method_not_allowed_names_the_allowed_methods() {
+    let s = start(Db::Sqlite).await;
+    for (method, path, allow) in [
+        ("DELETE", "/api/v1/admin/workflows", "GET, POST"),
+        ("PATCH", "/api/v1/admin/workflows/x", "GET, PUT, DELETE"),
+        ("GET", "/api/v1/admin/workflows/import", "POST"),
+        ("POST", "/api/v1/admin/engine/status", "GET"),
+        ("PUT", "/api/v1/data/traces", "GET, HEAD"),
+    ] {
+        let r = s.call(method, path, None).await;
+        r.error(405, "METHOD_NOT_ALLOWED");
+        assert_eq!(
+            r.headers.get("allow").and_then(|v| v.to_str().ok()),
+            Some(allow),
+            "{method} {path}"
+        );
+    }
+    let head = s.call("HEAD", "/api/v1/admin/workflows", None).await;
+    assert_eq!(head.status, 200);
+}
+
+/// A definition read back (secrets shown as `******`) and sent back with
+/// another change keeps the stored secrets; a new secret replaces them.
+#[tokio::test]
+async fn connector_round_trip_keeps_masked_secrets() {
+    let s = start(Db::Sqlite).await;
+    let def = json!({"name": "billing", "connector_type": "http",
+        "config": {"type": "http", "url": "https://billing.example.com",
+                   "auth": {"type": "bearer", "token": "s3cr3t"},
+                   "headers": {"x-api-key": "k-1"}}});
+    s.admin("POST", "/connectors", Some(def)).await.ok(201);
+    let mut shown = s
+        .admin("GET", "/connectors/billing", None)
+        .await
+        .ok(200)
+        .clone();
+    assert_eq!(shown["config"]["auth"]["token"], "******");
+    shown["config"]["url"] = json!("https://billing2.example.com");
+    s.admin("PUT", "/connectors/billing", Some(shown.clone()))
+        .await
+        .ok(200);
+    let export = s.admin("GET", "/connectors", None).await;
+    assert!(export.text.contains("billing2"));
+    // What is stored is the original secret (read from the database).
+    let stored = s
+        .app
+        .store
+        .get_connector("billing")
+        .await
+        .unwrap()
+        .definition;
+    assert_eq!(stored["config"]["auth"]["token"], "s3cr3t");
+    assert_eq!(stored["config"]["headers"]["x-api-key"], "k-1");
+    shown["config"]["auth"]["token"] = json!("n3w");
+    s.admin("PUT", "/connectors/billing", Some(shown))
+        .await
+        .ok(200);
+    let stored = s
+        .app
+        .store
+        .get_connector("billing")
+        .await
+        .unwrap()
+        .definition;
+    assert_eq!(stored["config"]["auth"]["token"], "n3w");
+}
+
+/// The dry-run body is an object with an optional object `metadata`.
+#[tokio::test]
+async fn dry_run_body_is_checked() {
+    let s = start(Db::Sqlite).await;
+    s.admin("POST", "/workflows", Some(workflow("w")))
+        .await
+        .ok(201);
+    s.admin("POST", "/workflows/w/test", Some(json!([])))
+        .await
+        .error(400, "BAD_REQUEST");
+    let r = s
+        .admin(
+            "POST",
+            "/workflows/w/test",
+            Some(json!({"data": {}, "metadata": 5})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["metadata"]);
+    s.admin("POST", "/workflows/w/test", Some(json!({"data": {}})))
+        .await
+        .ok(200);
+}

@@ -188,6 +188,67 @@ fn workflow_top_level_fields() {
 }
 
 #[test]
+fn identifiers_that_name_an_endpoint_are_reserved() {
+    for id in ["export", "import", "validate"] {
+        let mut w = workflow(json!([task("t", "log", json!({}))]));
+        w["workflow_id"] = json!(id);
+        let message =
+            format!("'{id}' is reserved: /api/v1/admin/workflows/{id} is an endpoint of its own");
+        check(validate_workflow(&w), &[("workflow_id", &message)]);
+        let mut w = workflow(json!([task("t", "log", json!({}))]));
+        w["id"] = json!(id);
+        check(validate_workflow(&w), &[("id", &message)]);
+    }
+    // Only the exact words: paths are case-sensitive, and a longer id is free.
+    for id in ["Export", "exports", "import-1"] {
+        let mut w = workflow(json!([task("t", "log", json!({}))]));
+        w["workflow_id"] = json!(id);
+        check(validate_workflow(&w), &[]);
+    }
+    let channel = |extra: Json| {
+        let mut c = json!({"name": "orders", "workflow_id": "w"});
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        validate_channel(&c)
+    };
+    check(
+        channel(json!({"channel_id": "import"})),
+        &[(
+            "channel_id",
+            "'import' is reserved: /api/v1/admin/channels/import is an endpoint of its own",
+        )],
+    );
+    check(
+        channel(json!({"name": "traces"})),
+        &[(
+            "name",
+            "'traces' is reserved: /api/v1/data/traces is an endpoint of its own",
+        )],
+    );
+    let shadowed =
+        "must not be /traces or /traces/{…}: /api/v1/data/traces/{trace_id} reads async traces";
+    for pattern in ["/traces", "/traces/{id}", "/traces/x"] {
+        check(
+            channel(json!({"route_pattern": pattern, "methods": ["GET"]})),
+            &[("route_pattern", shadowed)],
+        );
+    }
+    check(
+        channel(json!({"route_pattern": "/traces/{a}/{b}", "methods": ["GET"]})),
+        &[],
+    );
+    for name in ["circuit-breakers", "import", "reload"] {
+        let c = json!({"name": name, "connector_type": "http",
+                       "config": {"type": "http", "url": "https://example.com"}});
+        let message = format!(
+            "'{name}' is reserved: /api/v1/admin/connectors/{name} is an endpoint of its own"
+        );
+        check(validate_connector(&c), &[("name", &message)]);
+    }
+}
+
+#[test]
 fn workflow_id_rules() {
     let ok = ["a", "A1", "9", "a.b-c_d", &"x".repeat(128)];
     for id in ok {
