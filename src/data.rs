@@ -29,6 +29,19 @@ use std::time::Instant;
 /// A name constant: a `&str` name is parsed on every lookup.
 const X_SERVICE_PROFILE: http::HeaderName = http::HeaderName::from_static("x-service-profile");
 
+/// The executor's timer for `Options::deadline` (the runtime has none).
+pub(crate) fn deadline_timer(
+    at: Instant,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    Box::pin(tokio::time::sleep_until(at.into()))
+}
+
+/// How long past its deadline an execution may run before its caller drops
+/// it: the executor fails it at the deadline, naming the task that was
+/// waiting, unless a step overruns (then the caller's own timeout answers,
+/// without the task).
+pub(crate) const DEADLINE_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Handles a data-plane request (`segments` are the decoded path segments
 /// after `/api/v1/data`).
 pub async fn handle(
@@ -237,6 +250,7 @@ async fn run_sync(
     let options = Options {
         record_tasks: engine_lock_ms.is_some() || traced.is_some(),
         deadline: Some(deadline),
+        timer: Some(deadline_timer),
         data_prefix: ENVELOPE_OPEN,
         ..Options::default()
     };
@@ -271,17 +285,21 @@ async fn run_sync(
     let first = std::future::poll_fn(|cx| Poll::Ready(run.as_mut().poll(cx))).await;
     let execution = match first {
         Poll::Ready(result) => result.map_err(|e| ApiError::bad_request(e.to_string())),
-        Poll::Pending => match tokio::time::timeout_at(deadline.into(), run).await {
-            Ok(result) => result.map_err(|e| ApiError::bad_request(e.to_string())),
-            Err(_) => Err(ApiError::new(
-                Code::Timeout,
-                format!(
-                    "channel '{}' did not finish within {} ms",
-                    channel.name,
-                    channel.timeout.as_millis()
-                ),
-            )),
-        },
+        // The executor ends a connector wait at the deadline itself (naming
+        // the task); this only bounds a step that overruns it.
+        Poll::Pending => {
+            match tokio::time::timeout_at((deadline + DEADLINE_GRACE).into(), run).await {
+                Ok(result) => result.map_err(|e| ApiError::bad_request(e.to_string())),
+                Err(_) => Err(ApiError::new(
+                    Code::Timeout,
+                    format!(
+                        "channel '{}' did not finish within {} ms",
+                        channel.name,
+                        channel.timeout.as_millis()
+                    ),
+                )),
+            }
+        }
     };
     let body = match traced {
         None => respond(channel, execution?, engine_lock_ms)?,

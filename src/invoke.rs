@@ -131,6 +131,7 @@ impl ChannelInvoker for Invoker {
         };
         let options = Options {
             deadline: Some(Instant::now() + timeout),
+            timer: Some(crate::data::deadline_timer),
             ..Options::default()
         };
         let callee_scope = CallScope {
@@ -150,7 +151,8 @@ impl ChannelInvoker for Invoker {
             &callee_scope,
             &options,
         );
-        let execution = match tokio::time::timeout(timeout, run).await {
+        let execution = match tokio::time::timeout(timeout + crate::data::DEADLINE_GRACE, run).await
+        {
             Ok(Ok(e)) => e,
             Ok(Err(e)) => return Err(task_error(format!("channel_call: {e} ({named})"))),
             Err(_) => {
@@ -171,6 +173,19 @@ impl ChannelInvoker for Invoker {
             )));
         }
         if let Status::Failed(f) = &execution.status {
+            if f.kind == FailureKind::Timeout {
+                // The callee ran into this call's deadline (the executor
+                // stopped it there, naming its task).
+                return Err(ConnectorError::new(
+                    ConnectorErrorKind::Timeout,
+                    format!(
+                        "channel_call to '{}' did not finish within {} ms; its task '{}' was running ({named})",
+                        req.channel,
+                        timeout.as_millis(),
+                        f.task_id
+                    ),
+                ));
+            }
             let kind = match f.kind {
                 FailureKind::Timeout => ConnectorErrorKind::Timeout,
                 FailureKind::CircuitOpen => ConnectorErrorKind::CircuitOpen,

@@ -325,6 +325,7 @@ pub(crate) async fn execute(
     };
     let options = Options {
         deadline: Some(Instant::now() + channel.timeout),
+        timer: Some(crate::data::deadline_timer),
         ..Options::default()
     };
     let header = |name: &str| {
@@ -375,7 +376,7 @@ pub(crate) async fn execute(
         &scope,
         &options,
     );
-    let result = tokio::time::timeout(channel.timeout, run).await;
+    let result = tokio::time::timeout(channel.timeout + crate::data::DEADLINE_GRACE, run).await;
     if let Some((otel, mut span)) = traced {
         span.attribute("sluice.channel", channel.name.clone());
         span.attribute("sluice.trace_id", c.trace_id.clone());

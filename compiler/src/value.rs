@@ -183,6 +183,21 @@ impl<'a> Value<'a> {
         }
     }
 
+    /// Whether containers nest more than `limit` levels in this value (a
+    /// scalar has depth 0, `[]` and `[1]` depth 1). It stops descending at
+    /// `limit`, so it never recurses deeper than that itself.
+    pub fn nests_deeper_than(&self, limit: usize) -> bool {
+        match *self {
+            Value::Array(items) => {
+                limit == 0 || items.iter().any(|v| v.nests_deeper_than(limit - 1))
+            }
+            Value::Object(members) => {
+                limit == 0 || members.iter().any(|(_, v)| v.nests_deeper_than(limit - 1))
+            }
+            _ => false,
+        }
+    }
+
     /// Serializes as compact JSON text.
     pub fn write_json(&self, out: &mut Vec<u8>) {
         write_compact(self, out);

@@ -76,11 +76,21 @@ pub struct Options {
     /// Stop with a timeout failure once this instant has passed (checked
     /// between steps, so CPU-bound work is bounded too, not only I/O waits).
     pub deadline: Option<Instant>,
+    /// A timer for the deadline (the runtime has none of its own): with it,
+    /// a connector call still waiting at the deadline is abandoned and the
+    /// execution fails with a timeout naming that task, its workflow
+    /// matched and its data as far as it got. Without it, only the checks
+    /// between steps apply and the caller must bound the waits itself.
+    pub timer: Option<Timer>,
     /// Bytes written into `Execution::data` before the serialized `data`
     /// (the data plane's envelope opening, so the response is built in one
     /// buffer without moving the data). Empty by default.
     pub data_prefix: &'static [u8],
 }
+
+/// A future that completes at the given instant (the service passes
+/// `tokio::time::sleep_until`).
+pub type Timer = fn(Instant) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// The request body could not be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -210,8 +220,25 @@ where
         match machine.run(&arena) {
             Next::Done => break,
             Next::Io(io) => {
-                let result = services.perform(scope, io).await;
-                machine.resume(result, &arena);
+                let call = services.perform(scope, io);
+                let result = match (options.deadline, options.timer) {
+                    (Some(deadline), Some(timer)) => {
+                        let mut call = std::pin::pin!(call);
+                        let mut expired = timer(deadline);
+                        // The call first: an answer that is ready when the
+                        // deadline also is still counts.
+                        std::future::poll_fn(|cx| match call.as_mut().poll(cx) {
+                            std::task::Poll::Ready(result) => std::task::Poll::Ready(Some(result)),
+                            std::task::Poll::Pending => expired.as_mut().poll(cx).map(|()| None),
+                        })
+                        .await
+                    }
+                    _ => Some(call.await),
+                };
+                match result {
+                    Some(result) => machine.resume(result, &arena),
+                    None => machine.time_out(),
+                }
             }
         }
     }
@@ -445,6 +472,33 @@ struct Machine<'a> {
     bucket: Option<u8>,
 }
 
+/// The deepest the execution context may nest. Every value in it passed
+/// [`check_nesting`] when it was written (a request body nests at most
+/// 1,024 levels, simd-json's limit), so whatever walks the context
+/// recursively (the JSON writer, equality, string conversion, traces) stays
+/// well within a thread's stack. A loop that wraps a value in one more array
+/// per pass ends with a task error here instead of overflowing the stack.
+pub const MAX_NESTING: usize = 2048;
+
+/// Refuses a write that would make the context nest deeper than
+/// [`MAX_NESTING`]. Scalars (most writes) cost one comparison; a container
+/// is walked only as deep as the limit.
+#[inline]
+fn check_nesting(target: &WritePath, value: &Value<'_>) -> Result<(), TaskError> {
+    if !matches!(value, Value::Array(_) | Value::Object(_)) {
+        return Ok(());
+    }
+    // The area itself and each segment of the path are a level above it.
+    let room = MAX_NESTING.saturating_sub(1 + target.path.segments().len());
+    if value.nests_deeper_than(room) {
+        return Err(TaskError::task(format!(
+            "cannot write '{}': the value would nest deeper than {MAX_NESTING} levels",
+            target.text
+        )));
+    }
+    Ok(())
+}
+
 impl<'a> Machine<'a> {
     fn new(plan: &'a Plan, ctx: Context<'a>, bucket: Option<u8>, options: &Options) -> Self {
         let record_tasks = options.record_tasks;
@@ -496,6 +550,7 @@ impl<'a> Machine<'a> {
         value: Value<'a>,
         arena: &'a Bump,
     ) -> Result<(), TaskError> {
+        check_nesting(target, &value)?;
         let area = self.ctx.area_mut(target.area);
         *area = target
             .path
@@ -518,6 +573,9 @@ impl<'a> Machine<'a> {
         let Some((first, _)) = run.first() else {
             return Ok(());
         };
+        for ((path, _), value) in run.iter().zip(values) {
+            check_nesting(path, value)?;
+        }
         let area = self.ctx.area_mut(first.area);
         match set.set(*area, values, arena) {
             Some(written) => {
@@ -650,6 +708,16 @@ impl<'a> Machine<'a> {
         }
         self.steps_unchecked = 0;
         Instant::now() >= deadline
+    }
+
+    /// The deadline passed while a connector call was waiting: the
+    /// execution fails naming the task that made it.
+    fn time_out(&mut self) {
+        if let Some((task, started)) = self.pending.take() {
+            self.task_started = started;
+            self.record(task, TaskStatus::Failed);
+        }
+        self.status = Some(Status::Failed(self.timeout_failure()));
     }
 
     fn timeout_failure(&self) -> Failure {

@@ -1039,3 +1039,47 @@ fn log_fields_are_masked() {
         assert!(!text.contains(secret), "{secret} leaked: {text}");
     }
 }
+
+/// A loop that wraps a value in one more array per pass stops with a task
+/// error at the nesting limit: the context never nests deeper than
+/// `MAX_NESTING`, so nothing that walks it (the response writer first) can
+/// overflow the stack. Both write paths are covered: a mapping alone and a
+/// run of independent mappings.
+#[test]
+fn values_never_nest_deeper_than_the_limit() {
+    // The limit is sized for release builds (well under 0.5 MiB of stack
+    // at 2,048 levels); an unoptimised build's frames are over 40 times
+    // larger (the service gives such builds 64 MiB worker stacks).
+    std::thread::Builder::new()
+        .stack_size(64 << 20)
+        .spawn(nesting_limit)
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+fn nesting_limit() {
+    for mappings in [
+        json!([{"path": "x", "logic": [{"var": "data.x"}]}]),
+        json!([{"path": "x", "logic": [{"var": "data.x"}]}, {"path": "y", "logic": 1}]),
+    ] {
+        let mut def = wf(json!([task("wrap", "map", json!({"mappings": mappings}))]));
+        def["loop"] = json!({"max": 10000});
+        let r = run(&plan(def), json!({}));
+        let Status::Failed(f) = &r.exec.status else {
+            panic!("expected a task error, got {:?}", r.exec.status)
+        };
+        assert_eq!(f.task_id, "wrap");
+        assert_eq!(
+            f.message,
+            "cannot write 'x': the value would nest deeper than 2048 levels"
+        );
+        // The data as it was before the refused write: `{"x": [[…[null]…]]}`,
+        // nested as deep as the limit allows (the response writer got
+        // through it).
+        let text = std::str::from_utf8(&r.exec.data).unwrap();
+        let depth = text.bytes().filter(|&b| b == b'[').count();
+        assert!(text.starts_with("{\"x\":[[["), "{}", &text[..40]);
+        assert_eq!(depth, MAX_NESTING - 2);
+    }
+}

@@ -756,3 +756,50 @@ async fn ssrf_guard_refuses_private_addresses_by_default() {
     }
     assert!(up.hits("/").is_empty(), "nothing reached the upstream");
 }
+
+/// The channel's `timeout_ms` running out while a connector call waits
+/// answers 504 naming the task (`error.task_id`, `details` at its place in
+/// the definition), like a deadline passed between steps; an async run's
+/// trace keeps its workflow and the failing task too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_channel_deadline_during_a_call_names_the_task() {
+    let up = Upstream::start().await;
+    let s = service_with_threshold(true, 10).await;
+    connector(
+        &s,
+        "up",
+        json!({"type": "http", "url": up.base, "retry": no_retry()}),
+    )
+    .await;
+    let tasks = json!([
+        {"id": "parse", "name": "Parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}},
+        task("c", json!({"connector": "up", "path": "/slow"}))
+    ]);
+    s.deploy(
+        json!({"workflow_id": "cto", "name": "cto", "tasks": tasks}),
+        json!({"channel_id": "cto", "name": "cto", "protocol": "http",
+               "workflow_id": "cto", "config_json": {"timeout_ms": 300}}),
+    )
+    .await;
+    let started = Instant::now();
+    let r = run(&s, "cto", json!({})).await;
+    assert!(started.elapsed() < Duration::from_millis(1500));
+    let e = r.error(504, "TIMEOUT");
+    assert_eq!(e["task_id"], "c", "{}", r.text);
+    assert_eq!(e["details"][0]["field"], "tasks[1]", "{}", r.text);
+
+    let submitted = s.post("/api/v1/data/cto/async", json!({"data": {}})).await;
+    let id = submitted.body["trace_id"].as_str().unwrap().to_owned();
+    let until = Instant::now() + Duration::from_secs(10);
+    let trace = loop {
+        let t = s.get(&format!("/api/v1/data/traces/{id}")).await;
+        if t.body["data"]["status"] == "failed" || Instant::now() > until {
+            break t.body["data"].clone();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(trace["status"], "failed", "{trace}");
+    assert_eq!(trace["workflow_id"], "cto", "{trace}");
+    assert_eq!(trace["errors"][0]["code"], "TIMEOUT", "{trace}");
+    assert_eq!(trace["errors"][0]["task_id"], "c", "{trace}");
+}

@@ -332,3 +332,67 @@ async fn openapi_schemas_are_complete_and_resolve() {
         }
     }
 }
+
+/// A workflow that nests a value deeper on every loop pass (here 2 × 10,000
+/// wraps) ends with a task error at the nesting limit; the service answers
+/// and keeps serving. Before, the response writer overflowed the worker's
+/// stack and the whole process aborted. Run as the real binary, whose
+/// runtime threads are the ones that must hold the walk.
+#[tokio::test]
+async fn values_nested_past_the_limit_fail_the_task_not_the_process() {
+    let dir = std::env::temp_dir().join(format!("sluice-deep-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let db = format!("sqlite://{}/s.db", dir.display());
+    install_crypto();
+    let r = crate::replicas::replica_with(&db, &[]).await;
+    let c = reqwest::Client::new();
+    let admin = |method: &str, path: &str, body: serde_json::Value| {
+        c.request(
+            method.parse().unwrap(),
+            format!("{}/api/v1/admin{path}", r.base),
+        )
+        .json(&body)
+        .send()
+    };
+    let wrap = json!({"id": "m", "name": "m", "function": {"name": "map", "input": {
+        "mappings": [{"path": "x", "logic": [{"var": "data.x"}]}]}}});
+    let def = json!({"workflow_id": "deep", "name": "deep", "loop": {"max": 10000},
+                     "tasks": [{"id": "g", "name": "g", "loop": {"max": 2}, "tasks": [wrap]}]});
+    let ch = json!({"channel_id": "deep", "name": "deep", "workflow_id": "deep",
+                    "config_json": {"timeout_ms": 60000}});
+    for (path, body) in [("/workflows", def), ("/channels", ch)] {
+        assert!(
+            admin("POST", path, body)
+                .await
+                .unwrap()
+                .status()
+                .is_success()
+        );
+        let status = format!("{path}/deep/status");
+        let a = admin("PATCH", &status, json!({"status": "active"}))
+            .await
+            .unwrap();
+        assert!(a.status().is_success());
+    }
+    let answer = c
+        .post(format!("{}/api/v1/data/deep", r.base))
+        .json(&json!({"data": {}}))
+        .send()
+        .await
+        .expect("the service answers");
+    assert_eq!(answer.status().as_u16(), 500);
+    let body: serde_json::Value = answer.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "TASK_ERROR", "{body}");
+    assert_eq!(body["error"]["task_id"], "m");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("nest deeper than 2048 levels"),
+        "{body}"
+    );
+    let health = c.get(format!("{}/healthz", r.base)).send().await.unwrap();
+    assert!(health.status().is_success());
+    drop(r);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -8,8 +8,8 @@ use serde_json::{Value as Json, json};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-struct Replica {
-    base: String,
+pub(crate) struct Replica {
+    pub(crate) base: String,
     child: Child,
 }
 
@@ -24,7 +24,7 @@ async fn replica(db: &str) -> Replica {
     replica_with(db, &[]).await
 }
 
-async fn replica_with(db: &str, env: &[(&str, &str)]) -> Replica {
+pub(crate) async fn replica_with(db: &str, env: &[(&str, &str)]) -> Replica {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .arg("serve")
