@@ -123,7 +123,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
         }
         ["audit-logs"] => only(Method::GET)?.then(audit_logs(app, req)).await,
         ["backups"] => match *m {
-            Method::GET => list_backups(app),
+            Method::GET => list_backups(app, req),
             Method::POST => create_backup(app, who).await,
             _ => not_allowed("GET, POST"),
         },
@@ -871,9 +871,16 @@ async fn audit_logs(app: &App, req: &Req) -> ApiResult {
     api::page(entries, total, limit, offset)
 }
 
-fn list_backups(app: &App) -> ApiResult {
+fn list_backups(app: &App, req: &Req) -> ApiResult {
+    let (limit, offset) = paging(req)?;
     let entries = Store::list_backups(Path::new(&app.config.storage.backup_dir))?;
-    api::ok(&entries)
+    let total = entries.len() as i64;
+    let page = entries
+        .into_iter()
+        .skip(offset as usize)
+        .take(limit as usize)
+        .collect();
+    api::page(page, total, limit, offset)
 }
 
 async fn create_backup(app: &App, who: Principal) -> ApiResult {

@@ -35,17 +35,28 @@ fn same(a: &str, b: &str) -> bool {
 
 /// Checks the credentials of an admin request.
 pub fn authenticate(config: &AdminAuth, req: &Req) -> Result<Principal, ApiError> {
+    authenticate_head(config, &req.method, &req.headers)
+}
+
+/// The same check from the request head alone: the server runs it before it
+/// reads or judges the body, so an unauthenticated caller gets 401 (and a
+/// read-only key 403), never a 413 or 415 about a body it may not send.
+pub fn authenticate_head(
+    config: &AdminAuth,
+    method: &Method,
+    headers: &http::HeaderMap,
+) -> Result<Principal, ApiError> {
     if !config.enabled {
         return Ok(Principal::Anonymous);
     }
-    let bearer = req
-        .header("authorization")
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let bearer = header("authorization")
         .and_then(|v| {
             v.strip_prefix("Bearer ")
                 .or_else(|| v.strip_prefix("bearer "))
         })
         .map(str::trim);
-    let header_key = req.header(config.api_key_header.to_ascii_lowercase());
+    let header_key = header(&config.api_key_header.to_ascii_lowercase());
     let Some(key) = bearer.or(header_key) else {
         return Err(ApiError::new(
             Code::Unauthorized,
@@ -59,7 +70,7 @@ pub fn authenticate(config: &AdminAuth, req: &Req) -> Result<Principal, ApiError
     } else {
         return Err(ApiError::new(Code::Unauthorized, "invalid credentials"));
     };
-    if principal == Principal::ReadOnly && req.method != Method::GET && req.method != Method::HEAD {
+    if principal == Principal::ReadOnly && method != Method::GET && method != Method::HEAD {
         return Err(ApiError::new(
             Code::Forbidden,
             "the read-only key allows GET requests only",

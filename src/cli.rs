@@ -121,6 +121,8 @@ pub fn lint(files: &[std::path::PathBuf]) -> ExitCode {
 pub fn dry_run(workflow: &Path, payload: &Path, metadata: Option<&Path>) -> ExitCode {
     match dry_run_answer(workflow, payload, metadata) {
         Ok((answer, failed)) => {
+            // The answer of `POST /workflows/{id}/test`, wrapper included.
+            let answer = serde_json::json!({ "data": answer });
             crate::outln!(
                 "{}",
                 serde_json::to_string_pretty(&answer).unwrap_or_default()

@@ -400,6 +400,36 @@ impl Config {
         if self.ingest.max_payload_size == 0 {
             return fail("ingest.max_payload_size", "must be at least 1");
         }
+        // Settings where 0 would stop the feature without saying so (no
+        // queue worker, a bucket that never admits, a breaker open from the
+        // start): refused, never quietly raised to 1.
+        let at_least_one = [
+            ("queue.workers", u64::from(self.queue.workers)),
+            (
+                "queue.dlq_poll_interval_secs",
+                self.queue.dlq_poll_interval_secs,
+            ),
+            (
+                "rate_limit.requests_per_second",
+                self.rate_limit.requests_per_second,
+            ),
+            ("rate_limit.burst", self.rate_limit.burst),
+            (
+                "engine.circuit_breaker.failure_threshold",
+                u64::from(self.engine.circuit_breaker.failure_threshold),
+            ),
+            (
+                "engine.circuit_breaker.max_breakers",
+                self.engine.circuit_breaker.max_breakers,
+            ),
+            (
+                "engine.global_http_timeout_secs",
+                self.engine.global_http_timeout_secs,
+            ),
+        ];
+        if let Some((key, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
+            return fail(key, "must be at least 1");
+        }
         if self.storage.max_connections == 0 {
             return fail("storage.max_connections", "must be at least 1");
         }
@@ -692,5 +722,30 @@ mod tests {
             .unwrap_err()
             .0;
         assert!(e.contains("backend"), "{e}");
+    }
+
+    #[test]
+    fn zero_where_it_would_disable_a_feature_is_refused() {
+        for var in [
+            "SERVICE_QUEUE__WORKERS",
+            "SERVICE_QUEUE__DLQ_POLL_INTERVAL_SECS",
+            "SERVICE_RATE_LIMIT__REQUESTS_PER_SECOND",
+            "SERVICE_RATE_LIMIT__BURST",
+            "SERVICE_ENGINE__CIRCUIT_BREAKER__FAILURE_THRESHOLD",
+            "SERVICE_ENGINE__CIRCUIT_BREAKER__MAX_BREAKERS",
+            "SERVICE_ENGINE__GLOBAL_HTTP_TIMEOUT_SECS",
+            "SERVICE_SERVER__MAX_IN_FLIGHT",
+        ] {
+            let e = load(None, &[(var, "0")]).unwrap_err().0;
+            let key = var["SERVICE_".len()..]
+                .to_ascii_lowercase()
+                .replace("__", ".");
+            assert_eq!(
+                e,
+                format!("invalid value for '{key}': must be at least 1"),
+                "{var}"
+            );
+            assert!(load(None, &[(var, "1")]).is_ok(), "{var}");
+        }
     }
 }

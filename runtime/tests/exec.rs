@@ -1082,4 +1082,38 @@ fn nesting_limit() {
         assert!(text.starts_with("{\"x\":[[["), "{}", &text[..40]);
         assert_eq!(depth, MAX_NESTING - 2);
     }
+    // One `reduce` can nest its result once more per element, in a single
+    // write: such results are always measured.
+    let def = wf(json!([task(
+        "acc",
+        "map",
+        json!({"mappings": [{"path": "x", "logic":
+        {"reduce": [{"var": "payload.items"}, [{"var": "accumulator"}], null]}}]})
+    )]));
+    let p = plan(def);
+    let items = |n: usize| json!({"data": {"items": vec![0; n]}});
+    let deep = run_with(
+        &[&p],
+        items(3000),
+        &[],
+        &Services::default(),
+        &Options::default(),
+    );
+    let Status::Failed(f) = &deep.exec.status else {
+        panic!("expected a task error, got {:?}", deep.exec.status)
+    };
+    assert_eq!(f.task_id, "acc");
+    assert!(
+        f.message.contains("nest deeper than 2048 levels"),
+        "{}",
+        f.message
+    );
+    let fine = run_with(
+        &[&p],
+        items(100),
+        &[],
+        &Services::default(),
+        &Options::default(),
+    );
+    assert_eq!(fine.exec.status, Status::Completed);
 }

@@ -488,6 +488,16 @@ async fn audit_and_backups(db: Db) {
             assert!(entry["size_bytes"].as_u64().unwrap() > 0);
             let listed = s.admin("GET", "/backups", None).await;
             assert_eq!(listed.ok(200)[0]["filename"], name);
+            // A list like every other: paged, with its total.
+            assert_eq!(
+                (&listed.body["total"], &listed.body["limit"]),
+                (&json!(1), &json!(50))
+            );
+            let past = s.admin("GET", "/backups?offset=1", None).await;
+            assert_eq!(past.ok(200), &json!([]));
+            s.admin("GET", "/backups?limit=0", None)
+                .await
+                .error(400, "BAD_REQUEST");
             let logged = s.admin("GET", "/audit-logs?action=backup", None).await;
             assert_eq!(logged.ok(200)[0]["resource_id"], name);
         }
@@ -688,6 +698,35 @@ async fn admin_auth_keys_and_roles() {
         .await;
     assert_eq!(log.ok(200)[0]["principal"], "admin");
     assert!(!log.text.contains("full-key"));
+    // Credentials are judged before the body: no 415 or 413 for a caller who
+    // may not send one.
+    let form = s
+        .raw(
+            "POST",
+            "/api/v1/admin/workflows",
+            b"x=1".to_vec(),
+            Some("text/plain"),
+        )
+        .await;
+    form.error(401, "UNAUTHORIZED");
+    let huge = s
+        .raw(
+            "POST",
+            "/api/v1/admin/workflows",
+            vec![b' '; 2 << 20],
+            Some("application/json"),
+        )
+        .await;
+    huge.error(401, "UNAUTHORIZED");
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/admin/engine/reload",
+            None,
+            &[("authorization", "Bearer ro-key")],
+        )
+        .await;
+    r.error(403, "FORBIDDEN");
     // The data plane and health endpoints are not protected.
     assert_eq!(s.get("/healthz").await.status, 200);
 }

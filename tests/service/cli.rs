@@ -102,6 +102,8 @@ fn dry_run_runs_a_workflow_offline() {
         String::from_utf8_lossy(&out.stdout)
     );
     let answer: Json = serde_json::from_slice(&out.stdout).unwrap();
+    // The answer of `POST /workflows/{id}/test`, `{data}` wrapper included.
+    let answer = &answer["data"];
     assert_eq!(answer["status"], "completed");
     assert_eq!(answer["data"]["twice"], 42);
     let statuses: Vec<_> = answer["tasks"]
@@ -130,6 +132,7 @@ fn dry_run_runs_a_workflow_offline() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let answer: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let answer = &answer["data"];
     assert_eq!(
         (
             answer["status"].as_str(),

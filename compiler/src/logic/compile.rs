@@ -42,6 +42,11 @@ pub(super) fn compile(rule: &Json) -> Result<Logic, CompileError> {
         _ => Entry::Rule,
     };
     let root_const = constant.as_ref().and_then(RootConst::new);
+    let accumulates = c.prog.nodes.iter().any(|n| match n {
+        Node::Op { op, .. } | Node::Spread { op, .. } => *op == Op::Reduce,
+        Node::Iter(it) => it.op == Op::Reduce,
+        _ => false,
+    });
     Ok(Logic {
         prog: c.prog,
         root,
@@ -49,6 +54,7 @@ pub(super) fn compile(rule: &Json) -> Result<Logic, CompileError> {
         scalar,
         root_const,
         entry,
+        accumulates,
     })
 }
 

@@ -58,6 +58,9 @@ pub struct Logic {
     /// What the root is, decided at compile time so an evaluation reaches
     /// its work without reading the root node first.
     entry: Entry,
+    /// Whether the rule has a `reduce`, whose accumulator can nest its
+    /// result deeper with every element (see [`Logic::may_outgrow_its_data`]).
+    accumulates: bool,
 }
 
 /// How [`Logic::eval`] starts (when the rule is not a prebuilt scalar).
@@ -130,6 +133,13 @@ impl Logic {
             Node::Var { path, .. } => eval::get_path(*data, path).unwrap_or(Value::Null),
             _ => Value::Null,
         }
+    }
+
+    /// Whether a result can nest deeper than the deepest data the rule read
+    /// plus [`MAX_DEPTH`] (the rule's own nesting). Only `reduce` can: its
+    /// accumulator may be wrapped once more per element.
+    pub fn may_outgrow_its_data(&self) -> bool {
+        self.accumulates
     }
 
     /// The rule's value when it does not depend on the data (it folded to a
