@@ -462,16 +462,18 @@ async fn validate_workflow(req: &Req) -> ApiResult {
 fn import_items(body: Json) -> Result<Vec<Json>, ApiError> {
     match body {
         Json::Array(items) => Ok(items),
-        Json::Object(mut obj) if obj.len() == 1 && obj.get("data").is_some_and(Json::is_array) => {
-            match obj.remove("data") {
-                Some(Json::Array(items)) => Ok(items),
-                _ => unreachable!("checked above"),
-            }
-        }
-        _ => Err(ApiError::bad_request(
-            "import expects a JSON array of definitions (or an export's {\"data\": [...]})",
-        )),
+        Json::Object(mut obj) if obj.len() == 1 => match obj.remove("data") {
+            Some(Json::Array(items)) => Ok(items),
+            _ => Err(not_an_import()),
+        },
+        _ => Err(not_an_import()),
     }
+}
+
+fn not_an_import() -> ApiError {
+    ApiError::bad_request(
+        "import expects a JSON array of definitions (or an export's {\"data\": [...]})",
+    )
 }
 
 /// `?dry_run=`: `true` or `false` (`1` and `0` too); anything else is a 400,
