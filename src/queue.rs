@@ -425,7 +425,9 @@ pub(crate) async fn execute(
     outcome.workflow_id = Some(matched.workflow_id.to_string());
     outcome.workflow_version = Some(matched.version);
     // Secrets never reach a stored trace (decisions.md, Masking).
-    outcome.data = serde_json::from_slice::<Json>(&execution.data)
+    // As deep as an execution can build (serde_json alone stops at 128
+    // levels, and the result was lost).
+    outcome.data = sluice_runtime::json::to_serde(&execution.data, exec::MAX_NESTING)
         .ok()
         .map(|mut d| {
             sluice_compiler::validate::mask_secrets(&mut d);

@@ -57,13 +57,13 @@ pub async fn submit(
     let payload = if req.body.iter().all(u8::is_ascii_whitespace) {
         Json::Null
     } else {
-        match serde_json::from_slice::<Json>(&req.body) {
+        // Nested as deep as a sync request may be (serde_json alone stops
+        // at 128 levels).
+        match sluice_runtime::json::to_serde(&req.body, sluice_runtime::json::MAX_BODY_NESTING) {
             Ok(Json::Object(mut body)) => body.remove("data").unwrap_or(Json::Null),
             Ok(_) => return Err(ApiError::bad_request(InputError::NotObject.to_string())),
             Err(e) => {
-                return Err(ApiError::bad_request(
-                    InputError::NotJson(e.to_string()).to_string(),
-                ));
+                return Err(ApiError::bad_request(InputError::NotJson(e).to_string()));
             }
         }
     };

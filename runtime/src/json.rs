@@ -189,6 +189,56 @@ fn key_filter_bit(k: &str) -> u32 {
     (mixed >> 58) as u32
 }
 
+/// The deepest request body the executor parses (simd-json's limit).
+pub const MAX_BODY_NESTING: usize = simd_json::DEFAULT_MAX_DEPTH;
+
+/// Whether the JSON text's arrays and objects nest at most `max` levels (a
+/// byte scan that skips strings; the text's validity is not checked).
+pub fn nests_within(text: &[u8], max: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in text {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return false;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    true
+}
+
+/// Parses JSON text into a `serde_json::Value` nested up to `max` levels.
+/// serde_json's own limit (128) is lifted only after the scan has bounded
+/// the depth, so the recursive parse (and the value's drop) stays within a
+/// runtime thread's stack. Used where the sync path's limits must hold too:
+/// async submissions (`MAX_BODY_NESTING`, as simd-json gives sync requests)
+/// and stored trace data (`exec::MAX_NESTING`, what an execution can build).
+pub fn to_serde(text: &[u8], max: usize) -> Result<serde_json::Value, String> {
+    if !nests_within(text, max) {
+        return Err(format!("JSON nests deeper than {max} levels"));
+    }
+    let mut de = serde_json::Deserializer::from_slice(text);
+    de.disable_recursion_limit();
+    let value = serde::Deserialize::deserialize(&mut de).map_err(|e| e.to_string())?;
+    de.end().map_err(|e| e.to_string())?;
+    Ok(value)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -287,5 +337,27 @@ mod tests {
         assert!(parse(b"", &arena).is_err());
         // The scratch buffers survive an error and parse the next input.
         assert_eq!(parse(b"[1]", &arena).unwrap().to_json(), json!([1]));
+    }
+
+    #[test]
+    fn serde_parse_is_bounded_by_a_scan_not_by_128() {
+        let nested = |n: usize| format!("{}1{}", "[".repeat(n), "]".repeat(n));
+        let deep = to_serde(nested(500).as_bytes(), 1024).unwrap();
+        let mut v = &deep;
+        let mut depth = 0;
+        while let Some(inner) = v.get(0) {
+            depth += 1;
+            v = inner;
+        }
+        assert_eq!(depth, 500);
+        assert_eq!(
+            to_serde(nested(1025).as_bytes(), 1024).unwrap_err(),
+            "JSON nests deeper than 1024 levels"
+        );
+        // Brackets inside strings do not count; escaped quotes stay inside.
+        let text = format!(r#"{{"a": "{}\"[[", "b": [[1]]}}"#, "[".repeat(2000));
+        assert!(nests_within(text.as_bytes(), 3));
+        assert!(!nests_within(text.as_bytes(), 2));
+        assert!(to_serde(b"[1] x", 10).is_err());
     }
 }

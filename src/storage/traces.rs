@@ -324,7 +324,13 @@ where
             .ok_or_else(|| StorageError::Database(format!("unknown trace status '{status}'")))?,
         workflow_id: opt_text(4)?,
         workflow_version: opt_int(5)?,
-        data: opt_text(6)?.map(|t| parse_json(&t)).transpose()?,
+        // A result may nest as deep as an execution can build.
+        data: opt_text(6)?
+            .map(|t| {
+                sluice_runtime::json::to_serde(t.as_bytes(), sluice_runtime::exec::MAX_NESTING)
+                    .map_err(|e| StorageError::Database(format!("stored JSON is invalid: {e}")))
+            })
+            .transpose()?,
         errors: parse_json(&text(7)?)?,
         created_at: row.try_get(8).map_err(super::db_err)?,
         started_at: opt_int(9)?,

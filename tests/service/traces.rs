@@ -425,3 +425,81 @@ async fn retention_deletes_traces_past_their_hours() {
         .error(404, "NOT_FOUND");
     s.get(&format!("/api/v1/data/traces/{fresh}")).await.ok(200);
 }
+
+/// An async submission takes bodies as deep as the sync path does (serde_json
+/// alone refused more than 128 levels), and a completed trace keeps a deep
+/// result (it used to come back as `data: null`). 140 levels: past serde's
+/// limit, within what an unoptimised build's writer fits in a test thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deep_payloads_go_through_async_as_through_sync() {
+    let s = server(Db::Sqlite, 0).await;
+    let wf = json!({"workflow_id": "deep", "name": "deep", "tasks": [
+        {"id": "parse", "name": "parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}}
+    ]});
+    s.deploy(wf, rest_channel("deep", "deep", "sync")).await;
+    let levels = 140;
+    let text = format!(
+        r#"{{"data": {{"deep": {}1{}}}}}"#,
+        "[".repeat(levels),
+        "]".repeat(levels)
+    );
+    // The run of brackets right after `"deep":`.
+    let depth_of = |t: &str| {
+        let at = t.find(r#""deep":"#).map_or(t.len(), |i| i + 7);
+        t[at..].bytes().take_while(|&b| b == b'[').count()
+    };
+    let sync = s
+        .raw(
+            "POST",
+            "/api/v1/data/deep/1",
+            text.clone().into_bytes(),
+            Some("application/json"),
+        )
+        .await;
+    assert_eq!(
+        sync.status,
+        200,
+        "{}",
+        &sync.text[..200.min(sync.text.len())]
+    );
+    assert_eq!(depth_of(&sync.text), levels);
+
+    let submitted = s
+        .raw(
+            "POST",
+            "/api/v1/data/deep/1/async",
+            text.into_bytes(),
+            Some("application/json"),
+        )
+        .await;
+    assert_eq!(submitted.status, 202, "{}", submitted.text);
+    let id = submitted.body["trace_id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let trace = loop {
+        let r = s.get(&format!("/api/v1/data/traces/{id}")).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        if r.text.contains(r#""status":"completed""#) || Instant::now() > deadline {
+            break r.text;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        trace.contains(r#""status":"completed""#),
+        "{}",
+        &trace[..300.min(trace.len())]
+    );
+    assert!(!trace.contains(r#""data":null"#));
+    assert_eq!(depth_of(&trace), levels);
+
+    // Deeper than a sync request may be: refused the same way.
+    let too_deep = format!(r#"{{"data": {}1{}}}"#, "[".repeat(1100), "]".repeat(1100));
+    let r = s
+        .raw(
+            "POST",
+            "/api/v1/data/deep/1/async",
+            too_deep.into_bytes(),
+            Some("application/json"),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+}
