@@ -1195,24 +1195,7 @@ fn is_secret_header(name: &str) -> bool {
 /// under `headers`: for values whose origin is unknown, such as the fields a
 /// workflow's `log` task writes (`{"h": {"var": "metadata.headers"}}`).
 pub fn mask_secrets_everywhere(v: &mut Json) {
-    match v {
-        Json::Object(m) => {
-            for (k, item) in m.iter_mut() {
-                if (is_secret_key(k) || is_secret_header(k)) && !item.is_null() {
-                    *item = Json::String(MASK.to_owned());
-                } else {
-                    mask_secrets_everywhere(item);
-                }
-            }
-        }
-        Json::Array(items) => items.iter_mut().for_each(mask_secrets_everywhere),
-        Json::String(text) => {
-            if let Some(masked) = mask_url_password(text) {
-                *text = masked;
-            }
-        }
-        _ => {}
-    }
+    mask(v, true);
 }
 
 /// Replaces secrets with `******` in place, at any depth: the value of every
@@ -1223,16 +1206,21 @@ pub fn mask_secrets_everywhere(v: &mut Json) {
 /// whatever its type, so a structured secret does not leak either; `null`
 /// stays `null` because it hides nothing.
 pub fn mask_secrets(v: &mut Json) {
+    mask(v, false);
+}
+
+fn mask(v: &mut Json, headers_everywhere: bool) {
     match v {
         Json::Object(m) => {
             for (k, item) in m.iter_mut() {
-                if is_secret_key(k) {
+                if is_secret_key(k) || (headers_everywhere && is_secret_header(k)) {
                     if !item.is_null() {
                         *item = Json::String(MASK.to_owned());
                     }
                     continue;
                 }
-                if k.eq_ignore_ascii_case("headers")
+                if !headers_everywhere
+                    && k.eq_ignore_ascii_case("headers")
                     && let Json::Object(headers) = item
                 {
                     for (name, value) in headers.iter_mut() {
@@ -1241,10 +1229,10 @@ pub fn mask_secrets(v: &mut Json) {
                         }
                     }
                 }
-                mask_secrets(item);
+                mask(item, headers_everywhere);
             }
         }
-        Json::Array(items) => items.iter_mut().for_each(mask_secrets),
+        Json::Array(items) => items.iter_mut().for_each(|i| mask(i, headers_everywhere)),
         Json::String(text) => {
             if let Some(masked) = mask_url_password(text) {
                 *text = masked;
