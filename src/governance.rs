@@ -928,12 +928,16 @@ fn origin_allowed(channel: &Channel, origin: &str) -> bool {
 }
 
 /// Adds the CORS headers of an allowed origin to a data-plane response; a
-/// disallowed (or absent) origin gets none, and the browser blocks it. The
+/// disallowed (or absent) origin gets none, and the browser blocks it. Every
+/// answer of a channel with CORS settings carries `Vary: Origin`, allowed or
+/// not, so a shared cache never hands one origin's answer to another. The
 /// `Origin` header is looked up only for a channel with CORS settings.
 pub fn decorate(channel: &Channel, request: &http::HeaderMap, response: &mut HttpResponse) {
     if channel.def.config_json.cors.is_none() {
         return;
     }
+    let headers = response.headers_mut();
+    headers.append(header::VARY, HeaderValue::from_static("Origin"));
     let origin = request.get(header::ORIGIN).and_then(|v| v.to_str().ok());
     let Some(origin) = origin.filter(|o| origin_allowed(channel, o)) else {
         return;
@@ -941,9 +945,7 @@ pub fn decorate(channel: &Channel, request: &http::HeaderMap, response: &mut Htt
     let Ok(value) = HeaderValue::from_str(origin) else {
         return;
     };
-    let headers = response.headers_mut();
     headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, value);
-    headers.append(header::VARY, HeaderValue::from_static("Origin"));
     headers.insert(
         header::ACCESS_CONTROL_EXPOSE_HEADERS,
         HeaderValue::from_static("x-request-id, retry-after"),
@@ -1006,6 +1008,10 @@ fn forbidden(channel: &Channel, why: &str) -> HttpResponse {
     )
     .into_response();
     *response.status_mut() = StatusCode::FORBIDDEN;
+    // The refusal depends on the origin as much as an allowance does.
+    response
+        .headers_mut()
+        .append(header::VARY, HeaderValue::from_static("Origin"));
     response
 }
 

@@ -209,7 +209,7 @@ impl Cache for Stubs {
         key: &str,
     ) -> Result<Option<String>, ConnectorError> {
         // A null response is a miss; any other value is handed back as its
-        // JSON text, the form cache_write stores (strings included), so the
+        // JSON text (a string quoted), which cache_read parses, so the
         // stubbed value is exactly what cache_read gives the workflow.
         Ok(match self.read(connector, json!({"key": key}))? {
             Json::Null => None,
@@ -630,7 +630,7 @@ mod tests {
     }
 
     /// A stubbed cache answer reaches the workflow as the same JSON value,
-    /// whatever its type: the stub hands back what cache_write would store.
+    /// whatever its type: the stub hands back its JSON text.
     #[test]
     fn cache_stubs_answer_in_the_stored_form() {
         let values = [

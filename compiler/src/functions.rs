@@ -323,7 +323,7 @@ const CACHE_WRITE: &[FieldSchema] = &[
     f("connector", T::String, true, None, "connection", "Cache connector name."),
     f("key", T::String, true, None, "request", "Cache key; not needed with `key_logic`."),
     f("key_logic", T::Jsonlogic, false, None, "request", "Computes the key, used instead of `key`."),
-    f("value", T::Any, true, None, "request", "Value to store, as its JSON text (strings too), so cache_read gives back the same type. Not needed with `value_logic`."),
+    f("value", T::Any, true, None, "request", "Value to store: a string as it is, anything else as its JSON text (cache_read parses JSON text back). Not needed with `value_logic`."),
     f("value_logic", T::Jsonlogic, false, None, "request", "Computes the value, used instead of `value`."),
     with(f("ttl_secs", T::Number, false, None, "control", "Time to live in seconds; no expiry when omitted."),
         Constraint::Positive),

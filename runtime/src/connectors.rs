@@ -293,10 +293,11 @@ impl Services {
     }
 }
 
-/// `cache_write` stores every value as its JSON text (a string with its
-/// quotes), so `cache_read` parses it back to exactly the value written,
-/// whatever its type. Text that is not JSON was written by another client
-/// (a plain `SET k hello`) and comes back as a string.
+/// `cache_write` stores a string as it is and any other value as its JSON
+/// text, so `cache_read` parses what it finds: text that is JSON comes back
+/// as that value (a number, boolean, object, array; a quoted string), any
+/// other text as a string. A string that is itself JSON text (`"42"`,
+/// `"{\"a\":1}"`) therefore reads back as the value it spells.
 fn cached_value(text: String) -> Json {
     serde_json::from_str(&text).unwrap_or(Json::String(text))
 }

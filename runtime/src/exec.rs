@@ -1212,11 +1212,16 @@ impl<'a> Machine<'a> {
                 key: self.source_string(&p.key, arena, "key")?,
             },
             FunctionPlan::CacheWrite(p) => {
-                // Every value as its JSON text, strings included (see
-                // `connectors::cached_value`, which reads it back).
+                // A string as it is, anything else as its JSON text (the
+                // spec: "Non-strings are JSON-serialized");
+                // `connectors::cached_value` reads it back.
                 let value = match &p.value {
+                    Source::Static(Json::String(s)) => s.clone(),
                     Source::Static(v) => v.to_string(),
-                    Source::Logic(l) => self.eval(l, arena)?.to_json_string(),
+                    Source::Logic(l) => match self.eval(l, arena)? {
+                        Value::Str(s) => s.to_owned(),
+                        other => other.to_json_string(),
+                    },
                 };
                 IoRequest::CacheSet {
                     connector: p.connector.to_string(),

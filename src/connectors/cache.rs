@@ -1,9 +1,9 @@
 //! The `cache` connector client: text values by key with an optional TTL,
 //! either in process (`memory`, a bounded moka cache) or in Redis (a
 //! reconnecting connection manager; `SET key value EX ttl` / `GET key`).
-//! The text is stored as given: the runtime hands it each value's JSON text
-//! and parses what it reads back (`sluice_runtime::connectors`), so both
-//! backends round-trip every JSON type the same way.
+//! The text is stored as given: the runtime hands it a string as it is and
+//! any other value as its JSON text, and parses what it reads back
+//! (`sluice_runtime::connectors`), so both backends behave the same way.
 //!
 //! The memory backend keeps at most `max_entries` entries (default
 //! [`DEFAULT_MAX_ENTRIES`]); past that, moka evicts by its TinyLFU policy, so

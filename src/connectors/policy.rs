@@ -67,13 +67,15 @@ impl Breaker {
         }
     }
 
-    pub fn state(&self) -> &'static str {
+    /// The stored state (the admin view and spans use [`Breakers::state_now`]).
+    #[cfg(test)]
+    fn state(&self) -> &'static str {
         state_name(self.state.load(Ordering::Acquire))
     }
 
-    /// The admin view: `{key, channel, connector, state, consecutive_failures, opened_at?}`.
-    pub fn to_json(&self) -> Json {
-        let state = self.state.load(Ordering::Acquire);
+    /// The admin view: `{key, channel, connector, state, consecutive_failures, opened_at?}`,
+    /// showing `state` (from [`Breakers::state_now`]).
+    fn to_json(&self, state: u8) -> Json {
         let mut v = json!({
             "key": self.key,
             "channel": self.channel,
@@ -151,7 +153,24 @@ impl Breakers {
     pub fn list(&self) -> Vec<Json> {
         let mut all: Vec<Arc<Breaker>> = self.map.iter().map(|(_, b)| b).collect();
         all.sort_by(|a, b| a.key.cmp(&b.key));
-        all.iter().map(|b| b.to_json()).collect()
+        all.iter().map(|b| b.to_json(self.state_now(b))).collect()
+    }
+
+    /// Whether `b`'s cooldown since it last opened has elapsed.
+    fn cooled(&self, b: &Breaker) -> bool {
+        let opened = b.opened_mono_ms.load(Ordering::Acquire);
+        self.now_ms().saturating_sub(opened) >= self.recovery.as_millis() as u64
+    }
+
+    /// The state a call would meet now: an open breaker whose cooldown has
+    /// elapsed is half-open (the spec's `open → half-open` on the cooldown),
+    /// since its next call is the probe. The stored state moves when that
+    /// call arrives; readers see the transition as soon as it is due.
+    fn state_now(&self, b: &Breaker) -> u8 {
+        match b.state.load(Ordering::Acquire) {
+            OPEN if self.cooled(b) => HALF_OPEN,
+            state => state,
+        }
     }
 
     /// Resets one breaker to closed; its admin view, or `None` for an unknown key.
@@ -160,7 +179,7 @@ impl Breakers {
         b.failures.store(0, Ordering::Relaxed);
         b.opened_wall_ms.store(0, Ordering::Relaxed);
         b.state.store(CLOSED, Ordering::Release);
-        Some(b.to_json())
+        Some(b.to_json(CLOSED))
     }
 
     /// Admits a call, or rejects it (counted) while the breaker is open or
@@ -170,9 +189,7 @@ impl Breakers {
             match b.state.load(Ordering::Acquire) {
                 CLOSED => return Ok(self.permit(b, false)),
                 OPEN => {
-                    let opened = b.opened_mono_ms.load(Ordering::Acquire);
-                    let cooled =
-                        self.now_ms().saturating_sub(opened) >= self.recovery.as_millis() as u64;
+                    let cooled = self.cooled(b);
                     // Exactly one caller wins the OPEN → HALF_OPEN exchange and
                     // becomes the probe; the others see HALF_OPEN and are rejected.
                     if cooled
@@ -328,7 +345,7 @@ impl Policy {
         let breaker = self
             .breakers
             .breaker(&scope.channel, connector)
-            .map_or("disabled", |b| b.state());
+            .map_or("disabled", |b| state_name(self.breakers.state_now(&b)));
         span.finish(
             retries,
             breaker,
@@ -487,6 +504,9 @@ mod tests {
         let b = policy.breakers.map.get(key).unwrap();
         assert_eq!(b.state(), "open");
         assert!(policy.breakers.list()[0]["opened_at"].is_string());
+        // Its cooldown (0 s here) has passed: the listing shows it half-open,
+        // as the next call will be the probe.
+        assert_eq!(policy.breakers.list()[0]["state"], "half_open");
 
         // Cooldown 0: the next call is the one probe; while it is in flight
         // everything else is rejected as open.
@@ -521,6 +541,8 @@ mod tests {
         let e = policy.call(&scope(), "c", &p, op).await.unwrap_err();
         assert_eq!(e.kind, ConnectorErrorKind::CircuitOpen);
         assert_eq!(n.load(Ordering::Relaxed), 1);
+        // Still cooling down: listed as open.
+        assert_eq!(policy.breakers.list()[0]["state"], "open");
         assert_eq!(policy.breakers.reset("nope:c"), None);
         assert_eq!(policy.breakers.reset("ch:c").unwrap()["state"], "closed");
         policy

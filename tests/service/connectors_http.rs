@@ -607,6 +607,10 @@ async fn circuit_breaker_opens_probes_and_closes() {
     // After the cooldown one probe goes through; it fails, so the breaker
     // re-opens with a fresh cooldown.
     tokio::time::sleep(Duration::from_millis(1100)).await;
+    // The cooldown is over: the listing shows the breaker half-open (its
+    // next call is the probe), without waiting for that call.
+    let r = s.admin("GET", "/connectors/circuit-breakers", None).await;
+    assert_eq!(r.ok(200)[0]["state"], "half_open", "{}", r.text);
     run(&s, "brk", json!({})).await.error(502, "UPSTREAM_ERROR");
     assert_eq!(hits(), 3);
     run(&s, "brk", json!({}))

@@ -580,6 +580,18 @@ async fn cors_allows_listed_origins_and_answers_preflights() {
         .await;
     assert_eq!(r.status, 200);
     assert!(r.headers.get("access-control-allow-origin").is_none());
+    // ... and, like every answer of a CORS channel, says it varies by
+    // origin, so a shared cache keeps the two answers apart.
+    assert_eq!(r.headers["vary"], "Origin");
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/data/cors/1",
+            Some(json!({"data": {}})),
+            &[],
+        )
+        .await;
+    assert_eq!(r.headers["vary"], "Origin");
 
     // Preflight.
     let pre = s
@@ -603,6 +615,8 @@ async fn cors_allows_listed_origins_and_answers_preflights() {
     let denied = preflight(&s, "https://evil.example", "POST", "/api/v1/data/cors/1").await;
     denied.error(403, "FORBIDDEN");
     assert!(denied.headers.get("access-control-allow-origin").is_none());
+    assert_eq!(denied.headers["vary"], "Origin");
+    assert_eq!(pre.headers["vary"], "Origin");
     // A method the route does not serve: no route for it.
     preflight(&s, "https://app.example", "DELETE", "/api/v1/data/cors/1")
         .await
