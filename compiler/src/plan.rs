@@ -26,6 +26,12 @@ pub struct Plan {
     pub priority: i64,
     /// `None` when the workflow always matches (absent or constant-true condition).
     pub condition: Option<Logic>,
+    /// The condition reads `data` (or its reads cannot be known) and the
+    /// workflow starts with an unconditioned `parse_json` / `parse_xml`
+    /// task: the condition is evaluated on the context that task produces
+    /// (the spec: only a workflow that does not start with `parse_json`
+    /// sees `data` empty). See [`Plan::leading_parse`].
+    pub condition_after_parse: bool,
     /// The rollout bucket range `[start, end)` over 0..100.
     pub rollout: Rollout,
     pub continue_on_error: bool,
@@ -405,6 +411,8 @@ pub fn compile_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
         .or_else(|| obj.get("id"))
         .and_then(Json::as_str)
         .unwrap_or_default();
+    let condition_after_parse =
+        condition.as_ref().is_some_and(reads_data) && leading_parse(&body).is_some();
     let plan = Plan {
         workflow_id: workflow_id.into(),
         name: obj
@@ -415,6 +423,7 @@ pub fn compile_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
         version: obj.get("version").and_then(Json::as_i64).unwrap_or(1),
         priority: obj.get("priority").and_then(Json::as_i64).unwrap_or(0),
         condition,
+        condition_after_parse,
         rollout,
         continue_on_error: bool_field(obj, "continue_on_error"),
         body,
@@ -424,6 +433,37 @@ pub fn compile_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
     Ok(Compiled {
         plan,
         warnings: cx.warnings,
+    })
+}
+
+impl Plan {
+    /// The workflow's first step when it is a `parse_json` or `parse_xml`
+    /// task without a condition (it always runs first, so a workflow
+    /// condition may see what it parses).
+    pub fn leading_parse(&self) -> Option<&Task> {
+        leading_parse(&self.body)
+    }
+}
+
+fn leading_parse(body: &Block) -> Option<&Task> {
+    match body.steps.first()? {
+        Step::Task(
+            task @ Task {
+                condition: None,
+                function: FunctionPlan::ParseJson { .. } | FunctionPlan::ParseXml { .. },
+                ..
+            },
+        ) => Some(task),
+        _ => None,
+    }
+}
+
+/// Whether `logic` may read the `data` area (unknown reads count as yes).
+fn reads_data(logic: &Logic) -> bool {
+    logic.root_reads().is_none_or(|reads| {
+        reads
+            .iter()
+            .any(|r| r.first().is_none_or(|first| &*first.key == "data"))
     })
 }
 

@@ -295,14 +295,65 @@ impl Drop for Arena {
     }
 }
 
+/// What `parse_json` (or, with `is_xml`, `parse_xml`) makes of its source:
+/// text is parsed, a missing or null source is null, and `parse_json` takes
+/// any other value as it is.
+fn parse_source<'a>(
+    source: &ReadPath,
+    is_xml: bool,
+    root: Value<'a>,
+    arena: &'a Bump,
+) -> Result<Value<'a>, String> {
+    match source.path.get(root) {
+        None | Some(Value::Null) => Ok(Value::Null),
+        Some(Value::Str(text)) if is_xml => xml::parse(text, arena),
+        Some(Value::Str(text)) => json::parse_str(text, arena)
+            .map_err(|e| format!("source '{}' is not valid JSON: {}", source.text, e.0)),
+        Some(other) if is_xml => Err(format!(
+            "source '{}' must be XML text, got {}",
+            source.text,
+            sluice_compiler::value::type_name(&other)
+        )),
+        Some(other) => Ok(other),
+    }
+}
+
+/// The context a workflow condition sees when the workflow starts with a
+/// parse task (`Plan::condition_after_parse`): that task's result written
+/// where it will be. `None` when the parse would fail (the condition then
+/// sees `data` as it is, and the task reports the failure if it runs).
+fn after_leading_parse<'a>(
+    plan: &'a Plan,
+    context: &Context<'a>,
+    arena: &'a Bump,
+) -> Option<Value<'a>> {
+    let (FunctionPlan::ParseJson { source, target } | FunctionPlan::ParseXml { source, target }) =
+        &plan.leading_parse()?.function
+    else {
+        return None;
+    };
+    let is_xml = matches!(
+        plan.leading_parse()?.function,
+        FunctionPlan::ParseXml { .. }
+    );
+    let value = parse_source(source, is_xml, context.root(arena), arena).ok()?;
+    let mut parsed = *context;
+    let area = parsed.area_mut(target.area);
+    *area = target.path.set_borrowed(*area, value, arena).ok()?;
+    Some(parsed.root(arena))
+}
+
 /// Picks the workflow for a request: first by priority whose condition holds
-/// and whose rollout accepts the bucket. Conditions see `data` empty, as no
-/// task has parsed the payload yet.
-fn select<'p, I>(
+/// and whose rollout accepts the bucket. No task has run yet, so conditions
+/// see `data` empty, except that a workflow starting with `parse_json` /
+/// `parse_xml` has its condition see what that task parses (the spec: "when
+/// a workflow does not start with parse_json, conditions that reference
+/// data.* see an empty context").
+fn select<'p: 'a, 'a, I>(
     candidates: I,
-    context: &Context<'_>,
+    context: &Context<'a>,
     bucket: Option<u8>,
-    arena: &Bump,
+    arena: &'a Bump,
 ) -> Option<&'p Plan>
 where
     I: IntoIterator<Item = &'p Plan>,
@@ -315,8 +366,13 @@ where
         match &plan.condition {
             None => true,
             Some(condition) => {
-                let root = *root.get_or_insert_with(|| context.root(arena));
-                condition.eval(root, arena).is_ok_and(|v| truthy(&v))
+                let parsed = if plan.condition_after_parse {
+                    after_leading_parse(plan, context, arena)
+                } else {
+                    None
+                };
+                let at = parsed.unwrap_or_else(|| *root.get_or_insert_with(|| context.root(arena)));
+                condition.eval(at, arena).is_ok_and(|v| truthy(&v))
             }
         }
     })
@@ -981,25 +1037,7 @@ impl<'a> Machine<'a> {
             FunctionPlan::ParseJson { source, target }
             | FunctionPlan::ParseXml { source, target } => {
                 let is_xml = matches!(task.function, FunctionPlan::ParseXml { .. });
-                let root = self.root(arena);
-                let value = match source.path.get(root) {
-                    None | Some(Value::Null) => Value::Null,
-                    Some(Value::Str(text)) if is_xml => xml::parse(text, arena).map_err(fail)?,
-                    Some(Value::Str(text)) => json::parse_str(text, arena).map_err(|e| {
-                        fail(format!(
-                            "source '{}' is not valid JSON: {}",
-                            source.text, e.0
-                        ))
-                    })?,
-                    Some(other) if is_xml => {
-                        return Err(fail(format!(
-                            "source '{}' must be XML text, got {}",
-                            source.text,
-                            sluice_compiler::value::type_name(&other)
-                        )));
-                    }
-                    Some(other) => other,
-                };
+                let value = parse_source(source, is_xml, self.root(arena), arena).map_err(fail)?;
                 self.write(target, value, arena, false)?;
                 Ok(Step2::Done(Flow::Continue))
             }

@@ -598,6 +598,99 @@ fn selection_by_priority_condition_and_rollout() {
     assert!(only_gold.exec.matched.is_none());
 }
 
+/// A workflow that starts with `parse_json` has its condition see what that
+/// task parses; one that does not (or whose first parse is conditional)
+/// sees `data` empty.
+#[test]
+fn conditions_see_data_parsed_by_a_leading_parse_task() {
+    let by = |name: &str| {
+        task(
+            "m",
+            "map",
+            json!({"mappings": [{"path": "by", "logic": name}]}),
+        )
+    };
+    let vip = json!({"==": [{"var": "data.in.kind"}, "vip"]});
+    let mut parsed = wf(json!([parse(), by("parsed")]));
+    parsed["workflow_id"] = json!("parsed");
+    parsed["priority"] = json!(10);
+    parsed["condition"] = vip.clone();
+    // The same condition without a leading parse: `data` is empty.
+    let mut unparsed = wf(json!([by("unparsed"), parse()]));
+    unparsed["workflow_id"] = json!("unparsed");
+    unparsed["priority"] = json!(5);
+    unparsed["condition"] = json!({"!": [{"var": "data.in"}]});
+    // A leading parse that has its own condition may not run: not applied.
+    let mut conditional = wf(json!([
+        {"id": "parse", "name": "parse", "condition": {"==": [{"var": "metadata.method"}, "POST"]},
+         "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}},
+        by("conditional")
+    ]));
+    conditional["workflow_id"] = json!("conditional");
+    conditional["priority"] = json!(7);
+    conditional["condition"] = vip.clone();
+    let mut low = wf(json!([by("low")]));
+    low["workflow_id"] = json!("low");
+    let plans = [parsed, conditional, unparsed, low].map(plan);
+    let refs: Vec<&Plan> = plans.iter().collect();
+    let go = |payload: Json| {
+        let r = run_with(
+            &refs,
+            json!({ "data": payload }),
+            &[],
+            &Services::default(),
+            &Options::default(),
+        );
+        r.data()["by"].clone()
+    };
+    assert_eq!(go(json!({"kind": "vip"})), "parsed");
+    // Not vip: the parsed one does not match; the next sees no data.in.
+    assert_eq!(go(json!({"kind": "plain"})), "unparsed");
+    // The parsed workflow ran its own parse too: its answer holds `in`.
+    let r = run_with(
+        &refs,
+        json!({"data": {"kind": "vip"}}),
+        &[],
+        &Services::default(),
+        &Options::default(),
+    );
+    assert_eq!(r.data()["in"], json!({"kind": "vip"}));
+    assert!(plans[0].condition_after_parse);
+    // The conditional parse is not applied first: its workflow sees no data.
+    assert!(!plans[1].condition_after_parse);
+    let r = run_with(
+        &[&plans[1], &plans[3]],
+        json!({"data": {"kind": "vip"}}),
+        &[],
+        &Services::default(),
+        &Options::default(),
+    );
+    assert_eq!(r.data()["by"], "low");
+    // A condition that reads only metadata needs no parse first.
+    let mut meta_only = wf(json!([parse()]));
+    meta_only["condition"] = json!({"==": [{"var": "metadata.method"}, "POST"]});
+    assert!(!plan(meta_only).condition_after_parse);
+    // A parse_xml of a text payload works the same way.
+    let mut xml = wf(json!([
+        task(
+            "px",
+            "parse_xml",
+            json!({"source": "payload", "target": "doc"})
+        ),
+        by("xml")
+    ]));
+    xml["condition"] = json!({"==": [{"var": "data.doc.order.kind"}, "vip"]});
+    let xml = plan(xml);
+    let r = run_with(
+        &[&xml],
+        json!({"data": "<order><kind>vip</kind></order>"}),
+        &[],
+        &Services::default(),
+        &Options::default(),
+    );
+    assert_eq!(r.data()["by"], "xml");
+}
+
 #[test]
 fn bad_bodies_are_input_errors() {
     let p = plan(wf(json!([parse()])));

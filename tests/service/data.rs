@@ -270,6 +270,24 @@ async fn failures_map_to_statuses_and_errors_are_collected() {
         )
         .await;
     assert_eq!(vip.status, 200);
+
+    // tagging_workflow starts with parse_json, so its condition sees the
+    // parsed payload (`data.in`).
+    let mut by_body = tagging_workflow("by-body", "body");
+    by_body["condition"] = json!({"==": [{"var": "data.in.kind"}, "vip"]});
+    s.deploy(
+        by_body,
+        rest_channel("by-body", "by-body", "/by-body", &["POST"], 0),
+    )
+    .await;
+    let r = s
+        .post("/api/v1/data/by-body", json!({"data": {"kind": "vip"}}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"]["by"], "body");
+    s.post("/api/v1/data/by-body", json!({"data": {"kind": "plain"}}))
+        .await
+        .error(404, "NOT_FOUND");
 }
 
 /// A workflow that burns CPU: `passes` loop passes, each summing a range.
