@@ -624,13 +624,23 @@ impl Cx {
             Function::Filter => filter_fn(input),
             Function::Validation => validation_fn(input),
             Function::Log => log_fn(input),
-            Function::PublishJson => {
-                publish_fn(input).map(|(source, target)| FunctionPlan::PublishJson {
+            Function::PublishJson => publish_fn(input).and_then(|(source, target)| {
+                let pretty = match input.get("pretty") {
+                    None => false,
+                    Some(Json::Bool(b)) => *b,
+                    Some(other) => {
+                        return Err(InputProblem(
+                            "pretty".into(),
+                            format!("expected boolean, got {}", json_type(other)),
+                        ));
+                    }
+                };
+                Ok(FunctionPlan::PublishJson {
                     source,
                     target,
-                    pretty: input.get("pretty").and_then(Json::as_bool).unwrap_or(false),
+                    pretty,
                 })
-            }
+            }),
             Function::PublishXml => publish_fn(input).and_then(|(source, target)| {
                 let root = match input.get("root_element") {
                     None => "root",

@@ -394,6 +394,39 @@ fn data_function_input_problems_show_at_execution() {
         "{}",
         f.message
     );
+    // Every typed input is checked, publish_json's `pretty` flag included.
+    for (function, input, field, message) in [
+        (
+            "publish_json",
+            json!({"source": "x", "target": "y", "pretty": "yes"}),
+            "pretty",
+            "expected boolean, got string",
+        ),
+        (
+            "publish_json",
+            json!({"source": "x", "target": "y", "pretty": null}),
+            "pretty",
+            "expected boolean, got null",
+        ),
+        (
+            "publish_xml",
+            json!({"source": "x", "target": "y", "root_element": 5}),
+            "root_element",
+            "expected non-empty string",
+        ),
+    ] {
+        let compiled = compile_workflow(&wf(json!([task("t", function, input)]))).unwrap();
+        assert_eq!(compiled.warnings.len(), 1, "{function}");
+        assert_eq!(
+            compiled.warnings[0].field,
+            format!("tasks[0].function.input.{field}")
+        );
+        let r = run(&compiled.plan, json!({}));
+        let Status::Failed(f) = &r.exec.status else {
+            panic!("{function}: {:?}", r.exec.status)
+        };
+        assert!(f.message.contains(message), "{}", f.message);
+    }
 }
 
 #[test]
