@@ -336,6 +336,17 @@ impl Record {
             Json::Object(def) => def.clone(),
             _ => Map::new(),
         };
+        // `config.type` may be left out on input (it must equal
+        // `connector_type`); answers always show it.
+        if let Some(ty) = m.get("connector_type").cloned()
+            && let Some(Json::Object(config)) = m.get_mut("config")
+            && !config.contains_key("type")
+        {
+            let mut with_type = Map::with_capacity(config.len() + 1);
+            with_type.insert("type".into(), ty);
+            with_type.extend(std::mem::take(config));
+            *config = with_type;
+        }
         m.insert("created_at".into(), self.created_at.clone().into());
         m.insert("updated_at".into(), self.updated_at.clone().into());
         Json::Object(m)

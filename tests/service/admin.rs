@@ -1090,6 +1090,31 @@ async fn method_not_allowed_names_the_allowed_methods() {
     assert_eq!(head.status, 200);
 }
 
+/// `config.type` may be left out; answers show it equal to `connector_type`
+/// (config's other members after it, in their order), and the answer sent
+/// back is accepted as it is.
+#[tokio::test]
+async fn connector_config_type_is_shown_when_left_out() {
+    let s = start(Db::Sqlite).await;
+    let def = json!({"name": "plain", "connector_type": "cache",
+        "config": {"backend": "memory", "max_entries": 10}});
+    let created = s.admin("POST", "/connectors", Some(def)).await;
+    assert_eq!(
+        created.ok(201)["config"],
+        json!({"type": "cache", "backend": "memory", "max_entries": 10})
+    );
+    let shown = s.admin("GET", "/connectors/plain", None).await.ok(200).clone();
+    assert_eq!(
+        serde_json::to_string(&shown["config"]).unwrap(),
+        r#"{"type":"cache","backend":"memory","max_entries":10}"#
+    );
+    s.admin("PUT", "/connectors/plain", Some(shown))
+        .await
+        .ok(200);
+    let listed = s.admin("GET", "/connectors", None).await;
+    assert_eq!(listed.ok(200)[0]["config"]["type"], "cache");
+}
+
 /// A definition read back (secrets shown as `******`) and sent back with
 /// another change keeps the stored secrets; a new secret replaces them.
 #[tokio::test]
