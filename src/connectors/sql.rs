@@ -668,10 +668,13 @@ fn sql_err(e: sqlx::Error) -> ConnectorError {
                 // Lock wait, deadlock, too many connections, server gone/shutting down.
                 Some(n) => matches!(n, 1205 | 1213 | 1040 | 1053 | 2006 | 2013),
                 None => {
-                    // SQLSTATE classes 08 connection, 53 resources, 57P0x
-                    // shutdown/cannot connect now; 40001/40P01 lost races;
-                    // SQLite busy/locked (with extended codes).
-                    code.starts_with("08")
+                    // SQLSTATE classes 08 connection (but 08P01, a protocol
+                    // violation: the statement's parameters do not match
+                    // its placeholders, which a retry repeats), 53
+                    // resources, 57P0x shutdown/cannot connect now;
+                    // 40001/40P01 lost races; SQLite busy/locked (with
+                    // extended codes).
+                    (code.starts_with("08") && code != "08P01")
                         || code.starts_with("53")
                         || matches!(
                             code.as_str(),
@@ -991,6 +994,11 @@ mod tests {
             let e = pool.write("INSERT INTO t (id) VALUES ($1)", &[json!(1)]).await.unwrap_err();
             assert!(!e.retryable);
             assert!(e.message.contains("duplicate key"), "{}", e.message);
+            // Too few parameters for the placeholders: the server's protocol
+            // violation (08P01) is the query's fault, not retried.
+            let e = pool.read("SELECT $1::int AS a", &[]).await.unwrap_err();
+            assert_eq!(e.kind, ConnectorErrorKind::Upstream);
+            assert!(!e.retryable, "{e:?}");
             // The same statement with null, then numbers: each binds as what
             // it is (a statement cached from the null call read 1 as 5e-324).
             for (id, v) in [(100, Json::Null), (101, json!(1)), (102, json!(2.5))] {
