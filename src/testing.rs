@@ -223,11 +223,20 @@ impl Cache for Stubs {
         connector: &str,
         key: &str,
         value: String,
-        ttl_secs: Option<u64>,
+        ttl: Option<std::time::Duration>,
     ) -> Result<(), ConnectorError> {
         // Values are recorded as the runtime would store them, parsed back
         // when they are JSON so expectations can be written as JSON.
         let value = serde_json::from_str::<Json>(&value).unwrap_or(Json::String(value));
+        // Whole seconds as an integer (as they are usually written), others
+        // as a fraction.
+        let ttl_secs = ttl.map(|t| {
+            if t.subsec_millis() == 0 {
+                json!(t.as_secs())
+            } else {
+                json!(t.as_secs_f64())
+            }
+        });
         let call = json!({"key": key, "value": value, "ttl_secs": ttl_secs});
         self.write(connector, call).map(|_| ())
     }

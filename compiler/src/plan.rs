@@ -261,7 +261,8 @@ pub struct CacheWritePlan {
     pub connector: Box<str>,
     pub key: Source,
     pub value: Source,
-    pub ttl_secs: Option<u64>,
+    /// `ttl_secs` (any positive number) in whole milliseconds, rounded up.
+    pub ttl: Option<std::time::Duration>,
 }
 
 #[derive(Debug)]
@@ -760,10 +761,7 @@ impl Cx {
                         .source(input, "key", "key_logic", field)?
                         .unwrap_or(Source::Static(Json::Null)),
                     value,
-                    ttl_secs: input
-                        .get("ttl_secs")
-                        .and_then(Json::as_f64)
-                        .map(|t| t as u64),
+                    ttl: input.get("ttl_secs").and_then(Json::as_f64).map(ttl),
                 })
             }
             Function::MongoRead => FunctionPlan::MongoRead(MongoReadPlan {
@@ -992,6 +990,14 @@ pub fn batches(mappings: &[(WritePath, Logic)]) -> Vec<std::ops::Range<usize>> {
     out
 }
 
+/// A positive number of seconds as whole milliseconds, rounded up (so the
+/// smallest TTL is 1 ms, never "expire at once"); capped at about 31,700
+/// years so the conversion cannot overflow.
+fn ttl(secs: f64) -> std::time::Duration {
+    let ms = (secs * 1000.0).ceil().clamp(1.0, 1e15);
+    std::time::Duration::from_millis(ms as u64)
+}
+
 fn filter_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
     let condition = required_logic(input, "condition")?;
     let skip = match input.get("on_reject") {
@@ -1079,6 +1085,29 @@ mod tests {
             .map(|(p, l)| (WritePath::parse(p), logic::compile(l).unwrap()))
             .collect();
         batches(&compiled)
+    }
+
+    /// `cache_write.ttl_secs` is any positive number of seconds, kept to the
+    /// millisecond (rounded up, at least 1 ms).
+    #[test]
+    fn cache_ttls_keep_fractions_of_a_second() {
+        let ttl_of = |t: Json| {
+            let def = json!({"workflow_id": "w", "name": "w", "tasks": [
+                {"id": "c", "name": "c", "function": {"name": "cache_write", "input":
+                    {"connector": "c", "key": "k", "value": 1, "ttl_secs": t}}}]});
+            let plan = compile_workflow(&def).unwrap().plan;
+            let Some(Step::Task(task)) = plan.body.steps.first() else {
+                panic!()
+            };
+            let FunctionPlan::CacheWrite(p) = &task.function else {
+                panic!()
+            };
+            p.ttl.map(|d| d.as_millis())
+        };
+        assert_eq!(ttl_of(json!(60)), Some(60_000));
+        assert_eq!(ttl_of(json!(1.5)), Some(1_500));
+        assert_eq!(ttl_of(json!(0.0001)), Some(1));
+        assert_eq!(ttl_of(json!(2.0004)), Some(2_001));
     }
 
     #[test]

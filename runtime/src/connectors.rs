@@ -154,7 +154,7 @@ pub trait Cache: Send + Sync {
         connector: &str,
         key: &str,
         value: String,
-        ttl_secs: Option<u64>,
+        ttl: Option<std::time::Duration>,
     ) -> Result<(), ConnectorError>;
 }
 
@@ -214,7 +214,7 @@ pub enum IoRequest {
         connector: String,
         key: String,
         value: String,
-        ttl_secs: Option<u64>,
+        ttl: Option<std::time::Duration>,
     },
     Find(FindRequest),
     Publish(PublishRequest),
@@ -257,10 +257,10 @@ impl Services {
                 connector,
                 key,
                 value,
-                ttl_secs,
+                ttl,
             } => {
                 let cache = self.cache.as_ref().ok_or_else(|| missing("cache"))?;
-                cache.set(scope, &connector, &key, value, ttl_secs).await?;
+                cache.set(scope, &connector, &key, value, ttl).await?;
                 Ok(None)
             }
             IoRequest::Find(req) => {

@@ -1265,7 +1265,7 @@ impl<'a> Machine<'a> {
                     connector: p.connector.to_string(),
                     key: self.source_string(&p.key, arena, "key")?,
                     value,
-                    ttl_secs: p.ttl_secs,
+                    ttl: p.ttl,
                 }
             }
             FunctionPlan::MongoRead(p) => IoRequest::Find(FindRequest {

@@ -125,26 +125,29 @@ impl CacheStore {
         }
     }
 
-    /// Stores `value` under `key`, replacing what was there; with `ttl_secs`
-    /// it expires after that many seconds (0 is taken as 1: Redis rejects an
-    /// `EX 0`, and "expire at once" is not a useful write).
+    /// Stores `value` under `key`, replacing what was there; with `ttl` it
+    /// expires after that long, to the millisecond (`SET PX`; below 1 ms is
+    /// taken as 1 ms: Redis rejects a zero, and "expire at once" is not a
+    /// useful write).
     pub async fn set(
         &self,
         key: &str,
         value: String,
-        ttl_secs: Option<u64>,
+        ttl: Option<Duration>,
     ) -> Result<(), ConnectorError> {
-        let ttl_secs = ttl_secs.map(|s| s.max(1));
+        let ttl = ttl.map(|t| t.max(Duration::from_millis(1)));
         match &self.backend {
             Backend::Memory(c) => {
-                let ttl = ttl_secs.map(Duration::from_secs);
                 c.insert(key.to_owned(), Entry { value, ttl });
                 Ok(())
             }
             Backend::Redis(m) => {
                 let mut conn = m.clone();
-                match ttl_secs {
-                    Some(s) => conn.set_ex::<_, _, ()>(key, value, s).await,
+                match ttl {
+                    Some(t) => {
+                        let ms = u64::try_from(t.as_millis()).unwrap_or(u64::MAX);
+                        conn.pset_ex::<_, _, ()>(key, value, ms).await
+                    }
                     None => conn.set::<_, _, ()>(key, value).await,
                 }
                 .map_err(redis_err)
@@ -217,7 +220,11 @@ mod tests {
             Some("1")
         );
         store
-            .set(&format!("{p}a"), "{\"x\":2}".into(), Some(60))
+            .set(
+                &format!("{p}a"),
+                "{\"x\":2}".into(),
+                Some(Duration::from_secs(60)),
+            )
             .await
             .unwrap();
         assert_eq!(
@@ -234,14 +241,27 @@ mod tests {
         );
     }
 
-    /// An entry with a 1 s TTL is there at once and gone after it.
+    /// An entry with a 1 s TTL is there at once and gone after it, and one
+    /// with 300 ms is gone well before a second (TTLs are not whole seconds).
     async fn ttl_expires(store: &CacheStore, p: &str) {
         let k = format!("{p}ttl");
+        let short = format!("{p}short");
         let forever = format!("{p}forever");
-        store.set(&k, "v".into(), Some(1)).await.unwrap();
+        store
+            .set(&k, "v".into(), Some(Duration::from_secs(1)))
+            .await
+            .unwrap();
+        store
+            .set(&short, "v".into(), Some(Duration::from_millis(300)))
+            .await
+            .unwrap();
         store.set(&forever, "v".into(), None).await.unwrap();
         assert_eq!(store.get(&k).await.unwrap().as_deref(), Some("v"));
-        tokio::time::sleep(Duration::from_millis(1_300)).await;
+        assert_eq!(store.get(&short).await.unwrap().as_deref(), Some("v"));
+        tokio::time::sleep(Duration::from_millis(650)).await;
+        assert_eq!(store.get(&short).await.unwrap(), None);
+        assert_eq!(store.get(&k).await.unwrap().as_deref(), Some("v"));
+        tokio::time::sleep(Duration::from_millis(650)).await;
         assert_eq!(store.get(&k).await.unwrap(), None);
         assert_eq!(store.get(&forever).await.unwrap().as_deref(), Some("v"));
     }
@@ -291,11 +311,15 @@ mod tests {
             .await
             .unwrap();
         store
-            .set(&format!("{p}t"), "v".into(), Some(100))
+            .set(
+                &format!("{p}t"),
+                "v".into(),
+                Some(Duration::from_millis(99_500)),
+            )
             .await
             .unwrap();
-        let ttl: i64 = c.ttl(format!("{p}t")).await.unwrap();
-        assert!((1..=100).contains(&ttl), "ttl {ttl}");
+        let ttl: i64 = c.pttl(format!("{p}t")).await.unwrap();
+        assert!((90_000..=99_500).contains(&ttl), "pttl {ttl}");
         let _: () = redis::cmd("DEL")
             .arg(format!("{p}a"))
             .arg(format!("{p}empty"))

@@ -396,7 +396,7 @@ impl Cache for Connectors {
         connector: &str,
         key: &str,
         value: String,
-        ttl_secs: Option<u64>,
+        ttl: Option<std::time::Duration>,
     ) -> Result<(), ConnectorError> {
         let entry = self.entry_of(connector, ConnectorType::Cache)?;
         let (entry, value) = (&entry, &value);
@@ -408,7 +408,7 @@ impl Cache for Connectors {
                 &entry.retry(),
                 || async move {
                     match self.built(entry).await? {
-                        Built::Cache(c) => c.set(key, value.clone(), ttl_secs).await,
+                        Built::Cache(c) => c.set(key, value.clone(), ttl).await,
                         _ => Err(mismatch(entry)),
                     }
                 },

@@ -1103,7 +1103,11 @@ async fn connector_config_type_is_shown_when_left_out() {
         created.ok(201)["config"],
         json!({"type": "cache", "backend": "memory", "max_entries": 10})
     );
-    let shown = s.admin("GET", "/connectors/plain", None).await.ok(200).clone();
+    let shown = s
+        .admin("GET", "/connectors/plain", None)
+        .await
+        .ok(200)
+        .clone();
     assert_eq!(
         serde_json::to_string(&shown["config"]).unwrap(),
         r#"{"type":"cache","backend":"memory","max_entries":10}"#
