@@ -99,10 +99,10 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
                 .then(import_connectors(app, req, who))
                 .await
         }
-        ["connectors", "reload"] => only(Method::POST)?.then(reload_connectors(app)).await,
+        ["connectors", "reload"] => only(Method::POST)?.then(reload_connectors(app, who)).await,
         ["connectors", "circuit-breakers"] => {
             only(Method::GET)?
-                .then(async { api::ok(&app.connectors.policy.breakers.list()) })
+                .then(async { paged(req, app.connectors.policy.breakers.list()) })
                 .await
         }
         ["connectors", "circuit-breakers", key] => {
@@ -118,7 +118,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
         ["engine", "reload"] => only(Method::POST)?.then(engine_reload(app, who)).await,
         ["functions"] => {
             only(Method::GET)?
-                .then(async { api::ok(&sluice_compiler::functions::catalogue_json()) })
+                .then(async { paged(req, catalogue_items()) })
                 .await
         }
         ["audit-logs"] => only(Method::GET)?.then(audit_logs(app, req)).await,
@@ -409,10 +409,12 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
             )
         })?),
     };
+    // Pausing is not one of the documented audit actions: it is recorded
+    // as an `update` whose details carry the new status.
     let action = match target {
         Status::Active => "activate",
         Status::Archived => "archive",
-        _ => "pause",
+        _ => "update",
     };
     let record = app
         .store
@@ -810,13 +812,21 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
     api::ok(&json!({"created": created, "failed": failed, "dry_run": dry_run}))
 }
 
-async fn reload_connectors(app: &App) -> ApiResult {
+async fn reload_connectors(app: &App, who: Principal) -> ApiResult {
     let n = app.connectors.reload(&app.store).await?;
     // The other replicas reload theirs (and their engines) too.
     if let Err(e) = app.store.bump_engine_generation().await {
         tracing::warn!(error = %e, "could not tell other replicas about the connector reload");
     }
-    api::ok(&json!({"connectors": n}))
+    let report = json!({"connectors": n});
+    let mut entry = audit(who, "reload");
+    entry.resource_type = "connectors".into();
+    entry.resource_id = "connectors".into();
+    entry.details = report.clone();
+    if let Err(e) = app.store.audit(entry).await {
+        tracing::error!(error = %e, "could not write the connector reload audit entry");
+    }
+    api::ok(&report)
 }
 
 /// After a connector change: the registry picks it up (a changed connector
@@ -874,15 +884,30 @@ async fn audit_logs(app: &App, req: &Req) -> ApiResult {
 }
 
 fn list_backups(app: &App, req: &Req) -> ApiResult {
+    paged(
+        req,
+        Store::list_backups(Path::new(&app.config.storage.backup_dir))?,
+    )
+}
+
+/// A list held in memory, answered as a page of the list shape.
+fn paged(req: &Req, all: Vec<Json>) -> ApiResult {
     let (limit, offset) = paging(req)?;
-    let entries = Store::list_backups(Path::new(&app.config.storage.backup_dir))?;
-    let total = entries.len() as i64;
-    let page = entries
+    let total = all.len() as i64;
+    let page = all
         .into_iter()
         .skip(offset as usize)
         .take(limit as usize)
         .collect();
     api::page(page, total, limit, offset)
+}
+
+/// The function catalogue's entries, in catalogue order.
+fn catalogue_items() -> Vec<Json> {
+    match sluice_compiler::functions::catalogue_json() {
+        Json::Array(items) => items,
+        other => vec![other],
+    }
 }
 
 async fn create_backup(app: &App, who: Principal) -> ApiResult {

@@ -426,6 +426,20 @@ impl Config {
                 "engine.global_http_timeout_secs",
                 self.engine.global_http_timeout_secs,
             ),
+            // 0 would fail every channel_call, every health probe and every
+            // reload.
+            (
+                "engine.max_channel_call_depth",
+                u64::from(self.engine.max_channel_call_depth),
+            ),
+            (
+                "engine.health_check_timeout_secs",
+                self.engine.health_check_timeout_secs,
+            ),
+            (
+                "engine.reload_timeout_secs",
+                self.engine.reload_timeout_secs,
+            ),
         ];
         if let Some((key, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
             return fail(key, "must be at least 1");
@@ -734,6 +748,9 @@ mod tests {
             "SERVICE_ENGINE__CIRCUIT_BREAKER__FAILURE_THRESHOLD",
             "SERVICE_ENGINE__CIRCUIT_BREAKER__MAX_BREAKERS",
             "SERVICE_ENGINE__GLOBAL_HTTP_TIMEOUT_SECS",
+            "SERVICE_ENGINE__MAX_CHANNEL_CALL_DEPTH",
+            "SERVICE_ENGINE__HEALTH_CHECK_TIMEOUT_SECS",
+            "SERVICE_ENGINE__RELOAD_TIMEOUT_SECS",
             "SERVICE_SERVER__MAX_IN_FLIGHT",
         ] {
             let e = load(None, &[(var, "0")]).unwrap_err().0;

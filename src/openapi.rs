@@ -99,10 +99,12 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
         ),
         ("get", ["metrics" | "docs"]) => (None, json!({"type": "string"})),
         ("get", ["api", "v1", "openapi.json"]) => (None, json!({"type": "object"})),
-        (_, ["api", "v1", "admin", "connectors", "circuit-breakers", ..]) => (
-            None,
-            data_of(json!({"type": "array", "items": schema_ref("CircuitBreaker")})),
-        ),
+        ("get", ["api", "v1", "admin", "connectors", "circuit-breakers"]) => {
+            (None, page_of(schema_ref("CircuitBreaker")))
+        }
+        (_, ["api", "v1", "admin", "connectors", "circuit-breakers", _]) => {
+            (None, data_of(schema_ref("CircuitBreaker")))
+        }
         ("post", ["api", "v1", "admin", "connectors", "reload"]) => {
             (None, data_of(json!({"type": "object"})))
         }
@@ -164,16 +166,12 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
         ("post", ["api", "v1", "admin", "engine", "reload"]) => {
             (None, data_of(schema_ref("ReloadReport")))
         }
-        ("get", ["api", "v1", "admin", "functions"]) => (
-            None,
-            data_of(json!({"type": "array", "items": schema_ref("FunctionSchema")})),
-        ),
+        ("get", ["api", "v1", "admin", "functions"]) => {
+            (None, page_of(schema_ref("FunctionSchema")))
+        }
         ("get", ["api", "v1", "admin", "audit-logs"]) => (None, page_of(schema_ref("AuditEntry"))),
         ("post", ["api", "v1", "admin", "backups"]) => (None, data_of(schema_ref("Backup"))),
-        ("get", ["api", "v1", "admin", "backups"]) => (
-            None,
-            data_of(json!({"type": "array", "items": schema_ref("Backup")})),
-        ),
+        ("get", ["api", "v1", "admin", "backups"]) => (None, page_of(schema_ref("Backup"))),
         ("get", ["api", "v1", "data", "traces"]) => (None, page_of(schema_ref("Trace"))),
         ("get", ["api", "v1", "data", "traces", _]) => (None, schema_ref("Trace")),
         ("post", ["api", "v1", "data", _, "async"]) => {

@@ -475,6 +475,35 @@ async fn audit_and_backups(db: Db) {
     );
     let reloads = s.admin("GET", "/audit-logs?action=reload", None).await;
     assert_eq!(reloads.ok(200)[0]["resource_type"], "engine");
+    // Pausing is recorded as an update (the documented actions have no
+    // `pause`), its details naming the new status.
+    s.admin(
+        "PATCH",
+        "/workflows/a/status",
+        Some(json!({"status": "paused"})),
+    )
+    .await
+    .ok(200);
+    let last = s
+        .admin("GET", "/audit-logs?resource_type=workflow&limit=1", None)
+        .await;
+    let last = &last.ok(200)[0];
+    assert_eq!(
+        (&last["action"], &last["details"]["status"]),
+        (&json!("update"), &json!("paused"))
+    );
+    // A connector reload is audited too.
+    s.admin("POST", "/connectors/reload", None).await.ok(200);
+    let reloads = s
+        .admin("GET", "/audit-logs?action=reload&limit=1", None)
+        .await;
+    assert_eq!(
+        (
+            &reloads.ok(200)[0]["resource_type"],
+            &reloads.ok(200)[0]["details"]["connectors"]
+        ),
+        (&json!("connectors"), &json!(0))
+    );
 
     let backup = s.admin("POST", "/backups", None).await;
     match db {
@@ -593,6 +622,16 @@ async fn functions_lists_connector_and_composition_functions_only() {
         .map(|x| x["name"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(names.len(), 8, "{names:?}");
+    // Paged like every list.
+    assert_eq!(
+        (&f.body["total"], &f.body["limit"], &f.body["offset"]),
+        (&json!(8), &json!(50), &json!(0))
+    );
+    let second = s.admin("GET", "/functions?limit=1&offset=1", None).await;
+    assert_eq!(second.ok(200)[0]["name"], json!(names[1]));
+    s.admin("GET", "/functions?limit=0", None)
+        .await
+        .error(400, "BAD_REQUEST");
     for n in [
         "http_call",
         "db_read",

@@ -592,6 +592,14 @@ async fn circuit_breaker_opens_probes_and_closes() {
     assert_eq!(hits(), 2, "an open breaker does not call the upstream");
     let r = s.admin("GET", "/connectors/circuit-breakers", None).await;
     let b = &r.ok(200)[0];
+    // The list shape of every list: paged, with its total.
+    assert_eq!(
+        (&r.body["total"], &r.body["limit"], &r.body["offset"]),
+        (&json!(1), &json!(50), &json!(0))
+    );
+    s.admin("GET", "/connectors/circuit-breakers?limit=1001", None)
+        .await
+        .error(400, "BAD_REQUEST");
     assert_eq!(
         (
             b["key"].as_str(),
