@@ -362,11 +362,15 @@ async fn read_and_route(
         .into_response();
     }
     let query = parts.uri.query().map(parse_query).unwrap_or_default();
+    let mut headers = parts.headers;
+    if headers.len() != headers.keys_len() {
+        combine_repeated(&mut headers);
+    }
     let req = Req {
         method: parts.method,
         uri: parts.uri,
         query,
-        headers: parts.headers,
+        headers,
         body,
         request_id,
         caller_request_id,
@@ -446,14 +450,49 @@ fn is_json(headers: &HeaderMap) -> bool {
 }
 
 /// Decodes `a=1&b=x%20y` (percent-decoding, `+` as space).
+/// The decoded pairs of a query string. A repeated name keeps its last
+/// value at its first position, as a repeated key of a JSON body does, so
+/// `metadata.query` never holds one name twice.
 pub fn parse_query(q: &str) -> Vec<(String, String)> {
-    q.split('&')
-        .filter(|p| !p.is_empty())
-        .map(|pair| {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            (percent_decode(k), percent_decode(v))
-        })
-        .collect()
+    let mut pairs: Vec<(String, String)> = Vec::new();
+    for pair in q.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let (k, v) = (percent_decode(k), percent_decode(v));
+        match pairs.iter_mut().find(|(seen, _)| *seen == k) {
+            Some((_, value)) => *value = v,
+            None => pairs.push((k, v)),
+        }
+    }
+    pairs
+}
+
+/// Folds a header sent more than once into one value, joined as RFC 9110
+/// §5.3 combines field lines (`, `; `; ` for `cookie`, RFC 6265), so that
+/// `metadata.headers` never holds one name twice. Only called when some
+/// name repeats (the map counts values and names apart).
+fn combine_repeated(headers: &mut http::HeaderMap) {
+    let repeated: Vec<http::HeaderName> = headers
+        .keys()
+        .filter(|k| headers.get_all(*k).iter().nth(1).is_some())
+        .cloned()
+        .collect();
+    for name in repeated {
+        let sep: &[u8] = if name == http::header::COOKIE {
+            b"; "
+        } else {
+            b", "
+        };
+        let mut joined = Vec::new();
+        for (i, v) in headers.get_all(&name).iter().enumerate() {
+            if i > 0 {
+                joined.extend_from_slice(sep);
+            }
+            joined.extend_from_slice(v.as_bytes());
+        }
+        if let Ok(v) = http::HeaderValue::from_bytes(&joined) {
+            headers.insert(name, v);
+        }
+    }
 }
 
 pub fn percent_decode(s: &str) -> String {
@@ -582,5 +621,30 @@ mod tests {
         );
         assert_eq!(percent_decode("%"), "%");
         assert_eq!(percent_decode("%4"), "%4");
+        // A repeated name: its last value, where it first appeared.
+        assert_eq!(
+            parse_query("a=2&b=x&a=1&a%3D=3&a=0"),
+            vec![
+                ("a".into(), "0".into()),
+                ("b".into(), "x".into()),
+                ("a=".into(), "3".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn repeated_headers_are_combined() {
+        let mut h = http::HeaderMap::new();
+        h.append("x-t", http::HeaderValue::from_static("one"));
+        h.append("accept", http::HeaderValue::from_static("a/b"));
+        h.append("x-t", http::HeaderValue::from_static("two"));
+        h.append("cookie", http::HeaderValue::from_static("a=1"));
+        h.append("cookie", http::HeaderValue::from_static("b=2"));
+        assert_ne!(h.len(), h.keys_len());
+        combine_repeated(&mut h);
+        assert_eq!(h.len(), h.keys_len());
+        assert_eq!(h["x-t"], "one, two");
+        assert_eq!(h["cookie"], "a=1; b=2");
+        assert_eq!(h["accept"], "a/b");
     }
 }

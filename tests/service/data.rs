@@ -83,6 +83,24 @@ async fn routing_follows_the_resolution_rules() {
     assert_eq!(d["path"], json!({"order_id": "o-1"}));
     assert_eq!(d["query"], json!({"x": "1", "y": "two"}));
     assert_eq!(d["in"], json!({"a": 1}));
+    // A name sent twice is one member: the query's last value, the
+    // header's values combined (read from the raw text, since a JSON
+    // parser would hide a repeated key).
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/data/orders/o-1?x=1&y=two&x=3",
+            Some(json!({"data": {}})),
+            &[("x-tenant", "acme"), ("x-tenant", "beta")],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(
+        r.text.contains(r#""query":{"x":"3","y":"two"}"#),
+        "{}",
+        r.text
+    );
+    assert!(r.text.contains(r#""tenant":"acme, beta""#), "{}", r.text);
     // A more specific pattern (more literal segments) wins at equal priority.
     assert_eq!(
         s.post("/api/v1/data/orders/special", json!({"data": {}}))
