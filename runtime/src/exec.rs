@@ -1283,12 +1283,23 @@ impl<'a> Machine<'a> {
                         other => Some(display(&other)),
                     },
                 };
-                let value = match &p.value {
-                    Some(l) => self.eval(l, arena)?,
-                    None => self.ctx.data,
-                };
                 let mut bytes = Vec::with_capacity(256);
-                value.write_json(&mut bytes);
+                match &p.value {
+                    Some(l) => self.eval(l, arena)?.write_json(&mut bytes),
+                    // The spec's default: the full data context. Its
+                    // metadata is masked (credential headers, secret-named
+                    // keys) before it leaves the service.
+                    None => {
+                        let mut metadata = self.ctx.metadata.to_json();
+                        sluice_compiler::validate::mask_secrets(&mut metadata);
+                        let context = serde_json::json!({
+                            "data": self.ctx.data.to_json(),
+                            "metadata": metadata,
+                            "temp_data": self.ctx.temp_data.to_json(),
+                        });
+                        bytes = context.to_string().into_bytes();
+                    }
+                }
                 IoRequest::Publish(PublishRequest {
                     connector: p.connector.to_string(),
                     topic: p.topic.to_string(),

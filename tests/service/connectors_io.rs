@@ -552,7 +552,8 @@ async fn mongo_read_through_the_data_plane() {
 }
 
 /// `publish_kafka`: the message is read back from the broker with its key,
-/// the data document as value and the request's trace context in headers.
+/// the full data context as value by default (its credential headers
+/// masked) and the request's trace context in headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_kafka_is_consumed_back() {
     let topic = unique("sluice-orders");
@@ -595,7 +596,11 @@ async fn publish_kafka_is_consumed_back() {
             "POST",
             "/api/v1/data/emit/55",
             Some(json!({"data": {"total": 12.5}})),
-            &[("traceparent", traceparent), ("tracestate", "vendor=1")],
+            &[
+                ("traceparent", traceparent),
+                ("tracestate", "vendor=1"),
+                ("authorization", "Bearer s3cret"),
+            ],
         )
         .await;
     assert_eq!(r.status, 200, "{}", r.text);
@@ -629,7 +634,17 @@ async fn publish_kafka_is_consumed_back() {
     // Two partitions may hand them over in either order.
     got.sort_by_key(|m| m.0.is_none());
     assert_eq!(got[0].0.as_deref(), Some("order-55"));
-    assert_eq!(got[0].1, json!({"order": {"id": "55", "total": 12.5}}));
+    let context = &got[0].1;
+    assert_eq!(
+        context["data"],
+        json!({"order": {"id": "55", "total": 12.5}})
+    );
+    assert_eq!(context["temp_data"], json!({}));
+    assert_eq!(context["metadata"]["path"], json!({"id": "55"}));
+    assert_eq!(context["metadata"]["method"], "POST");
+    assert_eq!(context["metadata"]["headers"]["authorization"], "******");
+    assert_eq!(context["metadata"]["headers"]["tracestate"], "vendor=1");
+    assert!(!context.to_string().contains("s3cret"), "{context}");
     assert!(
         got[0]
             .2
