@@ -205,6 +205,19 @@ fn status_filter(req: &Req) -> Result<Option<Status>, ApiError> {
     }
 }
 
+/// A list filter that takes one of `allowed`; anything else is a 400 (as a
+/// bad `status` is), not an empty page.
+fn one_of_filter(req: &Req, name: &str, allowed: &[&str]) -> Result<Option<String>, ApiError> {
+    match req.query(name) {
+        None => Ok(None),
+        Some(v) if allowed.contains(&v) => Ok(Some(v.to_owned())),
+        Some(v) => Err(ApiError::bad_request(format!(
+            "{name} must be one of {}, got '{v}'",
+            allowed.join(", ")
+        ))),
+    }
+}
+
 /// Checks a definition strictly; returns it with its identifier filled in.
 fn checked(
     kind: Kind,
@@ -272,8 +285,8 @@ async fn list(app: &App, req: &Req, kind: Kind) -> ApiResult {
     let q = ListQuery {
         status: status_filter(req)?,
         tag: req.query("tag").map(str::to_owned),
-        channel_type: req.query("channel_type").map(str::to_owned),
-        protocol: req.query("protocol").map(str::to_owned),
+        channel_type: one_of_filter(req, "channel_type", &["sync", "async"])?,
+        protocol: one_of_filter(req, "protocol", &["rest", "http", "kafka"])?,
         limit,
         offset,
     };

@@ -323,6 +323,12 @@ async fn channels(db: Db) {
     assert_eq!(rest.body["total"], 1);
     let asyncs = s.admin("GET", "/channels?channel_type=async", None).await;
     assert_eq!(asyncs.ok(200)[0]["channel_id"], "events");
+    // A filter value no channel can have is a 400, like a bad status.
+    for q in ["protocol=grpc", "channel_type=batch", "status=bogus"] {
+        s.admin("GET", &format!("/channels?{q}"), None)
+            .await
+            .error(400, "BAD_REQUEST");
+    }
 
     let mut bad = channel("bad", "wf");
     bad["config_json"] =
