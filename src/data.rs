@@ -317,6 +317,12 @@ async fn run_sync(
     // A profiled answer is not cached: its timings belong to this run only.
     if engine_lock_ms.is_none() && admitted.stores() {
         Box::pin(app.governance.store(&admitted, body.clone())).await;
+        // A cacheable request the cache did not answer says so.
+        let mut response = bytes_response(StatusCode::OK, body);
+        response
+            .headers_mut()
+            .insert("x-cache", http::HeaderValue::from_static("miss"));
+        return Ok(response);
     }
     Ok(bytes_response(StatusCode::OK, body))
 }

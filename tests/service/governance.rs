@@ -383,7 +383,10 @@ async fn an_unreachable_redis_fails_in_the_direction_the_channel_chose() {
     let two = post_with(&s, "open", json!({}), &key).await;
     assert_eq!((one.status, two.status), (200, 200), "{}", two.text);
     assert_ne!(one.body["data"]["rid"], two.body["data"]["rid"]);
-    assert!(two.headers.get("x-cache").is_none());
+    assert_ne!(
+        two.headers.get("x-cache").map(|v| v.to_str().unwrap()),
+        Some("hit")
+    );
     // A channel without governance does not touch Redis at all.
     assert_eq!(post_with(&s, "plain", json!({}), &[]).await.status, 200);
     let metrics = s.get("/metrics").await.text;
@@ -461,7 +464,7 @@ async fn the_response_cache_serves_hits_without_running_the_workflow_body(gov: G
     .await;
     let first = post_with(&s, "cached", json!({"q": 1}), &[]).await;
     assert_eq!(first.status, 200, "{}", first.text);
-    assert!(first.headers.get("x-cache").is_none());
+    assert_eq!(first.headers["x-cache"], "miss");
     let hit = post_with(&s, "cached", json!({"q": 1}), &[]).await;
     assert_eq!(hit.status, 200);
     // Same request id inside: the stored answer, no new run.
@@ -485,7 +488,7 @@ async fn the_response_cache_serves_hits_without_running_the_workflow_body(gov: G
     let fresh = post_with(&s, "cached", json!({"q": 1}), &[]).await;
     assert_eq!(fresh.status, 200);
     assert_ne!(fresh.body["data"]["rid"], first.body["data"]["rid"]);
-    assert!(fresh.headers.get("x-cache").is_none());
+    assert_eq!(fresh.headers["x-cache"], "miss");
 }
 
 #[tokio::test]
@@ -531,6 +534,8 @@ async fn the_cache_key_logic_and_failures_are_not_cached() {
     let x = post_with(&s, "uncached", json!({}), &[]).await;
     let y = post_with(&s, "uncached", json!({}), &[]).await;
     assert_ne!(x.body["data"]["rid"], y.body["data"]["rid"]);
+    // Not cacheable at all: no x-cache either way.
+    assert!(y.headers.get("x-cache").is_none());
 }
 
 // --------------------------------------------------------------------- CORS
