@@ -174,6 +174,14 @@ impl ApiError {
                 .headers_mut()
                 .insert(header::ALLOW, HeaderValue::from_static(allow));
         }
+        if self.code == Code::Unauthorized {
+            // RFC 9110 §11.6.1: a 401 names the scheme it wants (an API key
+            // in `X-API-Key` is also taken; see docs/decisions.md).
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"sluice-admin\""),
+            );
+        }
         response
     }
 }

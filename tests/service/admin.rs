@@ -698,9 +698,13 @@ async fn admin_auth_keys_and_roles() {
         c.admin_auth.read_only_api_key = "ro-key".into();
     })
     .await;
-    s.send("GET", "/api/v1/admin/workflows", None, &[])
-        .await
-        .error(401, "UNAUTHORIZED");
+    let missing = s.send("GET", "/api/v1/admin/workflows", None, &[]).await;
+    missing.error(401, "UNAUTHORIZED");
+    // RFC 9110: a 401 names the scheme it wants.
+    assert_eq!(
+        missing.headers["www-authenticate"],
+        "Bearer realm=\"sluice-admin\""
+    );
     s.send(
         "GET",
         "/api/v1/admin/workflows",
