@@ -778,6 +778,7 @@ async fn delete_connector(app: &App, name: &str, who: Principal) -> ApiResult {
     app.store
         .delete_connector(name, audit(who, "delete"))
         .await?;
+    app.connectors.policy.breakers.forget_connector(name);
     connectors_changed(app).await;
     api::no_content()
 }

@@ -173,6 +173,21 @@ impl Breakers {
         }
     }
 
+    /// Forgets every breaker of `connector` (it was deleted: a connector
+    /// created later under the same name starts closed, and the listing no
+    /// longer shows what cannot be called).
+    pub fn forget_connector(&self, connector: &str) {
+        let keys: Vec<String> = self
+            .map
+            .iter()
+            .filter(|(_, b)| b.connector == connector)
+            .map(|(k, _)| (*k).clone())
+            .collect();
+        for key in keys {
+            self.map.invalidate(&key);
+        }
+    }
+
     /// Resets one breaker to closed; its admin view, or `None` for an unknown key.
     pub fn reset(&self, key: &str) -> Option<Json> {
         let b = self.map.get(key)?;

@@ -679,6 +679,11 @@ async fn circuit_breaker_opens_probes_and_closes() {
             "{name} missing"
         );
     }
+
+    // Deleting the connector forgets its breakers.
+    s.admin("DELETE", "/connectors/up", None).await;
+    let r = s.admin("GET", "/connectors/circuit-breakers", None).await;
+    assert_eq!(r.ok(200), &json!([]), "{}", r.text);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
