@@ -73,7 +73,22 @@ pub async fn handle(
     {
         let method = Method::from_bytes(asked.trim().as_bytes())
             .map_err(|_| ApiError::bad_request("Access-Control-Request-Method is not a method"))?;
-        let (channel, _) = resolve(&snapshot, &method, req, parts)?;
+        let channel = match resolve(&snapshot, &method, req, parts) {
+            Ok((channel, _)) => channel,
+            // A name-routed channel asked about a method it does not take:
+            // refused like a method its CORS settings do not allow (403).
+            Err(e) if e.code == Code::MethodNotAllowed => {
+                let channel = match parts {
+                    [name] => snapshot.channels.get(*name).ok_or(e)?,
+                    _ => return Err(e),
+                };
+                return Ok(governance::refuse_preflight(
+                    channel,
+                    "method is not allowed",
+                ));
+            }
+            Err(e) => return Err(e),
+        };
         return Ok(governance::preflight(
             channel,
             req.header(header::ORIGIN),
@@ -133,10 +148,43 @@ fn resolve<'s, 'p>(
         };
     }
     Err(ApiError::not_found(format!(
-        "No route matches {} {}",
-        req.method,
+        "No route matches {method} {}",
         req.path()
     )))
+}
+
+/// CORS headers for a data-plane answer given before the request reached
+/// its channel (413 for a body over the limit, 415 for one that is not
+/// JSON): the channel is looked up from the path as routing would, so a
+/// browser on an allowed origin can read these errors like any other. Only
+/// done for a request with an `Origin` header.
+pub(crate) fn decorate_early(app: &App, parts: &http::request::Parts, response: &mut HttpResponse) {
+    if !parts.headers.contains_key(header::ORIGIN) {
+        return;
+    }
+    let Some(rest) = parts.uri.path().strip_prefix("/api/v1/data/") else {
+        return;
+    };
+    let decoded: SmallVec<[std::borrow::Cow<'_, str>; 8]> = rest
+        .split('/')
+        .filter(|s| !s.is_empty())
+        .map(crate::server::decode)
+        .collect();
+    let mut segments: SmallVec<[&str; 8]> = decoded.iter().map(|s| &**s).collect();
+    if segments.len() > 1 && segments.last() == Some(&"async") {
+        segments.pop();
+    }
+    let snapshot = app.engine.load();
+    let channel = match snapshot.routes.find(parts.method.as_str(), &segments) {
+        Some(m) => Some(m.channel),
+        None => match segments.as_slice() {
+            [name] => snapshot.channels.get(*name),
+            _ => None,
+        },
+    };
+    if let Some(channel) = channel {
+        governance::decorate(channel, &parts.headers, response);
+    }
 }
 
 /// Header pairs as the data context holds them (see [`header_pairs_into`]).

@@ -958,10 +958,10 @@ pub fn decorate(channel: &Channel, request: &http::HeaderMap, response: &mut Htt
 pub fn preflight(channel: &Channel, origin: Option<&str>, method: &str) -> HttpResponse {
     let cors = channel.def.config_json.cors.as_ref();
     let (Some(cors), Some(origin)) = (cors, origin) else {
-        return forbidden(channel, "CORS is not enabled for this origin");
+        return refuse_preflight(channel, "CORS is not enabled for this origin");
     };
     if !origin_allowed(channel, origin) {
-        return forbidden(channel, "origin is not allowed");
+        return refuse_preflight(channel, "origin is not allowed");
     }
     let methods: Vec<String> = match &cors.allowed_methods {
         Some(m) => m.clone(),
@@ -974,7 +974,7 @@ pub fn preflight(channel: &Channel, origin: Option<&str>, method: &str) -> HttpR
         None => vec!["POST".to_owned()],
     };
     if !methods.iter().any(|m| m.eq_ignore_ascii_case(method)) {
-        return forbidden(channel, "method is not allowed");
+        return refuse_preflight(channel, "method is not allowed");
     }
     let mut response = crate::api::no_content().unwrap_or_else(ApiError::into_response);
     let allowed_headers = cors
@@ -998,7 +998,8 @@ pub fn preflight(channel: &Channel, origin: Option<&str>, method: &str) -> HttpR
     response
 }
 
-fn forbidden(channel: &Channel, why: &str) -> HttpResponse {
+/// A refused preflight: 403 naming the channel and why, with `Vary: Origin`.
+pub fn refuse_preflight(channel: &Channel, why: &str) -> HttpResponse {
     let mut response = ApiError::new(
         Code::Forbidden,
         format!(

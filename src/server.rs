@@ -344,22 +344,23 @@ async fn read_and_route(
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
         && len > limit as u64
     {
-        return too_large(limit);
+        return early(app, &parts, too_large(limit));
     }
     let body = match read_body(body, limit).await {
         Ok(body) => body,
-        Err(BodyError::TooLarge) => return too_large(limit),
+        Err(BodyError::TooLarge) => return early(app, &parts, too_large(limit)),
         Err(BodyError::Read(e)) => {
             return ApiError::bad_request(format!("could not read the request body: {e}"))
                 .into_response();
         }
     };
     if !body.is_empty() && !is_json(&parts.headers) {
-        return ApiError::new(
+        let refused = ApiError::new(
             Code::UnsupportedMediaType,
             "request body must be JSON (Content-Type: application/json)",
         )
         .into_response();
+        return early(app, &parts, refused);
     }
     let query = parts.uri.query().map(parse_query).unwrap_or_default();
     let mut headers = parts.headers;
@@ -415,6 +416,13 @@ async fn read_body(mut body: Incoming, limit: usize) -> Result<Bytes, BodyError>
         Some(buf) => buf.freeze(),
         None => first.unwrap_or_default(),
     })
+}
+
+/// An answer given before routing, with the CORS headers of the data-plane
+/// channel it was meant for (see `data::decorate_early`).
+fn early(app: &App, parts: &http::request::Parts, mut response: HttpResponse) -> HttpResponse {
+    crate::data::decorate_early(app, parts, &mut response);
+    response
 }
 
 fn too_large(limit: usize) -> HttpResponse {

@@ -622,10 +622,72 @@ async fn cors_allows_listed_origins_and_answers_preflights() {
     assert!(denied.headers.get("access-control-allow-origin").is_none());
     assert_eq!(denied.headers["vary"], "Origin");
     assert_eq!(pre.headers["vary"], "Origin");
-    // A method the route does not serve: no route for it.
-    preflight(&s, "https://app.example", "DELETE", "/api/v1/data/cors/1")
-        .await
-        .error(404, "NOT_FOUND");
+    // Refusals given before the channel runs (415 not JSON, 413 too
+    // large) carry the CORS headers too, so the browser can read them.
+    let not_json = s
+        .raw_with(
+            "POST",
+            "/api/v1/data/cors/1",
+            b"x".to_vec(),
+            &[("content-type", "text/plain"), good[0]],
+        )
+        .await;
+    not_json.error(415, "UNSUPPORTED_MEDIA_TYPE");
+    assert_eq!(
+        not_json.headers["access-control-allow-origin"],
+        "https://app.example"
+    );
+    assert_eq!(not_json.headers["vary"], "Origin");
+    let huge = s
+        .raw_with(
+            "POST",
+            "/api/v1/data/cors/1",
+            vec![b' '; 1_048_577],
+            &[("content-type", "application/json"), good[0]],
+        )
+        .await;
+    huge.error(413, "PAYLOAD_TOO_LARGE");
+    assert_eq!(
+        huge.headers["access-control-allow-origin"],
+        "https://app.example"
+    );
+    // A disallowed origin still gets none.
+    let evil_415 = s
+        .raw_with(
+            "POST",
+            "/api/v1/data/cors/1",
+            b"x".to_vec(),
+            &[("content-type", "text/plain"), evil[0]],
+        )
+        .await;
+    assert!(
+        evil_415
+            .headers
+            .get("access-control-allow-origin")
+            .is_none()
+    );
+    // A method the route does not serve: no route for it (the message
+    // names the method asked about).
+    let none = preflight(&s, "https://app.example", "DELETE", "/api/v1/data/cors/1").await;
+    let e = none.error(404, "NOT_FOUND");
+    assert_eq!(e["message"], "No route matches DELETE /api/v1/data/cors/1");
+    // A name-routed channel takes POST only: a preflight for another method
+    // is refused (403), even when its CORS settings list that method.
+    s.deploy(
+        echo("w3"),
+        named(
+            "byname",
+            "w3",
+            json!({"cors": {"allowed_origins": ["https://app.example"],
+                            "allowed_methods": ["POST", "DELETE"]}}),
+        ),
+    )
+    .await;
+    let ok = preflight(&s, "https://app.example", "POST", "/api/v1/data/byname").await;
+    assert_eq!(ok.status, 204, "{}", ok.text);
+    let refused = preflight(&s, "https://app.example", "DELETE", "/api/v1/data/byname").await;
+    refused.error(403, "FORBIDDEN");
+    assert_eq!(refused.headers["vary"], "Origin");
     // A channel without CORS settings refuses every preflight.
     preflight(&s, "https://app.example", "POST", "/api/v1/data/nocors")
         .await

@@ -222,12 +222,27 @@ impl TestServer {
         body: Vec<u8>,
         content_type: Option<&str>,
     ) -> Resp {
+        let headers: Vec<(&str, &str)> = content_type
+            .map(|ct| ("content-type", ct))
+            .into_iter()
+            .collect();
+        self.raw_with(method, path, body, &headers).await
+    }
+
+    /// A request with the body as given and exactly these headers.
+    pub async fn raw_with(
+        &self,
+        method: &str,
+        path: &str,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> Resp {
         let mut req = self.client.request(
             Method::from_bytes(method.as_bytes()).unwrap(),
             format!("{}{path}", self.base),
         );
-        if let Some(ct) = content_type {
-            req = req.header("content-type", ct);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
         }
         let resp = req.body(body).send().await.unwrap();
         let status = resp.status().as_u16();
