@@ -425,6 +425,7 @@ async fn build_on(
             let (tx, rx) = tokio::sync::oneshot::channel();
             std::thread::Builder::new()
                 .name("sluice-reload".into())
+                .stack_size(THREAD_STACK_BYTES)
                 .spawn(move || {
                     background_priority();
                     let _ = tx.send(assemble_rows());
@@ -445,6 +446,18 @@ async fn build_on(
         compiled,
     })
 }
+
+/// The stack of every thread that walks definitions or data (runtime
+/// workers, the reload thread): room for a context nested to the
+/// executor's limit (`MAX_NESTING`, 2,048 levels) with frames to spare. The
+/// release writer needs well under 0.5 MiB for it; an unoptimised build
+/// keeps every inlined local in its own slot and needs over 16 MiB. Only the
+/// pages a thread touches are committed.
+pub const THREAD_STACK_BYTES: usize = if cfg!(debug_assertions) {
+    64 << 20
+} else {
+    8 << 20
+};
 
 /// Builds snapshots on a thread of its own (`sluice-reload`), at background
 /// priority ([`background_priority`]), with its own current-thread runtime
@@ -533,6 +546,7 @@ fn reload_thread(shared: Store) -> std::io::Result<tokio::sync::mpsc::UnboundedS
         .build()?;
     std::thread::Builder::new()
         .name("sluice-reload".into())
+        .stack_size(THREAD_STACK_BYTES)
         .spawn(move || {
             background_priority();
             runtime.block_on(async move {

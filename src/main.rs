@@ -225,16 +225,7 @@ fn main() -> ExitCode {
 fn runtime() -> Result<tokio::runtime::Runtime, String> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        // Room for walking a context nested to the executor's limit
-        // (`MAX_NESTING`, 2,048 levels) with frames to spare: the release
-        // writer needs well under 0.5 MiB for it; an unoptimised build keeps
-        // every inlined local in its own slot and needs over 16 MiB. Only
-        // the pages a thread touches are committed.
-        .thread_stack_size(if cfg!(debug_assertions) {
-            64 << 20
-        } else {
-            8 << 20
-        })
+        .thread_stack_size(sluice::engine::THREAD_STACK_BYTES)
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))
 }

@@ -875,6 +875,10 @@ fn publish_fn(input: &Map<String, Json>) -> Result<(ReadPath, WritePath), InputP
     Ok((ReadPath::in_data(source), WritePath::in_data(target)))
 }
 
+/// The most segments a `map` path may have (far deeper than any document
+/// a request brings: bodies nest at most 1,024 levels).
+pub const MAX_PATH_SEGMENTS: usize = 512;
+
 fn map_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
     let items = required_array(input, "mappings")?;
     let mut mappings = Vec::with_capacity(items.len());
@@ -890,7 +894,18 @@ fn map_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
             .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
         let logic = required_logic(obj, "logic")
             .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
-        mappings.push((WritePath::parse(path), logic));
+        let path = WritePath::parse(path);
+        // Runs of mappings become a tree of their paths (`PathSet`), built
+        // and dropped recursively: a path's length is bounded like the
+        // nesting of the data it writes into.
+        let segments = path.path.segments().len();
+        if segments > MAX_PATH_SEGMENTS {
+            return Err(InputProblem(
+                format!("{at}.path"),
+                format!("has {segments} segments; a path has at most {MAX_PATH_SEGMENTS}"),
+            ));
+        }
+        mappings.push((path, logic));
     }
     let runs = batches(&mappings)
         .into_iter()

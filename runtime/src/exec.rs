@@ -602,11 +602,19 @@ impl<'a> Machine<'a> {
         value: &Value<'_>,
         may_outgrow: bool,
     ) -> Result<(), TaskError> {
-        if !matches!(value, Value::Array(_) | Value::Object(_)) {
-            return Ok(());
-        }
         // The area itself and each segment of the path are a level above it.
         let levels = 1 + target.path.segments().len();
+        if !matches!(value, Value::Array(_) | Value::Object(_)) {
+            // A scalar nests as deep as its path: that bounds the context too.
+            if levels > MAX_NESTING {
+                return Err(TaskError::task(format!(
+                    "cannot write '{}': the path would nest deeper than {MAX_NESTING} levels",
+                    target.text
+                )));
+            }
+            self.depth_bound = self.depth_bound.max(levels);
+            return Ok(());
+        }
         if !may_outgrow {
             let estimate = levels + self.depth_bound + sluice_compiler::logic::MAX_DEPTH;
             if estimate <= MAX_NESTING {

@@ -1185,6 +1185,69 @@ fn values_never_nest_deeper_than_the_limit() {
 }
 
 fn nesting_limit() {
+    // A map path longer than MAX_PATH_SEGMENTS is an input problem (a
+    // warning at create, a task error at run), never a deep recursion.
+    let long = vec!["x"; 5000].join(".");
+    let compiled = compile_workflow(&wf(json!([task(
+        "deep",
+        "map",
+        json!({"mappings": [{"path": long, "logic": 1}]})
+    )])))
+    .unwrap();
+    assert_eq!(
+        compiled.warnings[0].field,
+        "tasks[0].function.input.mappings[0].path"
+    );
+    let r = run(&compiled.plan, json!({}));
+    let Status::Failed(f) = &r.exec.status else {
+        panic!("{:?}", r.exec.status)
+    };
+    assert!(
+        f.message.contains("a path has at most 512"),
+        "{}",
+        f.message
+    );
+    // A scalar written at a path deeper than the limit is refused too, and
+    // one within it counts toward the depth later writes are checked on.
+    let target = vec!["a"; 3000].join(".");
+    let r = run(
+        &plan(wf(json!([task(
+            "p",
+            "parse_json",
+            json!({"source": "payload", "target": target})
+        )]))),
+        json!(1),
+    );
+    let Status::Failed(f) = &r.exec.status else {
+        panic!("{:?}", r.exec.status)
+    };
+    assert!(
+        f.message
+            .contains("the path would nest deeper than 2048 levels"),
+        "{}",
+        f.message
+    );
+    let target = vec!["a"; 2000].join(".");
+    let r = run(
+        &plan(wf(json!([
+            task(
+                "p",
+                "parse_json",
+                json!({"source": "payload", "target": target})
+            ),
+            task(
+                "copy",
+                "map",
+                json!({"mappings": [{"path": "b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b.b", "logic": {"var": "data.a"}}]})
+            )
+        ]))),
+        json!(1),
+    );
+    let Status::Failed(f) = &r.exec.status else {
+        panic!("{:?}", r.exec.status)
+    };
+    assert_eq!(f.task_id, "copy");
+    assert!(f.message.contains("nest deeper than 2048"), "{}", f.message);
     for mappings in [
         json!([{"path": "x", "logic": [{"var": "data.x"}]}]),
         json!([{"path": "x", "logic": [{"var": "data.x"}]}, {"path": "y", "logic": 1}]),

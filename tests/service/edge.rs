@@ -393,6 +393,32 @@ async fn values_nested_past_the_limit_fail_the_task_not_the_process() {
     );
     let health = c.get(format!("{}/healthz", r.base)).send().await.unwrap();
     assert!(health.status().is_success());
+
+    // A map path thousands of segments long once overflowed the reload
+    // thread's stack (the activation, committed, then aborted every start).
+    // Now it is an input problem: created with a warning, activated, and
+    // failing its task when run.
+    let long = vec!["x"; 5000].join(".");
+    let def = json!({"workflow_id": "long", "name": "long", "tasks": [
+        {"id": "m", "name": "m", "function": {"name": "map", "input": {
+            "mappings": [{"path": long, "logic": 1}]}}}]});
+    assert!(
+        admin("POST", "/workflows", def)
+            .await
+            .unwrap()
+            .status()
+            .is_success()
+    );
+    let a = admin(
+        "PATCH",
+        "/workflows/long/status",
+        json!({"status": "active"}),
+    )
+    .await
+    .expect("the service answers the activation");
+    assert!(a.status().is_success());
+    let health = c.get(format!("{}/healthz", r.base)).send().await.unwrap();
+    assert!(health.status().is_success());
     drop(r);
     let _ = std::fs::remove_dir_all(&dir);
 }
