@@ -215,6 +215,15 @@ fn error_item(code: &str, task_id: &str, message: &str) -> Json {
     json!({"code": code, "task_id": task_id, "message": message})
 }
 
+/// Adds a trace-level error (no task) to an outcome's `errors`.
+fn push_error(errors: &mut Json, code: &str, message: &str) {
+    let item = error_item(code, "", message);
+    match errors {
+        Json::Array(items) => items.push(item),
+        other => *other = json!([item]),
+    }
+}
+
 /// Runs one claimed trace and records its outcome.
 async fn run(app: &App, c: Claimed) {
     let started = Instant::now();
@@ -250,12 +259,39 @@ async fn run(app: &App, c: Claimed) {
         }
     };
     outcome.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
-    let recorded = if ok {
+    // A result nested deeper than the database's JSON check accepts is not
+    // stored (the trace says why) rather than failing the write.
+    if let (Some(limit), Some(data)) = (app.store.json_depth(), &outcome.data)
+        && !sluice_runtime::json::nests_within(data.as_bytes(), limit)
+    {
+        outcome.data = None;
+        push_error(
+            &mut outcome.errors,
+            Code::InternalError.as_str(),
+            &format!(
+                "the result nests deeper than the {limit} levels the trace store keeps; it was not stored"
+            ),
+        );
+    }
+    let policy = Queue::retry_policy(&app.config.queue);
+    let mut recorded = if ok {
         app.store.complete_trace(&outcome).await
     } else {
-        let policy = Queue::retry_policy(&app.config.queue);
         app.store.fail_trace(&outcome, policy).await
     };
+    if let Err(e) = &recorded {
+        // The outcome could not be written as it is: record the failure
+        // without the result, so the trace ends (through the dead-letter
+        // retries) instead of running again each time its lease expires.
+        tracing::error!(trace_id = %c.trace_id, error = %e, "could not record a trace outcome; recording it as failed without its result");
+        outcome.data = None;
+        push_error(
+            &mut outcome.errors,
+            Code::InternalError.as_str(),
+            "the outcome could not be stored; see the service log",
+        );
+        recorded = app.store.fail_trace(&outcome, policy).await;
+    }
     match recorded {
         Ok(true) => {
             tracing::debug!(trace_id = %c.trace_id, attempt = c.attempt, ok, "trace finished")

@@ -54,6 +54,16 @@ pub async fn submit(
         .await?;
     // The payload is the body's `data` member, as on the sync path; no body
     // (a route-matched GET) is a null payload.
+    // The payload is stored: it may nest only as deep as the database's
+    // JSON check accepts (the body is one level more).
+    if let Some(limit) = app.store.json_depth()
+        && !sluice_runtime::json::nests_within(&req.body, limit + 1)
+    {
+        return Err(ApiError::bad_request(format!(
+            "the payload nests deeper than the {limit} levels the trace store keeps \
+             (async requests are stored; a sync request may nest 1024 levels)"
+        )));
+    }
     let payload = if req.body.iter().all(u8::is_ascii_whitespace) {
         Json::Null
     } else {

@@ -489,6 +489,68 @@ struct Inner {
     /// in-memory SQLite database (another connection would be another,
     /// empty database). Never logged: it may hold a password.
     url: Option<String>,
+    /// How deep the JSON columns guarded by the database's own validity
+    /// check may nest (SQLite about 1,000 levels, MySQL 100, MariaDB 31);
+    /// `None` when nothing below [`JSON_DEPTH_PROBE`] is refused
+    /// (PostgreSQL stores the text as is). Measured at connect.
+    json_depth: Option<usize>,
+}
+
+/// The deepest nesting [`Store::json_depth`] looks for: the executor's own
+/// limit on a context.
+pub const JSON_DEPTH_PROBE: usize = 2048;
+
+/// The nesting the database's JSON validity check accepts, found by asking
+/// it (a binary search over nested arrays, a dozen queries at connect):
+/// versions differ (MariaDB's `JSON_VALID` refuses 32 levels, MySQL's 101,
+/// SQLite's about 1,001). PostgreSQL's trace columns are plain text: no
+/// limit. When the probe itself fails the known limits are assumed.
+async fn json_depth_of(pools: &Pools) -> Option<usize> {
+    async fn valid(pools: &Pools, depth: usize) -> Result<bool, sqlx::Error> {
+        let text = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+        Ok(match pools {
+            Pools::Sqlite(p) => {
+                sqlx::query_scalar::<_, i64>("SELECT json_valid(?)")
+                    .bind(text)
+                    .fetch_one(p)
+                    .await?
+                    == 1
+            }
+            Pools::MySql(p) => {
+                sqlx::query_scalar::<_, i64>("SELECT CAST(COALESCE(JSON_VALID(?), 0) AS SIGNED)")
+                    .bind(text)
+                    .fetch_one(p)
+                    .await?
+                    == 1
+            }
+            Pools::Postgres(_) => true,
+        })
+    }
+    let fallback = match pools {
+        Pools::Sqlite(_) => Some(1000),
+        Pools::MySql(_) => Some(31),
+        Pools::Postgres(_) => return None,
+    };
+    let search = async {
+        if valid(pools, JSON_DEPTH_PROBE).await? {
+            return Ok::<_, sqlx::Error>(None);
+        }
+        // valid(lo) holds, valid(hi) does not.
+        let (mut lo, mut hi) = (1, JSON_DEPTH_PROBE);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if valid(pools, mid).await? {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        Ok(Some(lo))
+    };
+    search.await.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "could not measure the database's JSON nesting limit; assuming the usual one");
+        fallback
+    })
 }
 
 /// Handle to the database; cheap to clone (an `Arc`).
@@ -797,6 +859,7 @@ impl Store {
                 )));
             }
         };
+        let json_depth = json_depth_of(&pools).await;
         Ok(Store {
             inner: Arc::new(Inner {
                 pools,
@@ -804,8 +867,15 @@ impl Store {
                 sql: Sql::new(backend),
                 backup_lock: tokio::sync::Mutex::new(()),
                 url: shareable.then(|| url.to_owned()),
+                json_depth,
             }),
         })
+    }
+
+    /// How deep stored JSON (trace payloads and results) may nest on this
+    /// database; `None` when it keeps anything the executor can build.
+    pub fn json_depth(&self) -> Option<usize> {
+        self.inner.json_depth
     }
 
     /// A second store on the same database with one connection of its own,

@@ -503,3 +503,102 @@ async fn deep_payloads_go_through_async_as_through_sync() {
         .await;
     r.error(400, "BAD_REQUEST");
 }
+
+/// The trace store's JSON columns are checked by the database, which
+/// refuses nesting past its own limit (MariaDB's `JSON_VALID` at 32 levels,
+/// SQLite's at about 1,000; PostgreSQL keeps text). A payload deeper than
+/// that is a 400 at submission; a result deeper than that completes the
+/// trace without its data, saying why, instead of failing the write (the
+/// trace then stayed running and re-ran each time its lease expired).
+async fn deep_traces_within_the_store_body(db: Db) {
+    let s = server(db, 0).await;
+    let limit = s.app.store.json_depth();
+    let Some(limit) = limit else {
+        assert!(matches!(db, Db::Postgres), "{db:?} has a JSON depth limit");
+        return;
+    };
+    match db {
+        Db::MySql => assert!(limit < 100, "{limit}"),
+        _ => assert!((900..=2000).contains(&limit), "{limit}"),
+    }
+    let wf = json!({"workflow_id": "deeper", "name": "deeper", "tasks": [
+        {"id": "parse", "name": "parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "a.b"}}}
+    ]});
+    s.deploy(wf, rest_channel("deeper", "deeper", "async"))
+        .await;
+    let nested = |levels: usize| {
+        format!(
+            r#"{{"data": {}1{}}}"#,
+            "[".repeat(levels),
+            "]".repeat(levels)
+        )
+        .into_bytes()
+    };
+    let r = s
+        .raw(
+            "POST",
+            "/api/v1/data/deeper/1",
+            nested(limit + 1),
+            Some("application/json"),
+        )
+        .await;
+    let e = r.error(400, "BAD_REQUEST");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("deeper than the {limit} levels")),
+        "{e}"
+    );
+    // At the limit: stored; its result (two levels more) is not.
+    let r = s
+        .raw(
+            "POST",
+            "/api/v1/data/deeper/1",
+            nested(limit),
+            Some("application/json"),
+        )
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let id = r.body["trace_id"].as_str().unwrap().to_owned();
+    let trace = poll(&s, &id, |t| {
+        t["status"] == "completed" || t["status"] == "failed"
+    })
+    .await;
+    assert_eq!(trace["status"], "completed", "{trace}");
+    assert_eq!(trace["data"], Json::Null);
+    assert!(
+        trace["errors"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("it was not stored"),
+        "{trace}"
+    );
+}
+
+/// Deep values need the service's own worker stacks (an unoptimised build's
+/// frames are about 40 times larger than a release build's).
+fn with_service_stacks(db: Db) {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_stack_size(sluice::engine::THREAD_STACK_BYTES)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(deep_traces_within_the_store_body(db));
+}
+
+#[test]
+fn deep_traces_within_the_store_sqlite() {
+    with_service_stacks(Db::Sqlite);
+}
+
+#[test]
+fn deep_traces_within_the_store_postgres() {
+    with_service_stacks(Db::Postgres);
+}
+
+#[test]
+fn deep_traces_within_the_store_mariadb() {
+    with_service_stacks(Db::MySql);
+}
