@@ -1892,6 +1892,7 @@ async fn a_reload_without_its_own_connection_uses_the_shared_pool() {
                 "sqlite://{}",
                 dir.join("missing/dir/s.db").display()
             )),
+            json_depth: s.json_depth(),
         }),
     };
     assert!(matches!(unreachable.twin().await, Some(Err(_))));
