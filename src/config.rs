@@ -38,6 +38,9 @@ pub struct Server {
     pub shutdown_drain_secs: u64,
     /// Requests served at once; more are shed with 503.
     pub max_in_flight: u64,
+    /// How long a client may take to send a request's head (then the
+    /// connection is closed) and, separately, its body (then 408).
+    pub request_read_timeout_secs: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -232,6 +235,7 @@ impl Default for Config {
                 host: "127.0.0.1".into(),
                 port: 8080,
                 shutdown_drain_secs: 30,
+                request_read_timeout_secs: 30,
                 max_in_flight: 10_000,
             },
             storage: Storage {
@@ -439,6 +443,10 @@ impl Config {
             (
                 "engine.reload_timeout_secs",
                 self.engine.reload_timeout_secs,
+            ),
+            (
+                "server.request_read_timeout_secs",
+                self.server.request_read_timeout_secs,
             ),
         ];
         if let Some((key, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
@@ -751,6 +759,7 @@ mod tests {
             "SERVICE_ENGINE__MAX_CHANNEL_CALL_DEPTH",
             "SERVICE_ENGINE__HEALTH_CHECK_TIMEOUT_SECS",
             "SERVICE_ENGINE__RELOAD_TIMEOUT_SECS",
+            "SERVICE_SERVER__REQUEST_READ_TIMEOUT_SECS",
             "SERVICE_SERVER__MAX_IN_FLIGHT",
         ] {
             let e = load(None, &[(var, "0")]).unwrap_err().0;

@@ -14,7 +14,7 @@ use http::header::HeaderName;
 use http::{HeaderMap, HeaderValue, Method, Request, Uri, header};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use std::convert::Infallible;
@@ -135,6 +135,16 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
     // of a second `writev` segment (+2.6 % requests/s on the reference
     // workload, docs/benchmarks.md).
     builder.http1().writev(false);
+    // A client must send a request's head within
+    // `server.request_read_timeout_secs` (and its body too, see
+    // `read_and_route`): a slow or silent client cannot hold a connection,
+    // or an in-flight slot, for ever.
+    let read_timeout = Duration::from_secs(app.config.server.request_read_timeout_secs);
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(read_timeout);
+    let builder = Arc::new(builder);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -155,10 +165,20 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
                 let service = hyper::service::service_fn(move |req| {
                     handle(app.clone(), client_ip.clone(), req)
                 });
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                let conn = graceful.watch(conn.into_owned());
+                let (builder, watcher) = (builder.clone(), graceful.watcher());
                 tokio::spawn(async move {
-                    if let Err(e) = conn.await {
+                    // hyper's header timer starts once the protocol is
+                    // known, that is after the first bytes: a connection
+                    // that sends nothing is closed here.
+                    let mut first = [0u8; 1];
+                    if !matches!(
+                        tokio::time::timeout(read_timeout, stream.peek(&mut first)).await,
+                        Ok(Ok(1..))
+                    ) {
+                        return;
+                    }
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(error = %e, "connection closed with error");
                     }
                 });
@@ -346,7 +366,20 @@ async fn read_and_route(
     {
         return early(app, &parts, too_large(limit));
     }
-    let body = match read_body(body, limit).await {
+    // No clock read: the deadline counts from the request's arrival.
+    let secs = app.config.server.request_read_timeout_secs;
+    let read = tokio::time::timeout_at(
+        (started + Duration::from_secs(secs)).into(),
+        read_body(body, limit),
+    );
+    let Ok(read) = read.await else {
+        return ApiError::new(
+            Code::RequestTimeout,
+            format!("the request body was not received within {secs} s"),
+        )
+        .into_response();
+    };
+    let body = match read {
         Ok(body) => body,
         Err(BodyError::TooLarge) => return early(app, &parts, too_large(limit)),
         Err(BodyError::Read(e)) => {

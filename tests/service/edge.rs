@@ -422,3 +422,46 @@ async fn values_nested_past_the_limit_fail_the_task_not_the_process() {
     drop(r);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A client that is slow to send its request cannot hold the connection:
+/// a silent connection and one with half a head are closed after
+/// `server.request_read_timeout_secs`; a body that stops arriving is
+/// answered 408 in the error envelope.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_are_cut_off() {
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = start_with(Db::Sqlite, |c| c.server.request_read_timeout_secs = 1).await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let read_all = |mut conn: tokio::net::TcpStream| async move {
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut got))
+            .await
+            .expect("the server closes the connection")
+            .ok();
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    let started = std::time::Instant::now();
+    // Nothing sent at all.
+    let silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    // Half a head.
+    let mut half = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    half.write_all(b"POST /api/v1/data/x HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    // A whole head, then part of the body.
+    let mut body = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    body.write_all(
+        b"POST /api/v1/data/x HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"data\":",
+    )
+    .await
+    .unwrap();
+    let (silent, half, body) = tokio::join!(read_all(silent), read_all(half), read_all(body));
+    assert!(silent.is_empty(), "{silent}");
+    assert!(!half.contains("200 OK"), "{half}");
+    assert!(body.starts_with("HTTP/1.1 408"), "{body}");
+    assert!(body.contains(r#""code":"REQUEST_TIMEOUT""#), "{body}");
+    assert!(started.elapsed() < Duration::from_secs(8));
+    // The service is fine.
+    assert_eq!(s.get("/healthz").await.status, 200);
+}
