@@ -425,6 +425,7 @@ impl Governance {
                     .map(|(_, v)| (*v).to_owned())
                     .filter(|v| !v.is_empty())
             })?;
+            let key = compact_key(key);
             Some((
                 format!("{}\0{key}", channel.name),
                 Duration::from_secs(d.window_secs),
@@ -435,7 +436,7 @@ impl Governance {
             .then(|| format!("\0platform\0{}", view.client_ip));
         let rate = cfg.rate_limit.as_ref().map(|_| {
             let (client, hashed) = match key_of(&rules.rate_key) {
-                Some(k) => (k, true),
+                Some(k) => (compact_key(k), true),
                 None => (view.client_ip.to_owned(), false),
             };
             (format!("{}\0{client}", channel.name), client, hashed)
@@ -453,7 +454,9 @@ impl Governance {
         };
         let cache = match cfg.cache.as_ref().filter(|c| c.enabled) {
             Some(c) if stage == Stage::Run => {
-                let key = key_of(&rules.cache_key).unwrap_or_else(|| default_cache_key(view));
+                let key = compact_key(
+                    key_of(&rules.cache_key).unwrap_or_else(|| default_cache_key(view)),
+                );
                 let kind = if view.internal { "call" } else { "http" };
                 Some((
                     format!("{}\0{kind}\0{key}", rules.cache_scope),
@@ -880,6 +883,21 @@ impl<'a> Parts<'a> {
     }
 }
 
+/// Keys longer than this are kept as their SHA-256 digest.
+const MAX_KEY_BYTES: usize = 128;
+
+/// A key as the governance stores keep it: as it is when short, else its
+/// SHA-256 digest (hex), so a caller who controls a key (a body member, a
+/// header, the body itself for the cache) cannot make each entry of a
+/// bounded store megabytes large. A cryptographic digest, so that no one
+/// can craft a request whose key collides with another caller's.
+fn compact_key(key: String) -> String {
+    if key.len() <= MAX_KEY_BYTES {
+        return key;
+    }
+    format!("sha256:{}", crate::storage::digest(&key))
+}
+
 /// A `key_logic` result as a key: strings as they are, other values as JSON
 /// text; null, an empty string or an evaluation error mean "no key" (the
 /// check then falls back to its default key).
@@ -1019,6 +1037,23 @@ pub fn refuse_preflight(channel: &Channel, why: &str) -> HttpResponse {
 #[cfg(test)]
 mod tests {
     use super::Bucket;
+
+    #[test]
+    fn long_keys_are_kept_as_their_digest() {
+        let short = "u-42".to_owned();
+        assert_eq!(super::compact_key(short.clone()), short);
+        let at_limit = "k".repeat(super::MAX_KEY_BYTES);
+        assert_eq!(super::compact_key(at_limit.clone()), at_limit);
+        let (a, b) = (
+            "a".repeat(1 << 20),
+            format!("{}b", "a".repeat((1 << 20) - 1)),
+        );
+        let (ka, kb) = (super::compact_key(a.clone()), super::compact_key(b));
+        assert!(ka.starts_with("sha256:") && ka.len() == 7 + 64, "{ka}");
+        assert_ne!(ka, kb);
+        // Stable: the same key (on any replica) gives the same digest.
+        assert_eq!(ka, super::compact_key(a));
+    }
 
     #[test]
     fn the_bucket_allows_the_burst_then_refills_at_the_rate() {

@@ -14,7 +14,7 @@ use http::header::HeaderName;
 use http::{HeaderMap, HeaderValue, Method, Request, Uri, header};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use std::convert::Infallible;
@@ -135,15 +135,12 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
     // of a second `writev` segment (+2.6 % requests/s on the reference
     // workload, docs/benchmarks.md).
     builder.http1().writev(false);
-    // A client must send a request's head within
-    // `server.request_read_timeout_secs` (and its body too, see
-    // `read_and_route`): a slow or silent client cannot hold a connection,
-    // or an in-flight slot, for ever.
+    // A connection must start a request within
+    // `server.request_read_timeout_secs` of the last one (see `watch`), and
+    // a request's body arrive within it (`read_and_route`): a slow or
+    // silent client cannot hold a connection, or an in-flight slot, for
+    // ever. (hyper's own header timer would arm a timer for every request.)
     let read_timeout = Duration::from_secs(app.config.server.request_read_timeout_secs);
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(read_timeout);
     let builder = Arc::new(builder);
     tokio::pin!(shutdown);
     loop {
@@ -162,23 +159,16 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
                 let app = app.clone();
                 // Formatted once per connection, shared by its requests.
                 let client_ip: Arc<str> = peer.ip().to_string().into();
+                let activity = Arc::new(Activity::default());
+                let seen = activity.clone();
                 let service = hyper::service::service_fn(move |req| {
-                    handle(app.clone(), client_ip.clone(), req)
+                    handle(app.clone(), client_ip.clone(), seen.clone(), req)
                 });
                 let (builder, watcher) = (builder.clone(), graceful.watcher());
                 tokio::spawn(async move {
-                    // hyper's header timer starts once the protocol is
-                    // known, that is after the first bytes: a connection
-                    // that sends nothing is closed here.
-                    let mut first = [0u8; 1];
-                    if !matches!(
-                        tokio::time::timeout(read_timeout, stream.peek(&mut first)).await,
-                        Ok(Ok(1..))
-                    ) {
-                        return;
-                    }
                     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                    if let Err(e) = watcher.watch(conn.into_owned()).await {
+                    let conn = watcher.watch(conn.into_owned());
+                    if let Err(e) = watch(conn, &activity, read_timeout).await {
                         tracing::debug!(error = %e, "connection closed with error");
                     }
                 });
@@ -221,11 +211,60 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
     }
 }
 
+/// What a connection's requests have done, for [`watch`]: how many began
+/// (their head was read) and how many are still being answered.
+#[derive(Default)]
+struct Activity {
+    began: std::sync::atomic::AtomicU64,
+    running: std::sync::atomic::AtomicU32,
+}
+
+/// Counts a request as running until it is answered (or dropped).
+struct Running(Arc<Activity>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Serves a connection and closes it when, over a whole `period`, no
+/// request began while none was running: a client that sends nothing, or
+/// too slowly to complete a request head, or stays idle between requests,
+/// is dropped after one to two periods. One timer per connection, checked
+/// once a period; requests only bump two counters.
+async fn watch<F, E>(conn: F, activity: &Activity, period: Duration) -> Result<(), E>
+where
+    F: Future<Output = Result<(), E>>,
+{
+    tokio::pin!(conn);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut began = 0;
+    loop {
+        tokio::select! {
+            biased;
+            done = &mut conn => return done,
+            _ = tick.tick() => {
+                let now = activity.began.load(Ordering::Relaxed);
+                if now == began && activity.running.load(Ordering::Relaxed) == 0 {
+                    return Ok(());
+                }
+                began = now;
+            }
+        }
+    }
+}
+
 async fn handle(
     app: Arc<App>,
     client_ip: Arc<str>,
+    activity: Arc<Activity>,
     req: Request<Incoming>,
 ) -> Result<HttpResponse, Infallible> {
+    activity.began.fetch_add(1, Ordering::Relaxed);
+    activity.running.fetch_add(1, Ordering::Relaxed);
+    let _running = Running(activity);
     let (request_id, caller_request_id) = RequestId::of(req.headers());
     // Fields are formatted only when a subscriber records the span (it is
     // disabled below `info`).

@@ -617,6 +617,9 @@ fn check_field(c: &mut Ctx, field: &FieldSchema, v: &Json, at: &FieldPath) {
     }
 }
 
+/// The slowest rate a `rate_limit` may have: one request a day.
+pub const MIN_REQUESTS_PER_SECOND: f64 = 1.0 / 86_400.0;
+
 // ----------------------------------------------------------------- channels
 
 /// Validates a channel definition; empty means valid.
@@ -772,6 +775,12 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
             Some(v) if v.as_f64().is_some_and(|n| n <= 0.0) => {
                 c.push(&at.key("requests_per_second"), "must be greater than 0")
             }
+            // Slower than one request a day is a typo (and the bucket's
+            // arithmetic, in nanoseconds per token, would overflow).
+            Some(v) if v.as_f64().is_some_and(|n| n < MIN_REQUESTS_PER_SECOND) => c.push(
+                &at.key("requests_per_second"),
+                "must be at least 1/86400 (one request a day)",
+            ),
             Some(_) => {}
         }
         c.integer(rl, "burst", &at, false, Some(1), Some(i64::from(u32::MAX)));

@@ -874,6 +874,19 @@ fn channel_config_json() {
         })),
         &[],
     );
+    // One request a day is the slowest rate; below it, a typo (1e-300
+    // once overflowed the bucket's Retry-After).
+    check(
+        cfg(json!({"rate_limit": {"requests_per_second": 1.0 / 86_400.0}})),
+        &[],
+    );
+    check(
+        cfg(json!({"rate_limit": {"requests_per_second": 1e-300}})),
+        &[(
+            "config_json.rate_limit.requests_per_second",
+            "must be at least 1/86400 (one request a day)",
+        )],
+    );
     check(
         cfg(json!({
             "timeout_ms": 0,
