@@ -22,6 +22,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tracing::Instrument;
@@ -405,18 +406,27 @@ async fn read_and_route(
     {
         return early(app, &parts, too_large(limit));
     }
-    // No clock read: the deadline counts from the request's arrival.
-    let secs = app.config.server.request_read_timeout_secs;
-    let read = tokio::time::timeout_at(
-        (started + Duration::from_secs(secs)).into(),
-        read_body(body, limit),
-    );
-    let Ok(read) = read.await else {
-        return ApiError::new(
-            Code::RequestTimeout,
-            format!("the request body was not received within {secs} s"),
-        )
-        .into_response();
+    // A body that came with its head (nearly all) is read in the first
+    // poll, and no timer is made for it; otherwise the rest must arrive
+    // within the read timeout, counted from the request's arrival.
+    let mut reading = std::pin::pin!(read_body(body, limit));
+    let first = std::future::poll_fn(|cx| Poll::Ready(reading.as_mut().poll(cx))).await;
+    let read = match first {
+        Poll::Ready(read) => read,
+        Poll::Pending => {
+            let secs = app.config.server.request_read_timeout_secs;
+            let deadline = (started + Duration::from_secs(secs)).into();
+            match tokio::time::timeout_at(deadline, reading).await {
+                Ok(read) => read,
+                Err(_) => {
+                    return ApiError::new(
+                        Code::RequestTimeout,
+                        format!("the request body was not received within {secs} s"),
+                    )
+                    .into_response();
+                }
+            }
+        }
     };
     let body = match read {
         Ok(body) => body,
