@@ -382,11 +382,33 @@ fn percentage(body: &Json, field: &str, required: bool) -> Result<Option<i64>, A
 
 async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) -> ApiResult {
     let body = req.json()?;
-    let target = match body.get("status").and_then(Json::as_str) {
-        Some("active") => Status::Active,
-        Some("archived") => Status::Archived,
-        Some("paused") => Status::Paused,
+    if !body.is_object() {
+        return Err(ApiError::bad_request(format!(
+            "the body must be a JSON object like {{\"status\": \"active\"}}, got {}",
+            sluice_compiler::diag::type_name(&body)
+        )));
+    }
+    let status_field = |message: String| {
+        ApiError::invalid(
+            "request",
+            vec![Diagnostic {
+                field: "status".into(),
+                message,
+            }],
+        )
+    };
+    let target = match body.get("status") {
+        Some(Json::String(s)) if s == "active" => Status::Active,
+        Some(Json::String(s)) if s == "archived" => Status::Archived,
+        Some(Json::String(s)) if s == "paused" => Status::Paused,
+        Some(other) if !other.is_string() => {
+            return Err(status_field(format!(
+                "expected string, got {}",
+                sluice_compiler::diag::type_name(other)
+            )));
+        }
         Some(other) => {
+            let other = other.as_str().unwrap_or_default();
             return Err(ApiError::invalid(
                 "request",
                 vec![Diagnostic {
@@ -395,15 +417,7 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
                 }],
             ));
         }
-        None => {
-            return Err(ApiError::invalid(
-                "request",
-                vec![Diagnostic {
-                    field: "status".into(),
-                    message: "is required".into(),
-                }],
-            ));
-        }
+        None => return Err(status_field("is required".into())),
     };
     let rollout = if kind == Kind::Workflow {
         percentage(&body, "rollout_percentage", false)?

@@ -198,7 +198,9 @@ pub(crate) fn header_pairs_into<'r>(req: &'r Req, pairs: &mut HeaderPairs<'r>) {
         req.headers
             .iter()
             .filter(|(k, _)| k.as_str() != "x-request-id")
-            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+            // UTF-8 values too (`to_str` takes visible ASCII only, and
+            // dropped a header such as `x-name: café`).
+            .filter_map(|(k, v)| Some((k.as_str(), std::str::from_utf8(v.as_bytes()).ok()?))),
     );
     pairs.push(("x-request-id", req.request_id.as_str()));
 }

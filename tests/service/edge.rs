@@ -465,3 +465,58 @@ async fn slow_clients_are_cut_off() {
     // The service is fine.
     assert_eq!(s.get("/healthz").await.status, 200);
 }
+
+/// Header values in UTF-8 (not only visible ASCII) reach the workflow, and
+/// a status change of the wrong shape says precisely what is wrong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn utf8_headers_and_status_bodies() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        json!({"workflow_id": "hdr", "name": "hdr", "tasks": [
+            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+                {"path": "name", "logic": {"var": "metadata.headers.x-name"}}]}}}]}),
+        json!({"channel_id": "hdr", "name": "hdr", "workflow_id": "hdr"}),
+    )
+    .await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let body = r#"{"data":{}}"#;
+    let head = format!(
+        "POST /api/v1/data/hdr HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nX-Name: caf\u{e9}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.contains(r#""name":"café""#), "{answer}");
+
+    for (body, field_message) in [
+        (json!({"status": 5}), Some("expected string, got integer")),
+        (json!({"status": null}), Some("expected string, got null")),
+        (json!({}), Some("is required")),
+        (json!([]), None),
+    ] {
+        let r = s.admin("PATCH", "/workflows/hdr/status", Some(body)).await;
+        let e = r.error(400, "BAD_REQUEST");
+        match field_message {
+            Some(m) => assert_eq!(
+                (
+                    e["details"][0]["field"].as_str(),
+                    e["details"][0]["message"].as_str()
+                ),
+                (Some("status"), Some(m)),
+                "{e}"
+            ),
+            None => assert!(
+                e["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("must be a JSON object"),
+                "{e}"
+            ),
+        }
+    }
+}
