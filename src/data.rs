@@ -467,7 +467,10 @@ pub(crate) fn failure_code(kind: FailureKind) -> Code {
 
 /// The answer of `POST /workflows/{id}/test` (and `sluice dry-run`).
 pub fn dry_run_answer(e: &Execution) -> Json {
-    let data: Json = serde_json::from_slice(&e.data).unwrap_or(Json::Null);
+    // As deep as an execution can build (serde_json alone stops at 128
+    // levels, and the dry run answered `data: null`).
+    let data: Json = sluice_runtime::json::to_serde(&e.data, sluice_runtime::exec::MAX_NESTING)
+        .unwrap_or(Json::Null);
     let (status, mut errors) = match &e.status {
         Status::Completed => ("completed", Vec::new()),
         Status::Filtered => ("filtered", Vec::new()),

@@ -520,3 +520,40 @@ async fn utf8_headers_and_status_bodies() {
         }
     }
 }
+
+/// The dry run answers results nested past serde_json's 128 levels (it
+/// answered `data: null`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dry_runs_answer_deep_results() {
+    let s = start(Db::Sqlite).await;
+    // A payload 100 levels deep written 40 levels down: a result of 141.
+    let target = vec!["t"; 40].join(".");
+    s.admin(
+        "POST",
+        "/workflows",
+        Some(json!({"workflow_id": "deepdry", "name": "d", "tasks": [
+            {"id": "p", "name": "p", "function": {"name": "parse_json", "input": {"source": "payload", "target": target}}}]})),
+    )
+    .await
+    .ok(201);
+    let levels = 100;
+    let text = format!(
+        r#"{{"data": {}1{}}}"#,
+        "[".repeat(levels),
+        "]".repeat(levels)
+    );
+    let r = s
+        .raw(
+            "POST",
+            "/api/v1/admin/workflows/deepdry/test",
+            text.into_bytes(),
+            Some("application/json"),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", &r.text[..200.min(r.text.len())]);
+    assert!(
+        r.text.contains(&format!(r#""t":{}1"#, "[".repeat(levels))),
+        "{}",
+        &r.text[..300.min(r.text.len())]
+    );
+}
