@@ -131,6 +131,53 @@ macro_rules! timed {
     }};
 }
 
+/// The most rows one `db_read` returns (like `mongo_read`'s documents): a
+/// broad query must not hold the whole table in memory.
+pub const MAX_ROWS: usize = 10_000;
+
+/// Reads at most `MAX_ROWS + 1` rows (one more tells that there are more);
+/// the rest are never fetched.
+async fn at_most<R>(
+    rows: impl futures_util::Stream<Item = Result<R, sqlx::Error>>,
+) -> Result<Vec<R>, sqlx::Error> {
+    use futures_util::TryStreamExt;
+    let mut rows = std::pin::pin!(rows);
+    let mut out = Vec::new();
+    while let Some(row) = rows.try_next().await? {
+        out.push(row);
+        if out.len() > MAX_ROWS {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// `timed!` for a `db_read`: at most `MAX_ROWS` rows. A query that has
+/// more is stopped, and its connection closed rather than returned (the
+/// unfinished statement may still be running on it).
+macro_rules! timed_rows {
+    ($self:expr, $pool:expr, $conn:ident => $run:expr) => {{
+        let mut $conn = $pool
+            .acquire()
+            .await
+            .map_err(|e| acquire_err(e, $pool.size()))?;
+        match tokio::time::timeout($self.query_timeout, $run).await {
+            Ok(Ok(rows)) if rows.len() > MAX_ROWS => {
+                drop($conn.detach());
+                Err(ConnectorError::other(format!(
+                    "the query returns more than {MAX_ROWS} rows (the most one db_read returns); \
+                     narrow it or add a LIMIT"
+                )))
+            }
+            Ok(result) => result.map_err(sql_err),
+            Err(_) => {
+                drop($conn.detach());
+                Err(timeout_err($self.query_timeout))
+            }
+        }
+    }};
+}
+
 impl SqlPool {
     /// Builds the pool without connecting: a database that is down when the
     /// connector is loaded fails the calls (retryably), not the load.
@@ -221,17 +268,17 @@ impl SqlPool {
         match &self.pools {
             Pools::Sqlite(pool) => {
                 let q = params.iter().fold(sqlx::query(query), bind_sqlite);
-                let rows = timed!(self, pool, conn => q.fetch_all(&mut *conn))?;
+                let rows = timed_rows!(self, pool, conn => at_most(q.fetch(&mut *conn)))?;
                 rows.iter().map(|r| row_json(r, sqlite_cell)).collect()
             }
             Pools::Postgres(pool) => {
                 let q = params.iter().fold(pg_query(query), bind_pg);
-                let rows = timed!(self, pool, conn => q.fetch_all(&mut *conn))?;
+                let rows = timed_rows!(self, pool, conn => at_most(q.fetch(&mut *conn)))?;
                 rows.iter().map(|r| row_json(r, pg_cell)).collect()
             }
             Pools::MySql(pool) => {
                 let q = params.iter().fold(sqlx::query(query), bind_mysql);
-                let rows = timed!(self, pool, conn => q.fetch_all(&mut *conn))?;
+                let rows = timed_rows!(self, pool, conn => at_most(q.fetch(&mut *conn)))?;
                 rows.iter().map(|r| row_json(r, mysql_cell)).collect()
             }
         }
@@ -1012,6 +1059,49 @@ mod tests {
                 .unwrap();
             assert_eq!(rows, vec![json!({"f": null}), json!({"f": 1.0}), json!({"f": 2.5})]);
             pool.close().await;
+        })
+        .await;
+    }
+
+    /// A query with more rows than MAX_ROWS (`endless`) stops at
+    /// MAX_ROWS + 1 rows with an error, not when memory runs out; one of
+    /// exactly MAX_ROWS (`exact`) is answered, and the pool serves on.
+    async fn rows_are_capped(pool: SqlPool, endless: &str, exact: &str) {
+        let e = pool.read(endless, &[]).await.unwrap_err();
+        assert!(e.message.contains("more than 10000 rows"), "{e:?}");
+        assert!(!e.retryable);
+        assert_eq!(pool.read(exact, &[]).await.unwrap().len(), MAX_ROWS);
+        assert_eq!(
+            pool.read("SELECT 1 AS one", &[]).await.unwrap(),
+            vec![json!({"one": 1})]
+        );
+    }
+
+    #[tokio::test]
+    async fn db_read_rows_are_capped_on_every_backend() {
+        // A recursive CTE counting for ever, and one counting to MAX_ROWS.
+        let endless =
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c";
+        let exact = format!(
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < {MAX_ROWS}) SELECT x FROM c"
+        );
+        let (dir, url) = sqlite_url();
+        rows_are_capped(SqlPool::connect(&cfg(&url)).await.unwrap(), endless, &exact).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        let exact_pg = exact.clone();
+        with_db(Server::Postgres, 10_000, |pool| async move {
+            rows_are_capped(pool, endless, &exact_pg).await;
+        })
+        .await;
+        // MariaDB ends a recursive CTE at max_recursive_iterations (1,000):
+        // its sequence tables instead.
+        with_db(Server::MySql, 10_000, |pool| async move {
+            rows_are_capped(
+                pool,
+                "SELECT seq AS x FROM seq_1_to_1000000",
+                "SELECT seq AS x FROM seq_1_to_10000",
+            )
+            .await;
         })
         .await;
     }
