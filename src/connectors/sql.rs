@@ -114,15 +114,26 @@ macro_rules! dispatch {
 /// Acquires a connection, runs `$run` on it under the query timeout, and on a
 /// timeout closes that connection instead of pooling it: the server may still
 /// be busy with the statement, and a pooled connection would make the next
-/// query wait for it.
+/// query wait for it. With `refuse`, a result it refuses (`Some(error)`) is
+/// an error too, and closes the connection the same way.
 macro_rules! timed {
-    ($self:expr, $pool:expr, $conn:ident => $run:expr) => {{
+    ($self:expr, $pool:expr, $conn:ident => $run:expr) => {
+        timed!($self, $pool, $conn => $run, refuse: |_| None)
+    };
+    ($self:expr, $pool:expr, $conn:ident => $run:expr, refuse: $refuse:expr) => {{
         let mut $conn = $pool
             .acquire()
             .await
             .map_err(|e| acquire_err(e, $pool.size()))?;
         match tokio::time::timeout($self.query_timeout, $run).await {
-            Ok(result) => result.map_err(sql_err),
+            Ok(Ok(value)) => match $refuse(&value) {
+                None => Ok(value),
+                Some(e) => {
+                    drop($conn.detach());
+                    Err(e)
+                }
+            },
+            Ok(Err(e)) => Err(sql_err(e)),
             Err(_) => {
                 drop($conn.detach());
                 Err(timeout_err($self.query_timeout))
@@ -152,30 +163,15 @@ async fn at_most<R>(
     Ok(out)
 }
 
-/// `timed!` for a `db_read`: at most `MAX_ROWS` rows. A query that has
-/// more is stopped, and its connection closed rather than returned (the
-/// unfinished statement may still be running on it).
-macro_rules! timed_rows {
-    ($self:expr, $pool:expr, $conn:ident => $run:expr) => {{
-        let mut $conn = $pool
-            .acquire()
-            .await
-            .map_err(|e| acquire_err(e, $pool.size()))?;
-        match tokio::time::timeout($self.query_timeout, $run).await {
-            Ok(Ok(rows)) if rows.len() > MAX_ROWS => {
-                drop($conn.detach());
-                Err(ConnectorError::other(format!(
-                    "the query returns more than {MAX_ROWS} rows (the most one db_read returns); \
-                     narrow it or add a LIMIT"
-                )))
-            }
-            Ok(result) => result.map_err(sql_err),
-            Err(_) => {
-                drop($conn.detach());
-                Err(timeout_err($self.query_timeout))
-            }
-        }
-    }};
+/// Refuses a `db_read` with more than `MAX_ROWS` rows (its statement is
+/// abandoned, and `timed!` closes the connection it may still run on).
+fn too_many<R>(rows: &[R]) -> Option<ConnectorError> {
+    (rows.len() > MAX_ROWS).then(|| {
+        ConnectorError::other(format!(
+            "the query returns more than {MAX_ROWS} rows (the most one db_read returns); \
+             narrow it or add a LIMIT"
+        ))
+    })
 }
 
 impl SqlPool {
@@ -268,17 +264,20 @@ impl SqlPool {
         match &self.pools {
             Pools::Sqlite(pool) => {
                 let q = params.iter().fold(sqlx::query(query), bind_sqlite);
-                let rows = timed_rows!(self, pool, conn => at_most(q.fetch(&mut *conn)))?;
+                let rows =
+                    timed!(self, pool, conn => at_most(q.fetch(&mut *conn)), refuse: too_many)?;
                 rows.iter().map(|r| row_json(r, sqlite_cell)).collect()
             }
             Pools::Postgres(pool) => {
                 let q = params.iter().fold(pg_query(query), bind_pg);
-                let rows = timed_rows!(self, pool, conn => at_most(q.fetch(&mut *conn)))?;
+                let rows =
+                    timed!(self, pool, conn => at_most(q.fetch(&mut *conn)), refuse: too_many)?;
                 rows.iter().map(|r| row_json(r, pg_cell)).collect()
             }
             Pools::MySql(pool) => {
                 let q = params.iter().fold(sqlx::query(query), bind_mysql);
-                let rows = timed_rows!(self, pool, conn => at_most(q.fetch(&mut *conn)))?;
+                let rows =
+                    timed!(self, pool, conn => at_most(q.fetch(&mut *conn)), refuse: too_many)?;
                 rows.iter().map(|r| row_json(r, mysql_cell)).collect()
             }
         }
