@@ -17,7 +17,7 @@ use crate::{json, xml};
 use bumpalo::Bump;
 use serde_json::Value as Json;
 use sluice_compiler::Value;
-use sluice_compiler::logic::{Logic, truthy};
+use sluice_compiler::logic::{Logic, MAX_ARENA_BYTES, truthy};
 use sluice_compiler::path::PathSet;
 use sluice_compiler::plan::{
     Area, Block, FunctionPlan, Group, LogLevel, Plan, ReadPath, Source, Step, Task, WritePath,
@@ -641,6 +641,7 @@ impl<'a> Machine<'a> {
         may_outgrow: bool,
     ) -> Result<(), TaskError> {
         self.check_nesting(target, &value, may_outgrow)?;
+        check_room(target, arena)?;
         let area = self.ctx.area_mut(target.area);
         *area = target
             .path
@@ -666,6 +667,7 @@ impl<'a> Machine<'a> {
         for ((path, logic), value) in run.iter().zip(values) {
             self.check_nesting(path, value, logic.may_outgrow_its_data())?;
         }
+        check_room(first, arena)?;
         let area = self.ctx.area_mut(first.area);
         match set.set(*area, values, arena) {
             Some(written) => {
@@ -1362,6 +1364,27 @@ enum Step2 {
     Done(Flow),
     Io(IoRequest),
     Validated(Vec<String>),
+}
+
+/// A write keeps the execution's data under [`MAX_ARENA_BYTES`]: every
+/// value the context holds lives in the execution's arena, and evaluations
+/// are held to what the arena has left, but a task can grow it otherwise
+/// (`publish_json` of a large value, a loop of such writes).
+#[inline(always)]
+fn check_room(target: &WritePath, arena: &Bump) -> Result<(), TaskError> {
+    if arena.allocated_bytes() > MAX_ARENA_BYTES {
+        return Err(too_large(target));
+    }
+    Ok(())
+}
+
+#[cold]
+fn too_large(target: &WritePath) -> TaskError {
+    TaskError::task(format!(
+        "cannot write '{}': the execution's data would exceed {} MiB",
+        target.text,
+        MAX_ARENA_BYTES >> 20
+    ))
 }
 
 fn function_name(f: &FunctionPlan) -> &'static str {

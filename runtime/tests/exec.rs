@@ -1306,3 +1306,67 @@ fn nesting_limit() {
     );
     assert_eq!(fine.exec.status, Status::Completed);
 }
+
+/// A map whose mappings double a string: 1 KiB becomes 8 MiB in 13 steps,
+/// within one rule's budget (64 MiB) each time.
+fn doublings(to: &str) -> Json {
+    let mut mappings: Vec<Json> = vec![json!({"path": to, "logic": {"var": "data.in.text"}})];
+    for _ in 0..13 {
+        mappings.push(json!({"path": to, "logic": {"cat": [{"var": to}, {"var": to}]}}));
+    }
+    task("grow", "map", json!({ "mappings": mappings }))
+}
+
+#[test]
+fn an_execution_cannot_grow_its_data_past_the_arena_limit() {
+    let text = "x".repeat(1024);
+    // Each copy of the 8 MiB string is within one rule's budget; together
+    // they would hold hundreds of MiB.
+    let copies: Vec<Json> = (0..32)
+        .map(|i| json!({"path": format!("data.c{i}"), "logic": {"cat": [{"var": "data.s"}, "!"]}}))
+        .collect();
+    let p = plan(wf(json!([
+        parse(),
+        doublings("data.s"),
+        task("copies", "map", json!({ "mappings": copies }))
+    ])));
+    let r = run(&p, json!({ "text": text }));
+    let Status::Failed(f) = &r.exec.status else {
+        panic!("completed with {} bytes of data", r.exec.data.len())
+    };
+    // The rule that passes the limit fails, and what the mappings before
+    // it computed is written as far as the limit lets it.
+    assert_eq!(f.task_id, "copies");
+    assert!(
+        f.message.contains("128 MiB per execution")
+            || f.message
+                .contains("the execution's data would exceed 128 MiB"),
+        "{}",
+        f.message
+    );
+
+    // Growth that is not an evaluation (publish_json's text) is held at the
+    // write.
+    let publishes: Vec<Json> = (0..32)
+        .map(|i| {
+            task(
+                &format!("publish{i}"),
+                "publish_json",
+                json!({"source": "s", "target": format!("p{i}")}),
+            )
+        })
+        .collect();
+    let mut tasks = vec![parse(), doublings("data.s")];
+    tasks.extend(publishes);
+    let r = run(&plan(wf(Json::Array(tasks))), json!({ "text": text }));
+    let Status::Failed(f) = &r.exec.status else {
+        panic!("completed with {} bytes of data", r.exec.data.len())
+    };
+    assert!(f.task_id.starts_with("publish"), "{}", f.task_id);
+    assert!(
+        f.message
+            .contains("the execution's data would exceed 128 MiB"),
+        "{}",
+        f.message
+    );
+}

@@ -6,8 +6,8 @@ use super::ops::compare::{Rel, loose_eq_checked, relate, strict_eq};
 use super::ops::string::{substr_range, write_js_string};
 use super::ops::{to_number, truthy};
 use super::{
-    ARITH_STACK, Body, EvalError, Iter, MAX_EVAL_ALLOC, MissingKey, Node, NodeId, Op, Operand,
-    Program, Scalar, Slot, Step,
+    ARITH_STACK, BUDGET_EXCEEDED, Body, EvalError, Iter, MAX_ARENA_BYTES, MAX_EVAL_ALLOC,
+    MissingKey, Node, NodeId, Op, Operand, Program, Scalar, Slot, Step,
 };
 use crate::path::Segment;
 use crate::value::{Value, key_eq};
@@ -50,7 +50,10 @@ pub(super) fn run_raw<'a>(
     let ev = Ev {
         prog,
         arena,
-        budget: Cell::new(MAX_EVAL_ALLOC),
+        // What the arena has left (see `MAX_ARENA_BYTES`), at most one rule's.
+        budget: Cell::new(
+            MAX_EVAL_ALLOC.min(MAX_ARENA_BYTES.saturating_sub(arena.allocated_bytes())),
+        ),
         error,
     };
     ev.eval(root, &Scope::root(data))
@@ -482,14 +485,20 @@ impl<'a> Ev<'a, '_> {
         }
     }
 
+    /// What operators may still allocate: the rule's budget, and no more
+    /// than the arena has left (see `MAX_ARENA_BYTES`). Read only by
+    /// operators that allocate, so rules that do not pay nothing for it.
+    #[inline]
+    fn room(&self) -> usize {
+        let arena_left = MAX_ARENA_BYTES.saturating_sub(self.arena.allocated_bytes());
+        self.budget.get().min(arena_left)
+    }
+
     fn charge(&self, bytes: usize) -> Result<(), Fail> {
-        let left = self.budget.get();
-        if bytes > left {
-            return Err(self.fail(EvalError::InvalidArguments(
-                "evaluation exceeds its allocation budget",
-            )));
+        if bytes > self.room() {
+            return Err(self.fail(EvalError::InvalidArguments(BUDGET_EXCEEDED)));
         }
-        self.budget.set(left - bytes);
+        self.budget.set(self.budget.get() - bytes);
         Ok(())
     }
 
@@ -857,20 +866,33 @@ impl<'a> Ev<'a, '_> {
                 }))
             }
             Op::Cat => {
-                // Room for a typical result up front: growing in steps
-                // (8, 16, 32 bytes) copied the text at each step.
-                let mut out = BString::with_capacity_in(32, self.arena);
+                // The arguments first, then the text written once into room
+                // for all of it: grown in the arena, the text would leave each
+                // smaller copy behind (a doubling `cat` chain kept about three
+                // times its result).
+                let mut values: smallvec::SmallVec<[Value<'a>; 8]> = smallvec::SmallVec::new();
+                let mut room = 0usize;
                 for i in 0..n {
                     let v = self.arg(args, i, scope)?;
                     // One string argument is its own result: no copy.
                     if n == 1 && matches!(v, Value::Str(_)) {
                         return Ok(v);
                     }
-                    let _ = write_js_string(&v, "", &mut out);
-                    if out.len() > self.budget.get() {
-                        return Err(self.fail(EvalError::InvalidArguments(
-                            "evaluation exceeds its allocation budget",
-                        )));
+                    room = room.saturating_add(match v {
+                        Value::Str(s) => s.len(),
+                        _ => 24,
+                    });
+                    values.push(v);
+                }
+                let limit = self.room();
+                if room > limit {
+                    return Err(self.fail(EvalError::InvalidArguments(BUDGET_EXCEEDED)));
+                }
+                let mut out = BString::with_capacity_in(room, self.arena);
+                for v in &values {
+                    let _ = write_js_string(v, "", &mut out);
+                    if out.len() > limit {
+                        return Err(self.fail(EvalError::InvalidArguments(BUDGET_EXCEEDED)));
                     }
                 }
                 self.charge(out.len())?;

@@ -40,6 +40,16 @@ pub const MAX_DEPTH: usize = 64;
 /// out-of-memory.
 pub const MAX_EVAL_ALLOC: usize = 64 << 20;
 
+/// The most bytes an arena that evaluations allocate into may hold: an
+/// evaluation's budget is what is left of it, up to [`MAX_EVAL_ALLOC`]. One
+/// execution keeps one arena, so however many rules it runs (a loop, a map
+/// of many mappings each doubling the last), its data stays under this.
+pub const MAX_ARENA_BYTES: usize = 128 << 20;
+
+/// The error an evaluation gives when it would pass its budget.
+pub(crate) const BUDGET_EXCEEDED: &str =
+    "evaluation exceeds its allocation budget (64 MiB per rule, 128 MiB per execution)";
+
 /// A compiled JSONLogic rule. Immutable, `Send + Sync`; evaluate it from any
 /// number of threads, each with its own arena.
 #[derive(Debug)]
