@@ -121,8 +121,18 @@ impl Req {
         if self.body.is_empty() {
             return Err(ApiError::bad_request("request body is required"));
         }
-        serde_json::from_slice(&self.body)
-            .map_err(|e| ApiError::bad_request(format!("malformed JSON: {e}")))
+        serde_json::from_slice(&self.body).map_err(|e| {
+            // serde_json stops at the 128th level and calls that a
+            // "recursion limit": the text may well be JSON, only nested too
+            // deep.
+            let text = e.to_string();
+            match text.strip_prefix("recursion limit exceeded") {
+                Some(at) => {
+                    ApiError::bad_request(format!("request body nests deeper than 127 levels{at}"))
+                }
+                None => ApiError::bad_request(format!("malformed JSON: {text}")),
+            }
+        })
     }
 }
 

@@ -41,7 +41,7 @@ pub fn parse<'a>(input: &[u8], arena: &'a Bump) -> Result<Value<'a>, JsonError> 
         });
         let mut tape: Tape<'a> = Tape(std::mem::take(&mut scratch.tape.0)).reset();
         let result = simd_json::fill_tape(buf, &mut scratch.buffers, &mut tape)
-            .map_err(|e| JsonError(e.to_string()))
+            .map_err(|e| explain(input, &e))
             .map(|()| {
                 let mut pos = 0;
                 build(&tape.0, &mut pos, arena)
@@ -49,6 +49,30 @@ pub fn parse<'a>(input: &[u8], arena: &'a Bump) -> Result<Value<'a>, JsonError> 
         scratch.tape = tape.reset();
         result
     })
+}
+
+/// Why `input` is not JSON, for people: simd-json's errors name an internal
+/// kind and a byte offset that is often not where the problem is
+/// (`InternalError at character 17`), so the error path parses once more
+/// with serde_json for its message (`trailing comma at line 1 column 18`).
+/// simd-json's own text stays when serde_json would not say more: it
+/// accepts the text, or stops at its own nesting limit (128 levels, which
+/// simd-json does not have).
+#[cold]
+#[inline(never)]
+fn explain(input: &[u8], simd: &simd_json::Error) -> JsonError {
+    if matches!(simd.error(), simd_json::ErrorType::DepthLimitExceeded) {
+        return JsonError(format!(
+            "nested deeper than 1024 levels (at byte {})",
+            simd.index()
+        ));
+    }
+    match serde_json::from_slice::<serde::de::IgnoredAny>(input) {
+        Err(e) if !e.to_string().starts_with("recursion limit exceeded") => {
+            JsonError(e.to_string())
+        }
+        _ => JsonError(simd.to_string()),
+    }
 }
 
 /// Parses a string already in the arena (or borrowed for `'a`): used by
@@ -359,5 +383,48 @@ mod tests {
         assert!(nests_within(text.as_bytes(), 3));
         assert!(!nests_within(text.as_bytes(), 2));
         assert!(to_serde(b"[1] x", 10).is_err());
+    }
+}
+
+#[cfg(test)]
+mod messages {
+    use super::*;
+
+    fn error(text: &str) -> String {
+        parse(text.as_bytes(), &Bump::new()).unwrap_err().0
+    }
+
+    /// Errors name the problem and where it is, as serde_json does, not
+    /// simd-json's internal kind and offset.
+    #[test]
+    fn errors_say_what_and_where() {
+        for (text, message) in [
+            (r#"{"a": 1,}"#, "key must be a string at line 1 column 9"),
+            (r#"{"a": [1 2]}"#, "expected `,` or `]` at line 1 column 10"),
+            (r#"{"a": tru}"#, "expected ident at line 1 column 10"),
+            (
+                "{\"a\": \"abc",
+                "EOF while parsing a string at line 1 column 10",
+            ),
+            (r#"{"a": "\x"}"#, "invalid escape at line 1 column 9"),
+            (r#"{"a": 1} x"#, "trailing characters at line 1 column 10"),
+            ("{\n  \"a\": 01\n}", "invalid number at line 2 column 9"),
+        ] {
+            assert_eq!(error(text), message, "{text}");
+        }
+    }
+
+    #[test]
+    fn deep_text_is_named_as_such() {
+        let deep = format!("{}{}", "[".repeat(2000), "]".repeat(2000));
+        assert_eq!(
+            error(&deep),
+            "nested deeper than 1024 levels (at byte 1024)"
+        );
+        // Deeper than serde_json's 128 levels but within simd-json's: the
+        // message comes from simd-json, not serde_json's recursion limit.
+        let broken = format!("{}1 2{}", "[".repeat(200), "]".repeat(200));
+        let e = error(&broken);
+        assert!(!e.contains("recursion limit"), "{e}");
     }
 }

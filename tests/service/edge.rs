@@ -38,6 +38,64 @@ async fn bad_requests_get_the_envelope() {
         r.body["error"].get("details").is_none(),
         "single-message errors have no details"
     );
+    // Valid JSON past serde_json's 128 levels is named for what it is.
+    let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+    let r = s
+        .raw(
+            "POST",
+            "/api/v1/admin/workflows/validate",
+            deep.into_bytes(),
+            Some("application/json"),
+        )
+        .await;
+    assert_eq!(
+        r.error(400, "BAD_REQUEST")["message"],
+        "request body nests deeper than 127 levels at line 1 column 128"
+    );
+    let r = s
+        .raw(
+            "POST",
+            "/api/v1/admin/workflows/validate",
+            format!("{}{}", "[".repeat(127), "]".repeat(127)).into_bytes(),
+            Some("application/json"),
+        )
+        .await;
+    let message = r.body["error"]["message"].as_str().unwrap_or_default();
+    assert!(!message.contains("levels"), "{message}");
+    // The data plane says what is wrong with a body and where, in the
+    // words of a JSON parser, not simd-json's internal error kinds.
+    s.deploy(
+        json!({"workflow_id": "echo", "name": "echo", "tasks": [
+            {"id": "p", "name": "p", "function": {"name": "parse_json",
+             "input": {"source": "payload", "target": "in"}}}]}),
+        json!({"channel_id": "echo", "name": "echo", "channel_type": "sync",
+               "protocol": "rest", "route_pattern": "/echo", "methods": ["POST"],
+               "workflow_id": "echo", "config_json": {"timeout_ms": 1000}}),
+    )
+    .await;
+    for (body, message) in [
+        (
+            &b"{\"data\": [1 2]}"[..],
+            "expected `,` or `]` at line 1 column 13",
+        ),
+        (
+            b"{\"data\": 1} x",
+            "trailing characters at line 1 column 13",
+        ),
+    ] {
+        let r = s
+            .raw(
+                "POST",
+                "/api/v1/data/echo",
+                body.to_vec(),
+                Some("application/json"),
+            )
+            .await;
+        assert_eq!(
+            r.error(400, "BAD_REQUEST")["message"],
+            format!("request body is not valid JSON: {message}")
+        );
+    }
     s.get("/api/v1/admin/nothing-here")
         .await
         .error(404, "NOT_FOUND");
