@@ -33,6 +33,16 @@ pub fn attach(app: &std::sync::Arc<App>) {
     app.invoker.attach(app);
 }
 
+/// At most the first 64 characters of a name for a message, and how long
+/// it was when it is longer.
+fn excerpt(name: &str) -> std::borrow::Cow<'_, str> {
+    match name.char_indices().nth(64) {
+        None => name.into(),
+        Some((end, _)) => format!("{}… ({} bytes)", &name[..end], name.len()).into(),
+    }
+}
+
+/// The runtime prefixes the function's name (`channel_call: …`).
 fn task_error(message: String) -> ConnectorError {
     ConnectorError::other(message)
 }
@@ -44,7 +54,7 @@ impl ChannelInvoker for Invoker {
             .app
             .get()
             .and_then(Weak::upgrade)
-            .ok_or_else(|| task_error("channel_call: the service is shutting down".into()))?;
+            .ok_or_else(|| task_error("the service is shutting down".into()))?;
         // The chain so far, outermost first; a scope built without one (an
         // older caller) still counts its own channel.
         let mut chain = if scope.chain.is_empty() && !scope.channel.is_empty() {
@@ -54,24 +64,29 @@ impl ChannelInvoker for Invoker {
         };
         let cycle = chain.contains(&req.channel);
         chain.push(req.channel.clone());
-        let named = chain.join(" -> ");
+        // Names come from the caller's data: messages quote at most the
+        // first 64 characters of each.
+        let named = chain
+            .iter()
+            .map(|c| excerpt(c))
+            .collect::<Vec<_>>()
+            .join(" -> ");
+        let callee = excerpt(&req.channel);
         if cycle {
-            return Err(task_error(format!("channel_call cycle: {named}")));
+            return Err(task_error(format!("cycle: {named}")));
         }
         let max = app.config.engine.max_channel_call_depth as usize;
         if chain.len() - 1 > max {
             return Err(task_error(format!(
-                "channel_call depth {} exceeds engine.max_channel_call_depth ({max}): {named}",
+                "depth {} exceeds engine.max_channel_call_depth ({max}): {named}",
                 chain.len() - 1
             )));
         }
         let snapshot = app.engine.load_full();
-        let channel = snapshot.channels.get(&req.channel).ok_or_else(|| {
-            task_error(format!(
-                "channel_call: channel '{}' not found ({named})",
-                req.channel
-            ))
-        })?;
+        let channel = snapshot
+            .channels
+            .get(&req.channel)
+            .ok_or_else(|| task_error(format!("channel '{callee}' not found ({named})")))?;
         let body = serde_json::to_vec(&req.data).unwrap_or_else(|_| b"null".to_vec());
         // Outside clients are identified by IP; a caller channel is its own
         // client, so a callee's rate limit meters each calling channel.
@@ -95,8 +110,7 @@ impl ChannelInvoker for Invoker {
             ConnectorError::new(
                 kind,
                 format!(
-                    "channel_call to '{}' answered {} {}: {} ({named})",
-                    req.channel,
+                    "channel '{callee}' answered {} {}: {} ({named})",
                     e.code.status().as_u16(),
                     e.code.as_str(),
                     e.message
@@ -110,7 +124,7 @@ impl ChannelInvoker for Invoker {
             .map_err(refused)?;
         if let Some(hit) = &admitted.hit {
             return serde_json::from_slice(hit)
-                .map_err(|e| task_error(format!("channel_call: bad cached response: {e}")));
+                .map_err(|e| task_error(format!("bad cached response: {e}")));
         }
         let timeout = req
             .timeout_ms
@@ -154,13 +168,12 @@ impl ChannelInvoker for Invoker {
         let execution = match tokio::time::timeout(timeout + crate::data::DEADLINE_GRACE, run).await
         {
             Ok(Ok(e)) => e,
-            Ok(Err(e)) => return Err(task_error(format!("channel_call: {e} ({named})"))),
+            Ok(Err(e)) => return Err(task_error(format!("{e} ({named})"))),
             Err(_) => {
                 return Err(ConnectorError::new(
                     ConnectorErrorKind::Timeout,
                     format!(
-                        "channel_call to '{}' did not finish within {} ms ({named})",
-                        req.channel,
+                        "channel '{callee}' did not finish within {} ms ({named})",
                         timeout.as_millis()
                     ),
                 ));
@@ -168,8 +181,7 @@ impl ChannelInvoker for Invoker {
         };
         if execution.matched.is_none() {
             return Err(task_error(format!(
-                "channel_call: no active workflow of channel '{}' matches ({named})",
-                req.channel
+                "no active workflow of channel '{callee}' matches ({named})"
             )));
         }
         if let Status::Failed(f) = &execution.status {
@@ -179,8 +191,7 @@ impl ChannelInvoker for Invoker {
                 return Err(ConnectorError::new(
                     ConnectorErrorKind::Timeout,
                     format!(
-                        "channel_call to '{}' did not finish within {} ms; its task '{}' was running ({named})",
-                        req.channel,
+                        "channel '{callee}' did not finish within {} ms; its task '{}' was running ({named})",
                         timeout.as_millis(),
                         f.task_id
                     ),
@@ -195,8 +206,8 @@ impl ChannelInvoker for Invoker {
             return Err(ConnectorError::new(
                 kind,
                 format!(
-                    "channel_call to '{}': task '{}' failed: {} ({named})",
-                    req.channel, f.task_id, f.message
+                    "channel '{callee}': task '{}' failed: {} ({named})",
+                    f.task_id, f.message
                 ),
             ));
         }
@@ -204,6 +215,6 @@ impl ChannelInvoker for Invoker {
             .store(&admitted, bytes::Bytes::from(execution.data.clone()))
             .await;
         serde_json::from_slice(&execution.data)
-            .map_err(|e| task_error(format!("channel_call: the callee's data is not JSON: {e}")))
+            .map_err(|e| task_error(format!("the callee's data is not JSON: {e}")))
     }
 }

@@ -1023,6 +1023,35 @@ async fn channel_call_cycles_and_depth_are_task_errors_naming_the_chain() {
     assert!(message.contains("cycle"), "{message}");
     assert!(message.contains("ping -> pong -> ping"), "{message}");
     assert_eq!(e["task_id"], "call");
+    // Each task says its function's name once.
+    assert!(!message.contains("channel_call: channel_call"), "{message}");
+
+    // A name computed from the data is quoted in part: a 100 KB name does
+    // not become a message of hundreds of KB.
+    s.deploy(
+        caller(
+            "anyname",
+            json!([call_task(
+                "call",
+                json!({"channel_logic": {"var": "data.to"}})
+            )]),
+        ),
+        named("anyname", "anyname", json!({})),
+    )
+    .await;
+    let long = "n".repeat(100_000);
+    let r = post_with(&s, "anyname", json!({ "to": long }), &[]).await;
+    let message = r.error(500, "TASK_ERROR")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let quoted = format!("{}… (100000 bytes)", "n".repeat(64));
+    assert_eq!(
+        message,
+        format!(
+            "task 'call' failed: channel_call: channel '{quoted}' not found (anyname -> {quoted})"
+        )
+    );
 
     // c1 -> c2 -> c3 -> leaf is depth 3, over the limit of 2.
     s.deploy(echo("leaf"), named("leaf", "leaf", json!({})))
@@ -1114,7 +1143,10 @@ async fn channel_call_timeout_ms_bounds_a_slow_callee() {
     let e = r.error(504, "TIMEOUT");
     assert_eq!(e["task_id"], "call", "{}", r.text);
     let m = e["message"].as_str().unwrap();
-    assert!(m.contains("channel_call to 'slowpoke'"), "{m}");
+    assert!(
+        m.contains("channel_call: channel 'slowpoke' did not finish"),
+        "{m}"
+    );
     assert!(m.contains("200 ms"), "{m}");
     assert!(m.contains("(front -> slowpoke)"), "{m}");
     assert!(elapsed < Duration::from_millis(2000), "{elapsed:?}");
@@ -1137,7 +1169,7 @@ async fn channel_call_timeout_ms_bounds_a_slow_callee() {
         .unwrap()
         .to_owned();
     assert!(
-        m.starts_with("task 'call' failed: channel_call: channel_call to 'gone': task 'call' failed: http_call: connector 'gone-up': POST /slow: cannot connect"),
+        m.starts_with("task 'call' failed: channel_call: channel 'gone': task 'call' failed: http_call: connector 'gone-up': POST /slow: cannot connect"),
         "{m}"
     );
     assert!(m.ends_with("(front2 -> gone)"), "{m}");
