@@ -1033,7 +1033,7 @@ async fn channel_call_cycles_and_depth_are_task_errors_naming_the_chain() {
             "anyname",
             json!([call_task(
                 "call",
-                json!({"channel_logic": {"var": "data.to"}})
+                json!({"channel_logic": {"var": "data.in.to"}})
             )]),
         ),
         named("anyname", "anyname", json!({})),
