@@ -996,18 +996,60 @@ fn check_http_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
                 _ => &[],
             };
         for k in required {
-            c.nonempty_string(auth, k, &at, true);
+            let Some(v) = c.nonempty_string(auth, k, &at, true) else {
+                continue;
+            };
+            let field = at.key(k);
+            match *k {
+                "header" => check_header_name(c, v, &field),
+                // Sent as header values (`Bearer <token>`, `<header>: <key>`).
+                "token" | "key" => check_header_value(c, v, &field),
+                // RFC 7617: the user-id ends at the first colon.
+                "username" if !is_env_ref(v) && v.contains(':') => {
+                    c.push(&field, "must not contain ':'")
+                }
+                _ => {}
+            }
         }
     }
     if let Some(h) = c.object(cfg, "headers", at, false) {
         let at = at.key("headers");
         for (k, v) in h {
-            if !v.is_string() {
-                c.mismatch(&at.key(k), "string", v);
+            check_header_name(c, k, &at.key(k));
+            match v.as_str() {
+                Some(v) => check_header_value(c, v, &at.key(k)),
+                None => c.mismatch(&at.key(k), "string", v),
             }
         }
     }
     c.integer(cfg, "timeout_ms", at, false, Some(1), None);
+}
+
+/// An HTTP header name (RFC 9110 token): letters, digits and
+/// ``!#$%&'*+-.^_`|~``.
+fn check_header_name(c: &mut Ctx, name: &str, at: &FieldPath) {
+    let tchar = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    if name.is_empty() || !name.bytes().all(tchar) {
+        c.push(
+            at,
+            "is not a valid HTTP header name (letters, digits and !#$%&'*+-.^_`|~ only)",
+        );
+    }
+}
+
+/// An HTTP header value as the client sends it: visible ASCII, spaces and
+/// tabs (no line breaks or other control characters). `env://` references
+/// are checked when they are read.
+fn check_header_value(c: &mut Ctx, value: &str, at: &FieldPath) {
+    if is_env_ref(value) {
+        return;
+    }
+    if !value.bytes().all(|b| b == b'\t' || (0x20..0x7f).contains(&b)) {
+        c.push(
+            at,
+            "is not a valid HTTP header value (visible ASCII, spaces and tabs only)",
+        );
+    }
 }
 
 fn check_kafka_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
@@ -1073,16 +1115,13 @@ fn check_http_url(c: &mut Ctx, url: &str, at: &FieldPath) {
     if is_env_ref(url) {
         return;
     }
-    let lower = url.to_ascii_lowercase();
-    let rest = lower
-        .strip_prefix("http://")
-        .or_else(|| lower.strip_prefix("https://"));
-    let host_ok = rest.is_some_and(|r| {
-        let authority = r.split(['/', '?', '#']).next().unwrap_or("");
-        let host = authority.rsplit('@').next().unwrap_or("");
-        !host.is_empty() && !host.starts_with(':') && !authority.contains(char::is_whitespace)
+    // Parsed as the HTTP client will parse it (the `url` crate, WHATWG
+    // rules): a port out of range, a malformed IPv6 address or a character
+    // a host cannot have fails here rather than on every call.
+    let ok = url::Url::parse(url).is_ok_and(|u| {
+        matches!(u.scheme(), "http" | "https") && u.host_str().is_some_and(|h| !h.is_empty())
     });
-    if !host_ok {
+    if !ok || url.contains(char::is_whitespace) {
         c.push(at, "must be an http:// or https:// URL with a host");
     }
 }

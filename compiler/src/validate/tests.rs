@@ -1100,6 +1100,10 @@ fn http_connector_rules() {
         "api.example.com",
         "http://:80/x",
         "http://a b",
+        // What the HTTP client would refuse on every call.
+        "http://host:99999/",
+        "http://[::1/x",
+        "http://exa%mple.com/",
     ] {
         check(
             validate_connector(&connector("http", json!({"url": bad}))),
@@ -1144,6 +1148,49 @@ fn http_connector_rules() {
             ("config.headers.a", "expected string, got integer"),
             ("config.timeout_ms", "must be at least 1"),
         ],
+    );
+    // Header names and values the client could not send fail at create,
+    // not on every call.
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"url": "https://x",
+                   "auth": {"type": "api_key", "header": "x key", "key": "a\nb"},
+                   "headers": {"x-ok": "fine\tvalue", "bad:name": "v", "x-b": "line\r\nbreak"}}),
+        )),
+        &[
+            (
+                "config.auth.header",
+                "is not a valid HTTP header name (letters, digits and !#$%&'*+-.^_`|~ only)",
+            ),
+            (
+                "config.auth.key",
+                "is not a valid HTTP header value (visible ASCII, spaces and tabs only)",
+            ),
+            (
+                "config.headers.bad:name",
+                "is not a valid HTTP header name (letters, digits and !#$%&'*+-.^_`|~ only)",
+            ),
+            (
+                "config.headers.x-b",
+                "is not a valid HTTP header value (visible ASCII, spaces and tabs only)",
+            ),
+        ],
+    );
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"url": "https://x", "auth": {"type": "basic", "username": "a:b", "password": "p"}}),
+        )),
+        &[("config.auth.username", "must not contain ':'")],
+    );
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"url": "https://x", "auth": {"type": "bearer", "token": "env://API_TOKEN"},
+                   "headers": {"x-k": "env://X_KEY"}}),
+        )),
+        &[],
     );
 }
 
