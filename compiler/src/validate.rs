@@ -1044,7 +1044,10 @@ fn check_header_value(c: &mut Ctx, value: &str, at: &FieldPath) {
     if is_env_ref(value) {
         return;
     }
-    if !value.bytes().all(|b| b == b'\t' || (0x20..0x7f).contains(&b)) {
+    if !value
+        .bytes()
+        .all(|b| b == b'\t' || (0x20..0x7f).contains(&b))
+    {
         c.push(
             at,
             "is not a valid HTTP header value (visible ASCII, spaces and tabs only)",
