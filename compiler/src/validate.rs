@@ -729,6 +729,15 @@ fn check_route_pattern(c: &mut Ctx, pattern: &str, at: &FieldPath) {
             );
             return;
         }
+        if *seg == "." || *seg == ".." {
+            // Clients and proxies resolve dot segments before sending
+            // (RFC 3986 5.2.4), so no request could reach such a route.
+            c.push(
+                at,
+                format!("segment '{seg}' cannot be requested: clients resolve '.' and '..'"),
+            );
+            continue;
+        }
         if seg.contains(['?', '#']) || seg.chars().any(char::is_whitespace) {
             c.push(
                 at,

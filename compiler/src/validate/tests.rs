@@ -238,6 +238,19 @@ fn identifiers_that_name_an_endpoint_are_reserved() {
         channel(json!({"route_pattern": "/traces/{a}/{b}", "methods": ["GET"]})),
         &[],
     );
+    for (pattern, seg) in [("/../z", ".."), ("/a/./b", "."), ("/a/..", "..")] {
+        check(
+            channel(json!({"route_pattern": pattern, "methods": ["GET"]})),
+            &[(
+                "route_pattern",
+                &format!("segment '{seg}' cannot be requested: clients resolve '.' and '..'"),
+            )],
+        );
+    }
+    check(
+        channel(json!({"route_pattern": "/a/.well-known/..x", "methods": ["GET"]})),
+        &[],
+    );
     for name in ["circuit-breakers", "import", "reload"] {
         let c = json!({"name": name, "connector_type": "http",
                        "config": {"type": "http", "url": "https://example.com"}});
