@@ -42,9 +42,11 @@
 //! - **Failures:** with `kafka.dlq.enabled`, a failed message (and a value
 //!   that is not JSON) is published to `kafka.dlq.topic` as `{source_topic,
 //!   partition, offset, key, error: {code, task_id, message}, payload,
-//!   failed_at}` before its offset is stored. Without the DLQ topic, a
-//!   failed trace gets a dead-letter entry in storage and is retried like a
-//!   failed async trace.
+//!   failed_at}`, with the message's own headers, before its offset is
+//!   stored. Without the DLQ topic, a failed trace gets a dead-letter entry
+//!   in storage and is retried like a failed async trace. A value that is
+//!   not JSON, or nests deeper than the trace store keeps, is refused
+//!   before it runs and never retried.
 
 use crate::app::App;
 use crate::storage::{NewTrace, Outcome};
@@ -629,7 +631,8 @@ async fn handle(
     stored_meta["headers"] = masked_headers["headers"].take();
 
     let raw = message.payload().unwrap_or_default();
-    let parsed = serde_json::from_slice::<Json>(raw);
+    // As deep as an HTTP body may nest (serde_json alone stops at 128).
+    let parsed = sluice_runtime::json::to_serde(raw, sluice_runtime::json::MAX_BODY_NESTING);
     let mut outcome = Outcome {
         trace_id: trace_id.clone(),
         attempt: 1,
@@ -640,17 +643,24 @@ async fn handle(
         duration_ms: 0.0,
     };
     let snapshot = app.engine.load_full();
-    let (ok, payload_json, payload_text) = match parsed {
-        Err(e) => {
-            let text = String::from_utf8_lossy(raw).into_owned();
-            outcome.errors = json!([{"code": "BAD_REQUEST", "task_id": "",
-                "message": format!("the message value is not JSON: {e}")}]);
-            (
-                false,
-                Json::String(text.clone()),
-                Json::String(text).to_string(),
-            )
-        }
+    // A message that cannot run at all (not JSON, or a payload the trace
+    // store cannot keep) is dead-lettered, never retried: its trace keeps
+    // the value as text.
+    let refuse = |outcome: &mut Outcome, message: String, text: String| {
+        outcome.errors = json!([{"code": "BAD_REQUEST", "task_id": "", "message": message}]);
+        (
+            false,
+            Json::String(text.clone()),
+            Json::String(text).to_string(),
+            true,
+        )
+    };
+    let (ok, payload_json, payload_text, malformed) = match parsed {
+        Err(e) => refuse(
+            &mut outcome,
+            format!("the message value is not JSON: {e}"),
+            String::from_utf8_lossy(raw).into_owned(),
+        ),
         Ok(value) => {
             let payload = match value {
                 Json::Object(mut m) if m.contains_key("data") => {
@@ -659,50 +669,62 @@ async fn handle(
                 other => other,
             };
             let text = payload.to_string();
-            let ok = match snapshot.channels.get(&sub.channel) {
-                None => {
-                    outcome.errors = json!([{"code": "NOT_FOUND", "task_id": "",
+            if let Some(limit) = app.store.json_depth()
+                && !sluice_runtime::json::nests_within(text.as_bytes(), limit)
+            {
+                let message = format!(
+                    "the payload nests deeper than the {limit} levels the trace store keeps"
+                );
+                // The dead letter carries the payload as it came.
+                let (ok, _, stored, malformed) = refuse(&mut outcome, message, text);
+                (ok, payload, stored, malformed)
+            } else {
+                let ok = match snapshot.channels.get(&sub.channel) {
+                    None => {
+                        outcome.errors = json!([{"code": "NOT_FOUND", "task_id": "",
                         "message": format!("Channel '{}' not found", sub.channel)}]);
-                    false
-                }
-                Some(channel) => {
-                    let claimed = crate::storage::Claimed {
-                        trace_id: trace_id.clone(),
-                        channel: channel.name.clone(),
-                        attempt: 1,
-                        bucket: None,
-                        payload: text.clone(),
-                        metadata: metadata.to_string(),
-                    };
-                    // A panicking run is a failed run, never a lost lane.
-                    let run = std::panic::AssertUnwindSafe(crate::queue::execute(
-                        app,
-                        channel,
-                        &claimed,
-                        &mut outcome,
-                    ));
-                    let ok = match futures_util::FutureExt::catch_unwind(run).await {
-                        Ok(ok) => ok,
-                        Err(_) => {
-                            tracing::error!(trace_id = %trace_id, "a Kafka message's run panicked");
-                            outcome.errors = json!([{"code": "INTERNAL_ERROR", "task_id": "",
-                                "message": "the run panicked"}]);
-                            false
-                        }
-                    };
-                    let m = &channel.metrics;
-                    if ok {
-                        m.ok.increment(1)
-                    } else {
-                        m.failed.increment(1)
+                        false
                     }
-                    m.duration.record(started.elapsed().as_secs_f64());
-                    ok
-                }
-            };
-            (ok, payload, text)
+                    Some(channel) => {
+                        let claimed = crate::storage::Claimed {
+                            trace_id: trace_id.clone(),
+                            channel: channel.name.clone(),
+                            attempt: 1,
+                            bucket: None,
+                            payload: text.clone(),
+                            metadata: metadata.to_string(),
+                        };
+                        // A panicking run is a failed run, never a lost lane.
+                        let run = std::panic::AssertUnwindSafe(crate::queue::execute(
+                            app,
+                            channel,
+                            &claimed,
+                            &mut outcome,
+                        ));
+                        let ok = match futures_util::FutureExt::catch_unwind(run).await {
+                            Ok(ok) => ok,
+                            Err(_) => {
+                                tracing::error!(trace_id = %trace_id, "a Kafka message's run panicked");
+                                outcome.errors = json!([{"code": "INTERNAL_ERROR", "task_id": "",
+                                "message": "the run panicked"}]);
+                                false
+                            }
+                        };
+                        let m = &channel.metrics;
+                        if ok {
+                            m.ok.increment(1)
+                        } else {
+                            m.failed.increment(1)
+                        }
+                        m.duration.record(started.elapsed().as_secs_f64());
+                        ok
+                    }
+                };
+                (ok, payload, text, false)
+            }
         }
     };
+    crate::queue::drop_unstorable_result(app, &mut outcome);
     outcome.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
     let dlq_enabled = app.config.kafka.dlq.enabled;
     if !ok && dlq_enabled {
@@ -723,7 +745,7 @@ async fn handle(
             "payload": payload_json,
             "failed_at": crate::storage::rfc3339(now_micros()),
         });
-        if !publish_dead_letter(app, &letter, key.as_deref(), stop).await {
+        if !publish_dead_letter(app, &letter, key.as_deref(), message.headers(), stop).await {
             return false;
         }
     }
@@ -737,8 +759,8 @@ async fn handle(
         created_at: started_at,
     };
     // Without a DLQ topic, storage keeps the dead letter (retried like an
-    // async trace); a message that is not JSON cannot be rerun.
-    let dead_letter = (!dlq_enabled && !outcome_is_malformed(&outcome))
+    // async trace); a message refused before it ran cannot be rerun.
+    let dead_letter = (!dlq_enabled && !malformed)
         .then(|| crate::queue::Queue::retry_policy(&app.config.queue))
         .filter(|_| app.config.queue.dlq_retry_enabled);
     // The offset is stored only once the trace is: a message's trace is
@@ -765,21 +787,13 @@ async fn handle(
     }
 }
 
-fn outcome_is_malformed(o: &Outcome) -> bool {
-    o.workflow_id.is_none()
-        && o.errors
-            .as_array()
-            .and_then(|a| a.first())
-            .and_then(|e| e["message"].as_str())
-            .is_some_and(|m| m.starts_with("the message value is not JSON"))
-}
-
 /// Publishes a dead letter, retrying (with backoff) until it is stored or the
 /// consumer stops.
 async fn publish_dead_letter(
     app: &App,
     letter: &Json,
     key: Option<&str>,
+    headers: Option<&rdkafka::message::OwnedHeaders>,
     stop: &watch::Receiver<bool>,
 ) -> bool {
     let k = &app.config.kafka;
@@ -815,6 +829,11 @@ async fn publish_dead_letter(
         let mut record = FutureRecord::to(&k.dlq.topic).payload(&body);
         if let Some(key) = key {
             record = record.key(key);
+        }
+        // The message's own headers go along (`traceparent` among them), so
+        // a dead letter stays in its trace and keeps what its producer sent.
+        if let Some(headers) = headers {
+            record = record.headers(headers.clone());
         }
         match producer.send(record, Timeout::After(timeout)).await {
             Ok(_) => return true,

@@ -224,6 +224,23 @@ fn push_error(errors: &mut Json, code: &str, message: &str) {
     }
 }
 
+/// A result nested deeper than the database's JSON check accepts is not
+/// stored (the trace says why) rather than failing the write.
+pub(crate) fn drop_unstorable_result(app: &App, outcome: &mut Outcome) {
+    if let (Some(limit), Some(data)) = (app.store.json_depth(), &outcome.data)
+        && !sluice_runtime::json::nests_within(data.as_bytes(), limit)
+    {
+        outcome.data = None;
+        push_error(
+            &mut outcome.errors,
+            Code::InternalError.as_str(),
+            &format!(
+                "the result nests deeper than the {limit} levels the trace store keeps; it was not stored"
+            ),
+        );
+    }
+}
+
 /// Runs one claimed trace and records its outcome.
 async fn run(app: &App, c: Claimed) {
     let started = Instant::now();
@@ -259,20 +276,7 @@ async fn run(app: &App, c: Claimed) {
         }
     };
     outcome.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
-    // A result nested deeper than the database's JSON check accepts is not
-    // stored (the trace says why) rather than failing the write.
-    if let (Some(limit), Some(data)) = (app.store.json_depth(), &outcome.data)
-        && !sluice_runtime::json::nests_within(data.as_bytes(), limit)
-    {
-        outcome.data = None;
-        push_error(
-            &mut outcome.errors,
-            Code::InternalError.as_str(),
-            &format!(
-                "the result nests deeper than the {limit} levels the trace store keeps; it was not stored"
-            ),
-        );
-    }
+    drop_unstorable_result(app, &mut outcome);
     let policy = Queue::retry_policy(&app.config.queue);
     let mut recorded = if ok {
         app.store.complete_trace(&outcome).await

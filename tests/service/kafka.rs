@@ -208,6 +208,14 @@ async fn consumes_records_and_dead_letters() {
     }
     // A bare object (no `data` member) is the payload as a whole.
     kafka_produce(&p, &topic, value(br#"{"n": 100}"#)).await;
+    // Nested past serde_json's 128 levels (within the 1,024 an HTTP body
+    // may nest, and SQLite's store): it runs like any other.
+    let deep = format!(
+        r#"{{"data": {{"n": 300, "deep": {}{}}}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    kafka_produce(&p, &topic, value(deep.as_bytes())).await;
     // A failing workflow and a value that is not JSON go to the DLQ ...
     let failed_at = kafka_produce(
         &p,
@@ -215,6 +223,7 @@ async fn consumes_records_and_dead_letters() {
         Record {
             key: Some("bad"),
             value: br#"{"data": {"n": 200, "fail": true}}"#,
+            headers: &[("traceparent", traceparent)],
             ..Record::default()
         },
     )
@@ -246,17 +255,17 @@ async fn consumes_records_and_dead_letters() {
         &s.base,
         "orders-in",
         Duration::from_secs(60),
-        |t| t.len() >= 14,
+        |t| t.len() >= 15,
     )
     .await;
-    assert_eq!(all.len(), 14, "{all:#?}");
+    assert_eq!(all.len(), 15, "{all:#?}");
     assert!(all.iter().all(|t| t["mode"] == "kafka"), "{all:#?}");
     let completed: Vec<&Json> = all.iter().filter(|t| t["status"] == "completed").collect();
     let failed: Vec<&Json> = all.iter().filter(|t| t["status"] == "failed").collect();
-    assert_eq!((completed.len(), failed.len()), (12, 2), "{all:#?}");
+    assert_eq!((completed.len(), failed.len()), (13, 2), "{all:#?}");
     assert_eq!(
         completed_counts(&all).into_keys().collect::<Vec<_>>(),
-        (0..=10).chain([100]).collect::<Vec<_>>()
+        (0..=10).chain([100, 300]).collect::<Vec<_>>()
     );
 
     // Metadata from the message.
@@ -287,14 +296,35 @@ async fn consumes_records_and_dead_letters() {
     // message's own partition and offset.
     let c = kafka_reader(&[&dlq]).await;
     let mut letters = Vec::new();
+    let mut letter_headers = Vec::new();
     while letters.len() < 2 {
         let m = tokio::time::timeout(Duration::from_secs(30), c.recv())
             .await
             .expect("dead letters arrive")
             .unwrap();
-        letters.push(serde_json::from_slice::<Json>(m.payload().unwrap()).unwrap());
+        let letter = serde_json::from_slice::<Json>(m.payload().unwrap()).unwrap();
+        // The source message's headers go along with its dead letter.
+        let mut headers = Vec::new();
+        if let Some(h) = m.headers() {
+            use rdkafka::message::Headers as _;
+            for header in h.iter() {
+                let v = header
+                    .value
+                    .map(|v| String::from_utf8_lossy(v).into_owned());
+                headers.push((header.key.to_owned(), v.unwrap_or_default()));
+            }
+        }
+        letter_headers.push((letter["offset"].as_i64(), headers));
+        letters.push(letter);
     }
     letters.sort_by_key(|l| l["offset"].as_i64());
+    letter_headers.sort_by_key(|(offset, _)| *offset);
+    assert_eq!(
+        letter_headers[0].1,
+        vec![("traceparent".to_owned(), traceparent.to_owned())],
+        "the failed message's dead letter keeps its traceparent"
+    );
+    assert_eq!(letter_headers[1].1, vec![], "the garbage had no headers");
     let keys = |j: &Json| -> BTreeSet<String> { j.as_object().unwrap().keys().cloned().collect() };
     let fields = [
         "source_topic",
@@ -343,6 +373,46 @@ async fn consumes_records_and_dead_letters() {
             .as_str()
             .unwrap()
             .contains("not JSON")
+    );
+}
+
+/// A payload nested deeper than the trace store keeps (MariaDB's
+/// `JSON_VALID` stops at 31 levels) cannot be recorded as it is: the
+/// message is refused with a failed trace that keeps its value as text,
+/// and the partition goes on. Before, storing its trace was retried
+/// forever and held the partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_the_store_cannot_keep_is_refused_not_retried() {
+    let topic = unique("sluice-in");
+    let group = unique("sluice-group");
+    let s = start_with(Db::MySql, kafka_on).await;
+    deploy_kafka_channel(&s, "deep-in", &topic, &group).await;
+    let p = kafka_producer();
+    let deep = format!(
+        r#"{{"data": {{"n": 1, "deep": {}{}}}}}"#,
+        "[".repeat(40),
+        "]".repeat(40)
+    );
+    kafka_produce(&p, &topic, value(deep.as_bytes())).await;
+    kafka_produce(&p, &topic, value(br#"{"data": {"n": 2}}"#)).await;
+    let all = wait_traces(
+        &s.client,
+        &s.base,
+        "deep-in",
+        Duration::from_secs(60),
+        |t| t.len() >= 2,
+    )
+    .await;
+    assert_eq!(completed_counts(&all), BTreeMap::from([(2, 1)]), "{all:#?}");
+    let refused = all
+        .iter()
+        .find(|t| t["status"] == "failed")
+        .expect("a failed trace");
+    assert_eq!(refused["errors"][0]["code"], "BAD_REQUEST", "{refused}");
+    let message = refused["errors"][0]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("the payload nests deeper than the 31 levels the trace store keeps"),
+        "{message}"
     );
 }
 
