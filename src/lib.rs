@@ -22,6 +22,7 @@ pub mod openapi;
 pub mod ops;
 pub mod otel;
 pub mod queue;
+pub mod rejections;
 pub mod router;
 pub mod server;
 pub mod storage;

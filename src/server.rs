@@ -177,7 +177,10 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
                 });
                 let (builder, watcher) = (builder.clone(), graceful.watcher());
                 tokio::spawn(async move {
-                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    let conn = builder.serve_connection_with_upgrades(
+                        TokioIo::new(crate::rejections::Io::new(stream)),
+                        service,
+                    );
                     let conn = watcher.watch(conn.into_owned());
                     if let Err(e) = watch(conn, &activity, read_timeout).await {
                         tracing::debug!(error = %e, "connection closed with error");

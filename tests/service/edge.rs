@@ -615,3 +615,60 @@ async fn dry_runs_answer_deep_results() {
         &r.text[..300.min(r.text.len())]
     );
 }
+
+/// Requests hyper refuses before any service sees them (a malformed head,
+/// more header fields than it takes, a target over its URI limit) are
+/// answered with the error envelope, the security headers and a request
+/// id, like every other answer.
+#[tokio::test]
+async fn requests_the_http_layer_refuses_get_the_envelope() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = start(Db::Sqlite).await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let many: String = (0..200).map(|i| format!("x-h{i}: v\r\n")).collect();
+    let long = "a".repeat(70_000);
+    for (raw, status, code) in [
+        ("GARBAGE\r\n\r\n".to_owned(), 400, "BAD_REQUEST"),
+        (
+            format!("GET /healthz HTTP/1.1\r\nhost: x\r\n{many}\r\n"),
+            431,
+            "HEADERS_TOO_LARGE",
+        ),
+        (
+            format!("GET /{long} HTTP/1.1\r\nhost: x\r\n\r\n"),
+            414,
+            "URI_TOO_LONG",
+        ),
+    ] {
+        let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        conn.write_all(raw.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            conn.read_to_end(&mut answer),
+        )
+        .await
+        .expect("the connection is closed after the answer")
+        .unwrap();
+        let answer = String::from_utf8(answer).unwrap();
+        let (head, body) = answer.split_once("\r\n\r\n").expect("a whole answer");
+        assert!(head.starts_with(&format!("HTTP/1.1 {status} ")), "{head}");
+        let head = head.to_ascii_lowercase();
+        for h in [
+            "content-type: application/json",
+            "x-content-type-options: nosniff",
+            "x-frame-options: deny",
+            "referrer-policy: no-referrer",
+            "content-security-policy: ",
+            "x-request-id: ",
+            "connection: close",
+        ] {
+            assert!(head.contains(&format!("\r\n{h}")), "{h} missing: {head}");
+        }
+        let body: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(body["error"]["code"], code, "{body}");
+        assert!(body["error"]["message"].is_string(), "{body}");
+    }
+    // The server goes on serving.
+    assert_eq!(s.get("/healthz").await.status, 200);
+}

@@ -1,0 +1,193 @@
+//! hyper's own answers to requests it cannot parse, given the error envelope.
+//!
+//! A request whose head hyper refuses (malformed, a target over its URI
+//! limit, more than 100 header fields or a head over its buffer) never
+//! reaches a service: hyper answers it itself, with a bare status, `connection:
+//! close`, `content-length: 0` and no other header, and closes the
+//! connection. So that every answer has the error envelope, the security
+//! headers and a request id, the connection's writes go through [`Io`],
+//! which recognises such an answer (its first header is hyper's
+//! `connection: close` and it has no body, which no answer of ours has) and
+//! sends a complete one in its place. Everything else passes through; the
+//! check is a prefix comparison per write.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// What hyper's bare answer starts with after its status line.
+const BARE: &[u8] = b"connection: close\r\ncontent-length: 0\r\n";
+
+/// A connection's byte stream with hyper's bare refusals rewritten.
+pub struct Io<T> {
+    inner: T,
+    /// The answer being sent in place of hyper's, and how much of it is out.
+    pending: Option<(Vec<u8>, usize)>,
+}
+
+impl<T> Io<T> {
+    pub fn new(inner: T) -> Self {
+        Io {
+            inner,
+            pending: None,
+        }
+    }
+}
+
+/// The envelope for hyper's status, or `None` for any other write.
+fn replacement(buf: &[u8]) -> Option<Vec<u8>> {
+    if !buf.starts_with(b"HTTP/1.1 4") {
+        return None;
+    }
+    let (code, message) = match buf.get(9..12)? {
+        b"400" => ("BAD_REQUEST", "the request is not valid HTTP/1.1"),
+        b"414" => (
+            "URI_TOO_LONG",
+            "the request target is longer than the server accepts",
+        ),
+        b"431" => (
+            "HEADERS_TOO_LARGE",
+            "the request head has more than 100 header fields or is larger than about 400 KB",
+        ),
+        _ => return None,
+    };
+    let line_end = buf.windows(2).position(|w| w == b"\r\n")? + 2;
+    let rest = buf[line_end..].strip_prefix(BARE)?;
+    if !buf.ends_with(b"\r\n\r\n") {
+        return None;
+    }
+    let body = serde_json::json!({"error": {"code": code, "message": message}}).to_string();
+    let mut out = Vec::with_capacity(buf.len() + body.len() + 320);
+    out.extend_from_slice(&buf[..line_end]);
+    out.extend_from_slice(b"connection: close\r\ncontent-type: application/json\r\n");
+    out.extend_from_slice(
+        b"x-content-type-options: nosniff\r\nx-frame-options: DENY\r\n\
+          referrer-policy: no-referrer\r\n\
+          content-security-policy: default-src 'none'; frame-ancestors 'none'\r\n",
+    );
+    out.extend_from_slice(format!("x-request-id: {}\r\n", uuid::Uuid::new_v4()).as_bytes());
+    out.extend_from_slice(format!("content-length: {}\r\n", body.len()).as_bytes());
+    // hyper's remaining headers (`date`) and the end of the head.
+    out.extend_from_slice(rest);
+    out.extend_from_slice(body.as_bytes());
+    Some(out)
+}
+
+impl<T: AsyncWrite + Unpin> Io<T> {
+    /// Sends what is left of the replacement answer.
+    fn drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while let Some((out, sent)) = &mut self.pending {
+            if *sent == out.len() {
+                self.pending = None;
+                break;
+            }
+            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &out[*sent..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            *sent += n;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Io<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Io<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if this.pending.is_none() {
+            match replacement(buf) {
+                Some(out) => this.pending = Some((out, 0)),
+                None => return Pin::new(&mut this.inner).poll_write(cx, buf),
+            }
+        }
+        // hyper's answer counts as written once ours is.
+        ready!(this.drain(cx))?;
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if this.pending.is_none() {
+            let first = bufs.iter().find(|b| !b.is_empty());
+            // A bare answer is one piece (a head without a body).
+            match first.filter(|_| bufs.iter().filter(|b| !b.is_empty()).count() == 1) {
+                Some(head) if replacement(head).is_some() => {
+                    this.pending = replacement(head).map(|out| (out, 0));
+                }
+                _ => return Pin::new(&mut this.inner).poll_write_vectored(cx, bufs),
+            }
+        }
+        ready!(this.drain(cx))?;
+        Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.drain(cx))?;
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.drain(cx))?;
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_hypers_bare_answers_are_replaced() {
+        let bare = b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\n\
+                     content-length: 0\r\ndate: Thu, 26 Nov 2026 11:46:22 GMT\r\n\r\n";
+        let out = String::from_utf8(replacement(bare).unwrap()).unwrap();
+        let (head, body) = out.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 431 Request Header Fields Too Large\r\n"));
+        assert!(
+            head.contains("\r\nx-content-type-options: nosniff\r\n"),
+            "{head}"
+        );
+        assert!(
+            head.contains("\r\ndate: Thu, 26 Nov 2026 11:46:22 GMT"),
+            "{head}"
+        );
+        assert!(head.contains(&format!("\r\ncontent-length: {}\r\n", body.len())));
+        let body: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(body["error"]["code"], "HEADERS_TOO_LARGE");
+
+        // An answer of ours (headers first, a body), another status, a
+        // partial head: passed through.
+        for other in [
+            &b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"[..],
+            b"HTTP/1.1 405 Method Not Allowed\r\nconnection: close\r\ncontent-length: 0\r\n\r\n",
+            b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 0\r\n",
+            b"HTTP/1.1 200 OK\r\n",
+            b"HTTP/1.1 4",
+        ] {
+            assert!(replacement(other).is_none());
+        }
+    }
+}
