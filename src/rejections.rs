@@ -16,14 +16,21 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+struct Pending {
+    out: Vec<u8>,
+    sent: usize,
+    replaces: usize,
+}
+
 /// What hyper's bare answer starts with after its status line.
 const BARE: &[u8] = b"connection: close\r\ncontent-length: 0\r\n";
 
 /// A connection's byte stream with hyper's bare refusals rewritten.
 pub struct Io<T> {
     inner: T,
-    /// The answer being sent in place of hyper's, and how much of it is out.
-    pending: Option<(Vec<u8>, usize)>,
+    /// The answer being sent in place of hyper's, how much of it is out,
+    /// and the length of hyper's answer it stands for.
+    pending: Option<Pending>,
 }
 
 impl<T> Io<T> {
@@ -75,20 +82,27 @@ fn replacement(buf: &[u8]) -> Option<Vec<u8>> {
 }
 
 impl<T: AsyncWrite + Unpin> Io<T> {
-    /// Sends what is left of the replacement answer.
+    /// Sends what is left of the replacement answer. The record stays until
+    /// the write it answers takes it (`written`): hyper retries that write
+    /// with the same bytes, which must not be recognised a second time.
     fn drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while let Some((out, sent)) = &mut self.pending {
-            if *sent == out.len() {
-                self.pending = None;
-                break;
+        if let Some(p) = &mut self.pending {
+            while p.sent < p.out.len() {
+                let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &p.out[p.sent..]))?;
+                if n == 0 {
+                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                }
+                p.sent += n;
             }
-            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &out[*sent..]))?;
-            if n == 0 {
-                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
-            }
-            *sent += n;
         }
         Poll::Ready(Ok(()))
+    }
+
+    /// Drains, then reports hyper's answer as written.
+    fn written(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<io::Result<usize>> {
+        ready!(self.drain(cx))?;
+        let replaced = self.pending.take().map_or(0, |p| p.replaces);
+        Poll::Ready(Ok(replaced.min(len)))
     }
 }
 
@@ -111,13 +125,19 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Io<T> {
         let this = &mut *self;
         if this.pending.is_none() {
             match replacement(buf) {
-                Some(out) => this.pending = Some((out, 0)),
+                Some(out) => {
+                    this.pending = Some(Pending {
+                        out,
+                        sent: 0,
+                        replaces: buf.len(),
+                    })
+                }
                 None => return Pin::new(&mut this.inner).poll_write(cx, buf),
             }
         }
-        // hyper's answer counts as written once ours is.
-        ready!(this.drain(cx))?;
-        Poll::Ready(Ok(buf.len()))
+        // hyper's answer counts as written once ours is (anything hyper
+        // queued after it is left to the next call).
+        this.written(cx, buf.len())
     }
 
     fn poll_write_vectored(
@@ -129,15 +149,19 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Io<T> {
         if this.pending.is_none() {
             let first = bufs.iter().find(|b| !b.is_empty());
             // A bare answer is one piece (a head without a body).
-            match first.filter(|_| bufs.iter().filter(|b| !b.is_empty()).count() == 1) {
-                Some(head) if replacement(head).is_some() => {
-                    this.pending = replacement(head).map(|out| (out, 0));
+            let single = bufs.iter().filter(|b| !b.is_empty()).count() == 1;
+            match first.filter(|_| single).and_then(|head| replacement(head)) {
+                Some(out) => {
+                    this.pending = Some(Pending {
+                        out,
+                        sent: 0,
+                        replaces: first.map_or(0, |b| b.len()),
+                    })
                 }
-                _ => return Pin::new(&mut this.inner).poll_write_vectored(cx, bufs),
+                None => return Pin::new(&mut this.inner).poll_write_vectored(cx, bufs),
             }
         }
-        ready!(this.drain(cx))?;
-        Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()))
+        this.written(cx, bufs.iter().map(|b| b.len()).sum())
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -158,6 +182,31 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Io<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Through a pipe that takes 16 bytes at a time: the answer goes out
+    /// whole and once, though the write that carries it is retried many
+    /// times, and hyper's bytes count as written.
+    #[tokio::test]
+    async fn the_replacement_survives_partial_writes() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let bare: &[u8] = b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\n\
+                            content-length: 0\r\ndate: x\r\n\r\n";
+        let (near, mut far) = tokio::io::duplex(16);
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            far.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        let mut io = Io::new(near);
+        io.write_all(bare).await.unwrap();
+        io.write_all(b"after").await.unwrap();
+        io.shutdown().await.unwrap();
+        drop(io);
+        let got = String::from_utf8(reader.await.unwrap()).unwrap();
+        assert_eq!(got.matches("HTTP/1.1 400").count(), 1, "{got}");
+        assert!(got.contains("\"code\":\"BAD_REQUEST\""), "{got}");
+        assert!(got.ends_with("}after"), "{got}");
+    }
 
     #[test]
     fn only_hypers_bare_answers_are_replaced() {
