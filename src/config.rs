@@ -354,7 +354,24 @@ const ENV_PREFIX: &str = "SERVICE_";
 impl Config {
     /// Loads defaults, then the file, then the process environment.
     pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
-        Self::load_from(file, std::env::vars())
+        // `std::env::vars` panics on a variable that is not UTF-8, ours or
+        // not: others are skipped, one of ours is an error naming it.
+        let mut env = Vec::new();
+        for (name, value) in std::env::vars_os() {
+            let Some(name) = name.to_str() else { continue };
+            if !name.starts_with(ENV_PREFIX) {
+                continue;
+            }
+            match value.into_string() {
+                Ok(value) => env.push((name.to_owned(), value)),
+                Err(_) => {
+                    return Err(ConfigError(format!(
+                        "environment variable {name} is not valid UTF-8"
+                    )));
+                }
+            }
+        }
+        Self::load_from(file, env)
     }
 
     /// As [`Config::load`], with the environment given (for tests).
@@ -451,6 +468,66 @@ impl Config {
         ];
         if let Some((key, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
             return fail(key, "must be at least 1");
+        }
+        // Periods are added to clock readings (a deadline, the next sweep):
+        // a year bounds them far below where that overflows, and any wait
+        // longer than that is a typo.
+        const YEAR_SECS: u64 = 365 * 24 * 3600;
+        let periods = [
+            (
+                "server.shutdown_drain_secs",
+                self.server.shutdown_drain_secs,
+            ),
+            (
+                "server.request_read_timeout_secs",
+                self.server.request_read_timeout_secs,
+            ),
+            (
+                "engine.circuit_breaker.recovery_timeout_secs",
+                self.engine.circuit_breaker.recovery_timeout_secs,
+            ),
+            (
+                "engine.global_http_timeout_secs",
+                self.engine.global_http_timeout_secs,
+            ),
+            (
+                "engine.health_check_timeout_secs",
+                self.engine.health_check_timeout_secs,
+            ),
+            (
+                "engine.reload_timeout_secs",
+                self.engine.reload_timeout_secs,
+            ),
+            (
+                "engine.sync_interval_ms",
+                self.engine.sync_interval_ms / 1000,
+            ),
+            (
+                "queue.dlq_poll_interval_secs",
+                self.queue.dlq_poll_interval_secs,
+            ),
+            (
+                "queue.trace_retention_hours",
+                self.queue.trace_retention_hours.saturating_mul(3600),
+            ),
+            ("queue.lease_secs", self.queue.lease_secs),
+            ("governance.timeout_ms", self.governance.timeout_ms / 1000),
+            (
+                "kafka.session_timeout_ms",
+                self.kafka.session_timeout_ms / 1000,
+            ),
+            (
+                "kafka.commit_interval_ms",
+                self.kafka.commit_interval_ms / 1000,
+            ),
+        ];
+        if let Some((key, _)) = periods.iter().find(|(_, secs)| *secs > YEAR_SECS) {
+            return fail(key, "must be at most one year");
+        }
+        // Each worker is a task polling storage; a million of them only
+        // exhausts memory.
+        if self.queue.workers > 1024 {
+            return fail("queue.workers", "must be at most 1024");
         }
         if self.storage.max_connections == 0 {
             return fail("storage.max_connections", "must be at least 1");
@@ -773,5 +850,43 @@ mod tests {
             );
             assert!(load(None, &[(var, "1")]).is_ok(), "{var}");
         }
+    }
+
+    /// Periods are added to clock readings; one near u64::MAX overflowed
+    /// there and every connection panicked. A year is the bound.
+    #[test]
+    fn periods_and_worker_counts_have_an_upper_bound() {
+        for (var, too_long, longest) in [
+            (
+                "SERVICE_SERVER__REQUEST_READ_TIMEOUT_SECS",
+                "9223372036854775807",
+                "31536000",
+            ),
+            (
+                "SERVICE_SERVER__SHUTDOWN_DRAIN_SECS",
+                "31536001",
+                "31536000",
+            ),
+            ("SERVICE_QUEUE__TRACE_RETENTION_HOURS", "8761", "8760"),
+            (
+                "SERVICE_KAFKA__COMMIT_INTERVAL_MS",
+                "31537000000",
+                "31536000000",
+            ),
+        ] {
+            let e = load(None, &[(var, too_long)]).unwrap_err().0;
+            let key = var["SERVICE_".len()..]
+                .to_ascii_lowercase()
+                .replace("__", ".");
+            assert_eq!(
+                e,
+                format!("invalid value for '{key}': must be at most one year")
+            );
+            assert!(load(None, &[(var, longest)]).is_ok(), "{var}");
+        }
+        let e = load(None, &[("SERVICE_QUEUE__WORKERS", "1025")])
+            .unwrap_err()
+            .0;
+        assert_eq!(e, "invalid value for 'queue.workers': must be at most 1024");
     }
 }

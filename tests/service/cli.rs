@@ -187,3 +187,39 @@ fn output_into_a_closed_pipe_ends_quietly_with_status_141() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.code(), Some(141), "{stderr}");
 }
+
+/// A variable that is not UTF-8 made `std::env::vars` panic (exit 101
+/// with a backtrace), ours or not. Others are skipped; one of ours is a
+/// configuration error naming it.
+#[test]
+fn environment_variables_that_are_not_utf8_do_not_crash_start_up() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = std::env::temp_dir().join(format!("sluice-cli-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}", dir.join("m.db").display());
+    let bad = std::ffi::OsStr::from_bytes(b"\xff\xfe");
+    let out = sluice()
+        .args(["migrate"])
+        .env("SERVICE_STORAGE__URL", &url)
+        .env("SOME_OTHER_TOOL", bad)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = sluice()
+        .args(["migrate"])
+        .env("SERVICE_STORAGE__URL", &url)
+        .env("SERVICE_LOGGING__LEVEL", bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("environment variable SERVICE_LOGGING__LEVEL is not valid UTF-8"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
