@@ -582,16 +582,16 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
         Ok(l) => l,
         Err(problems) => {
             for p in problems {
-                eprintln!("error: {p}");
+                crate::errln!("error: {p}");
             }
-            eprintln!("nothing was applied");
+            crate::errln!("nothing was applied");
             return ExitCode::from(2);
         }
     };
     if let Some(p) = opts.rollout
         && !(1..=100).contains(&p)
     {
-        eprintln!("error: --rollout must be from 1 to 100, got {p}");
+        crate::errln!("error: --rollout must be from 1 to 100, got {p}");
         return ExitCode::from(2);
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -602,7 +602,7 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
     {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("error: cannot build the HTTP client: {e}");
+            crate::errln!("error: cannot build the HTTP client: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -617,7 +617,7 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
+            crate::errln!("error: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -625,7 +625,7 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
         let steps = match plan(&api, &locals, opts).await {
             Ok(s) => s,
             Err(ApiFailure(e)) => {
-                eprintln!("error: {e}");
+                crate::errln!("error: {e}");
                 return ExitCode::FAILURE;
             }
         };
@@ -656,8 +656,8 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
                 Ok(note) => println!("{:<10} {:<32} {shown} ({note})", step.kind.label(), step.id),
                 Err(ApiFailure(e)) => {
                     println!("{:<10} {:<32} {shown} FAILED", step.kind.label(), step.id);
-                    eprintln!("error: {e}");
-                    eprintln!("stopped; the steps above this one were applied");
+                    crate::errln!("error: {e}");
+                    crate::errln!("stopped; the steps above this one were applied");
                     return ExitCode::FAILURE;
                 }
             }

@@ -11,7 +11,7 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) {
         if e.kind() == std::io::ErrorKind::BrokenPipe {
             std::process::exit(141);
         }
-        eprintln!("error: cannot write to stdout: {e}");
+        crate::errln!("error: cannot write to stdout: {e}");
         std::process::exit(1);
     }
 }
@@ -21,6 +21,24 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) {
 macro_rules! outln {
     () => { $crate::cli::write_stdout(format_args!("\n")) };
     ($($arg:tt)*) => { $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// Writes a message to stderr, ending the process like [`write_stdout`]
+/// when stderr is a closed pipe (`sluice lint *.json 2>&1 | head`), where
+/// `eprintln!` would panic.
+pub fn write_stderr(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    if let Err(e) = std::io::stderr().lock().write_fmt(args)
+        && e.kind() == std::io::ErrorKind::BrokenPipe
+    {
+        std::process::exit(141);
+    }
+}
+
+/// `eprintln!` through [`write_stderr`].
+#[macro_export]
+macro_rules! errln {
+    ($($arg:tt)*) => { $crate::cli::write_stderr(format_args!("{}\n", format_args!($($arg)*))) };
 }
 
 /// `print!` through [`write_stdout`].
@@ -106,7 +124,7 @@ pub fn lint(files: &[std::path::PathBuf]) -> ExitCode {
                     serde_json::to_string_pretty(&body).unwrap_or_default()
                 );
             }
-            None => eprintln!("{}: ok", file.display()),
+            None => crate::errln!("{}: ok", file.display()),
         }
     }
     if bad > 0 {

@@ -185,7 +185,7 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(message) => {
-                eprintln!("error: {message}");
+                sluice::errln!("error: {message}");
                 ExitCode::from(2)
             }
         },
@@ -215,7 +215,7 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(message) => {
-                eprintln!("error: {message}");
+                sluice::errln!("error: {message}");
                 ExitCode::FAILURE
             }
         },
@@ -237,7 +237,7 @@ fn with_config(
     let config = match config::Config::load(path.as_deref()) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("{e}");
+            sluice::errln!("{e}");
             return ExitCode::from(2);
         }
     };
@@ -246,7 +246,7 @@ fn with_config(
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");
-            eprintln!("error: {e}");
+            sluice::errln!("error: {e}");
             ExitCode::FAILURE
         }
     }

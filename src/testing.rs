@@ -537,14 +537,14 @@ fn collect(paths: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
 pub fn run(paths: &[PathBuf]) -> ExitCode {
     let files = match collect(paths) {
         Ok(files) if files.is_empty() => {
-            eprintln!(
+            crate::errln!(
                 "error: no test files found (they end in .test.json, .test.yaml or .test.yml)"
             );
             return ExitCode::from(2);
         }
         Ok(files) => files,
         Err(e) => {
-            eprintln!("error: {e}");
+            crate::errln!("error: {e}");
             return ExitCode::from(2);
         }
     };
@@ -554,7 +554,7 @@ pub fn run(paths: &[PathBuf]) -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
+            crate::errln!("error: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };

@@ -223,3 +223,29 @@ fn environment_variables_that_are_not_utf8_do_not_crash_start_up() {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// `lint` reports each good file on stderr; with stderr a pipe the reader
+/// closed (`2>&1 | head -1`), the command ends with status 141 like any
+/// other output into a closed pipe, not with a panic (101).
+#[test]
+fn lint_into_a_closed_pipe_ends_with_141() {
+    use std::io::Read as _;
+    let good = temp_file(
+        "good.json",
+        &json!({"name": "ok", "tasks": [{"id": "a", "name": "a", "function": {"name": "log", "input": {"message": "hi"}}}]}),
+    );
+    // More "ok" lines than a pipe holds.
+    let mut child = sluice()
+        .arg("lint")
+        .args(std::iter::repeat_n(&good, 3000))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let mut first = [0u8; 16];
+    stderr.read_exact(&mut first).unwrap();
+    drop(stderr);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(141), "{status:?}");
+}
