@@ -702,9 +702,10 @@ pub fn assemble(
                     }
                 };
                 let mut def = record.to_json(Kind::Workflow);
-                if let Some(obj) = def.as_object_mut()
-                    && !obj.contains_key("rollout")
-                {
+                // The range always follows the versions' percentages (a
+                // definition stored with a range of its own, before `rollout`
+                // became server-managed, does not keep it).
+                if let Some(obj) = def.as_object_mut() {
                     obj.insert(
                         "rollout".into(),
                         serde_json::json!({"bucket_start": range.start, "bucket_end": range.end}),

@@ -83,9 +83,9 @@ pub struct WorkflowDef {
     pub tags: Vec<String>,
     #[serde(default)]
     pub continue_on_error: bool,
-    /// Engine-schema grouping label; `default` when absent. Sluice binds
-    /// channels to workflows through the channel's `workflow_id`, so this is
-    /// informational.
+    /// Engine-schema channel label; `default` when absent. A channel serves
+    /// its own `workflow_id` and every active workflow whose label names it
+    /// (by priority).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub channel: Option<String>,
     /// Server-managed.
@@ -99,7 +99,9 @@ pub struct WorkflowDef {
     #[serde(default = "WorkflowDef::default_rollout_percentage")]
     #[schemars(range(min = 1, max = 100))]
     pub rollout_percentage: u8,
-    /// Engine-schema bucket range; absent means `[0, 100)`.
+    /// Engine-schema bucket range; absent means `[0, 100)`. The service
+    /// derives it from the versions' `rollout_percentage` (a definition's
+    /// own is not stored).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutDef>,
     /// Engine-schema loop over the whole task list.

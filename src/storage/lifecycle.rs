@@ -357,13 +357,27 @@ pub(crate) fn plan_status(
                     } else if with_status(&[Active]).is_empty()
                         && !with_status(&[Paused]).is_empty()
                     {
+                        // Resumed as a split that adds up: the newest keeps
+                        // its share p, the one before it serves 100 - p (none
+                        // when p is 100), any older one is archived. Their
+                        // stored shares may not add up (each was paused
+                        // from a different split).
                         let paused = with_status(&[Paused]);
-                        for r in &paused {
+                        let newest_share = paused.last().map_or(100, |r| r.rollout);
+                        let n = paused.len();
+                        for (i, r) in paused.iter().enumerate() {
+                            let (to, rollout) = if i + 1 == n {
+                                (Active, newest_share)
+                            } else if i + 2 == n && newest_share < 100 {
+                                (Active, 100 - newest_share)
+                            } else {
+                                (Archived, r.rollout)
+                            };
                             changes.push(Change {
                                 version: r.version,
                                 from: Paused,
-                                to: Active,
-                                rollout: r.rollout,
+                                to,
+                                rollout,
                             });
                         }
                         let target = paused.last().map(|r| r.version).unwrap_or_default();

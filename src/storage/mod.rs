@@ -139,10 +139,14 @@ impl std::fmt::Display for Status {
 }
 
 /// Fields the server manages; they are never stored inside a definition.
-pub(crate) const SERVER_MANAGED: [&str; 5] = [
+/// `rollout` is the engine schema's bucket range: here the range follows
+/// `rollout_percentage` (a definition's own range would split traffic
+/// behind what the admin API shows).
+pub(crate) const SERVER_MANAGED: [&str; 6] = [
     "version",
     "status",
     "rollout_percentage",
+    "rollout",
     "created_at",
     "updated_at",
 ];

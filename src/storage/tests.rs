@@ -1445,6 +1445,32 @@ fn plans_follow_the_state_table() {
             },
         ]
     );
+    // Resuming paused versions whose shares were paused from different
+    // splits (v1 at 100 before the canary, v2 the canary at 30): a split
+    // that adds up, the newest keeping its share; anything older archived.
+    let rows = [
+        v(1, Paused, 100, 1),
+        v(2, Paused, 100, 2),
+        v(3, Paused, 30, 3),
+    ];
+    let p = plan_status(k, "w", &rows, Active, None, None).unwrap();
+    let moves: Vec<(i64, Status, i64)> = p
+        .changes
+        .iter()
+        .map(|c| (c.version, c.to, c.rollout))
+        .collect();
+    assert_eq!(
+        moves,
+        [(1, Archived, 100), (2, Active, 70), (3, Active, 30)]
+    );
+    let rows = [v(1, Paused, 40, 1), v(2, Paused, 100, 2)];
+    let p = plan_status(k, "w", &rows, Active, None, None).unwrap();
+    let moves: Vec<(i64, Status, i64)> = p
+        .changes
+        .iter()
+        .map(|c| (c.version, c.to, c.rollout))
+        .collect();
+    assert_eq!(moves, [(1, Archived, 40), (2, Active, 100)]);
     // Resuming a paused version while another is active is a rollback.
     let rows = [v(1, Paused, 100, 1), v(2, Active, 100, 2)];
     let p = plan_status(k, "w", &rows, Active, Some(1), None).unwrap();

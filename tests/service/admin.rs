@@ -1237,3 +1237,35 @@ async fn dry_run_body_is_checked() {
         .await
         .ok(200);
 }
+
+/// Traffic between versions follows `rollout_percentage` alone: an engine
+/// schema `rollout` range in a definition is server-managed like the
+/// percentage (not stored, not shown, no effect). Before, `{0, 0}` made a
+/// workflow the admin API showed at 100 % serve nothing.
+#[tokio::test]
+async fn a_definitions_rollout_range_does_not_split_traffic() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        json!({"workflow_id": "rb", "name": "rb", "rollout": {"bucket_start": 0, "bucket_end": 0},
+               "tasks": [{"id": "m", "name": "m", "function": {"name": "map",
+                          "input": {"mappings": [{"path": "v", "logic": "R"}]}}}]}),
+        json!({"channel_id": "crb", "name": "crb", "workflow_id": "rb"}),
+    )
+    .await;
+    let shown = s.admin("GET", "/workflows/rb", None).await;
+    let data = shown.ok(200);
+    assert_eq!(data["rollout_percentage"], 100);
+    assert!(data.get("rollout").is_none(), "{data}");
+    for key in ["a", "b", "c", "d", "e"] {
+        let r = s
+            .send(
+                "POST",
+                "/api/v1/data/crb",
+                Some(json!({"data": {}})),
+                &[("x-rollout-key", key)],
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.body["data"]["v"], "R");
+    }
+}
