@@ -60,7 +60,14 @@ use std::process::ExitCode;
 fn read_json(path: &Path) -> Result<Json, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))
+    serde_json::from_str(&text).map_err(|e| {
+        // serde_json stops at the 128th level (as on the admin API).
+        let text = e.to_string();
+        match text.strip_prefix("recursion limit exceeded") {
+            Some(at) => format!("{} nests deeper than 127 levels{at}", path.display()),
+            None => format!("{} is not valid JSON: {text}", path.display()),
+        }
+    })
 }
 
 /// Reads a definition file: YAML when it ends in `.yaml`/`.yml`, JSON
@@ -86,20 +93,50 @@ pub fn schema(kind: &str) -> Result<String, String> {
     Ok(serde_json::to_string_pretty(&definition_schema(kind)).unwrap_or_default())
 }
 
-/// Which kind of definition a file holds, by its distinctive fields.
-fn problems_of(def: &Json) -> (&'static str, Vec<sluice_compiler::diag::Diagnostic>) {
-    if def.get("connector_type").is_some()
-        || def.get("config").is_some() && def.get("tasks").is_none()
-    {
-        ("connector", validate::validate_connector(def))
-    } else if def.get("tasks").is_none()
-        && (def.get("channel_type").is_some()
-            || def.get("route_pattern").is_some()
-            || def.get("channel_id").is_some())
-    {
-        ("channel", validate::validate_channel(def))
-    } else {
-        ("workflow", compile_workflow(def).err().unwrap_or_default())
+/// Which kind of definition a file holds: the kind its `$schema` names
+/// (`../schemas/channel.json`), else by its distinctive fields. Returns the
+/// kind, its problems and (workflows) its warnings.
+fn problems_of(
+    def: &Json,
+) -> (
+    &'static str,
+    Vec<sluice_compiler::diag::Diagnostic>,
+    Vec<sluice_compiler::diag::Diagnostic>,
+) {
+    let named = def
+        .get("$schema")
+        .and_then(Json::as_str)
+        .map(|s| s.rsplit('/').next().unwrap_or(s));
+    let has = |keys: &[&str]| keys.iter().any(|k| def.get(*k).is_some());
+    let kind = match named {
+        Some("connector.json") => "connector",
+        Some("channel.json") => "channel",
+        Some("workflow.json") => "workflow",
+        _ if has(&["connector_type"]) || has(&["config"]) && !has(&["tasks"]) => "connector",
+        // Fields only a channel has (a channel needs neither a route nor
+        // an id: `{name, protocol: http, workflow_id}` is one).
+        _ if !has(&["tasks"])
+            && has(&[
+                "channel_type",
+                "route_pattern",
+                "channel_id",
+                "protocol",
+                "methods",
+                "config_json",
+                "validation_logic",
+            ]) =>
+        {
+            "channel"
+        }
+        _ => "workflow",
+    };
+    match kind {
+        "connector" => (kind, validate::validate_connector(def), Vec::new()),
+        "channel" => (kind, validate::validate_channel(def), Vec::new()),
+        _ => match compile_workflow(def) {
+            Ok(compiled) => (kind, Vec::new(), compiled.warnings),
+            Err(problems) => (kind, problems, Vec::new()),
+        },
     }
 }
 
@@ -108,10 +145,15 @@ fn problems_of(def: &Json) -> (&'static str, Vec<sluice_compiler::diag::Diagnost
 pub fn lint(files: &[std::path::PathBuf]) -> ExitCode {
     let mut bad = 0;
     for file in files {
-        let envelope = match read_json(file) {
+        let envelope = match read_definition(file) {
             Err(message) => Some(ApiError::bad_request(message).body()),
             Ok(def) => {
-                let (kind, problems) = problems_of(&def);
+                let (kind, problems, warnings) = problems_of(&def);
+                // What `POST /workflows/validate` answers as warnings
+                // (data-function inputs, checked again when they run).
+                for w in &warnings {
+                    crate::errln!("{}: warning: {}: {}", file.display(), w.field, w.message);
+                }
                 (!problems.is_empty()).then(|| ApiError::invalid(kind, problems).body())
             }
         };
@@ -166,15 +208,21 @@ fn dry_run_answer(
     payload: &Path,
     metadata: Option<&Path>,
 ) -> Result<(Json, bool), Json> {
-    let def = read_json(workflow).map_err(|m| ApiError::bad_request(m).body())?;
+    let def = read_definition(workflow).map_err(|m| ApiError::bad_request(m).body())?;
     let compiled = compile_workflow(&def).map_err(|p| ApiError::invalid("workflow", p).body())?;
     let payload_text = std::fs::read(payload).map_err(|e| {
         ApiError::bad_request(format!("cannot read {}: {e}", payload.display())).body()
     })?;
     let meta = match metadata {
-        Some(p) => read_json(p).map_err(|m| ApiError::bad_request(m).body())?,
+        Some(p) => read_definition(p).map_err(|m| ApiError::bad_request(m).body())?,
         None => Json::Null,
     };
+    // As `POST /workflows/{id}/test` checks its `metadata`.
+    if !(meta.is_object() || meta.is_null()) {
+        let at = sluice_compiler::diag::FieldPath::root().key("metadata");
+        let problem = sluice_compiler::diag::Diagnostic::type_mismatch(&at, "object", &meta);
+        return Err(ApiError::invalid("request", vec![problem]).body());
+    }
     let pairs = |area| crate::data::metadata_pairs(&meta, area);
     let (headers, query, path) = (pairs("headers"), pairs("query"), pairs("path"));
     use crate::data::borrow_pairs;
@@ -217,7 +265,15 @@ fn dry_run_answer(
             &scope,
             &options,
         ))
-        .map_err(|e| ApiError::bad_request(e.to_string()).body())?;
+        // The payload file stands where an API request has its body.
+        .map_err(|e| {
+            let message = e.to_string().replacen(
+                "request body",
+                &format!("payload file {}", payload.display()),
+                1,
+            );
+            ApiError::bad_request(message).body()
+        })?;
     let failed = matches!(execution.status, exec::Status::Failed(_));
     Ok((crate::data::dry_run_answer(&execution), failed))
 }

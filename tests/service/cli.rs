@@ -249,3 +249,110 @@ fn lint_into_a_closed_pipe_ends_with_141() {
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(141), "{status:?}");
 }
+
+/// `lint` reads YAML like `apply` and `test`, knows a channel without a
+/// route or an id (or by its `$schema`), and says what
+/// `POST /workflows/validate` warns about.
+#[test]
+fn lint_knows_channels_yaml_and_warnings() {
+    let dir = std::env::temp_dir().join(format!("sluice-cli-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let channel = write(
+        "ch.json",
+        r#"{"name": "hello", "protocol": "http", "workflow_id": "hello"}"#,
+    );
+    let by_schema = write(
+        "named.json",
+        r#"{"$schema": "../schemas/channel.json", "name": "hello", "workflow_id": "hello"}"#,
+    );
+    let yaml = write(
+        "wf.yaml",
+        "name: greet\ntasks:\n  - id: a\n    name: a\n    function:\n      name: log\n      input:\n        message: hi\n",
+    );
+    for file in [&channel, &by_schema, &yaml] {
+        let out = sluice().arg("lint").arg(file).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    // A channel's problems are reported as a channel's.
+    let bad_channel = write(
+        "bad.json",
+        r#"{"protocol": "http", "workflow_id": "hello"}"#,
+    );
+    let out = sluice().arg("lint").arg(&bad_channel).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let envelope: Json = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        envelope["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("channel"),
+        "{envelope}"
+    );
+    let warned = write(
+        "warn.json",
+        r#"{"name": "w", "tasks": [{"id": "m", "name": "m", "function": {"name": "map", "input": {"mapings": []}}}]}"#,
+    );
+    let out = sluice().arg("lint").arg(&warned).output().unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("warning: tasks[0].function.input.mappings: is required"),
+        "{stderr}"
+    );
+}
+
+/// `dry-run` checks `--metadata` as the test endpoint checks `metadata`,
+/// and names the payload file when it is not JSON.
+#[test]
+fn dry_run_names_its_files() {
+    let wf = temp_file(
+        "wf.json",
+        &json!({"name": "w", "tasks": [{"id": "a", "name": "a", "function": {"name": "log", "input": {"message": "hi"}}}]}),
+    );
+    let payload = temp_file("payload.json", &json!({"n": 1}));
+    let meta = temp_file("meta.json", &json!([1]));
+    let out = sluice()
+        .args(["dry-run", "--workflow"])
+        .arg(&wf)
+        .arg("--payload")
+        .arg(&payload)
+        .arg("--metadata")
+        .arg(&meta)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let envelope: Json = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        envelope["error"]["details"],
+        json!([{"field": "metadata", "message": "expected object, got array"}])
+    );
+    let garbage = payload.with_file_name("garbage.txt");
+    std::fs::write(&garbage, "not json").unwrap();
+    let out = sluice()
+        .args(["dry-run", "--workflow"])
+        .arg(&wf)
+        .arg("--payload")
+        .arg(&garbage)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let envelope: Json = serde_json::from_slice(&out.stdout).unwrap();
+    let message = envelope["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(&format!(
+            "payload file {} is not valid JSON",
+            garbage.display()
+        )),
+        "{message}"
+    );
+}
