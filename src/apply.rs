@@ -294,15 +294,18 @@ impl Api {
                 .header("content-type", "application/json")
                 .body(body.to_string());
         }
+        // A password in `--server` is never printed.
+        let shown =
+            sluice_compiler::validate::mask_url_password(&url).unwrap_or_else(|| url.clone());
         let resp = req
             .send()
             .await
-            .map_err(|e| ApiFailure(format!("{method} {url}: {e}")))?;
+            .map_err(|e| ApiFailure(format!("{method} {shown}: {e}")))?;
         let status = resp.status().as_u16();
         let text = resp
             .text()
             .await
-            .map_err(|e| ApiFailure(format!("{method} {url}: {e}")))?;
+            .map_err(|e| ApiFailure(format!("{method} {shown}: {e}")))?;
         let json: Json = serde_json::from_str(&text).unwrap_or(Json::Null);
         Ok((status, json))
     }

@@ -389,9 +389,22 @@ impl Config {
         if let Some(path) = path {
             let text = std::fs::read_to_string(&path)
                 .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
-            let table: toml::Table = text
-                .parse()
-                .map_err(|e| ConfigError(format!("{} is not valid TOML: {e}", path.display())))?;
+            // toml's own message quotes the offending line, which may hold
+            // a secret (`api_key = "…` unterminated): the place and the
+            // reason only.
+            let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+                let at = e.span().map_or(String::new(), |span| {
+                    let before = &text[..span.start.min(text.len())];
+                    let line = before.matches('\n').count() + 1;
+                    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+                    format!(" at line {line} column {column}")
+                });
+                ConfigError(format!(
+                    "{} is not valid TOML{at}: {}",
+                    path.display(),
+                    e.message()
+                ))
+            })?;
             merge(&mut merged, table);
         }
         let mut overrides: Vec<(String, String)> = env
@@ -405,7 +418,25 @@ impl Config {
         let config: Config =
             serde_path_to_error::deserialize(toml::Value::Table(merged)).map_err(|e| {
                 let key = e.path().to_string();
-                ConfigError(format!("invalid value for '{key}': {}", e.inner()))
+                // serde quotes the value (`invalid type: integer `1234`,
+                // expected a string`); not for a secret.
+                let last = key.rsplit('.').next().unwrap_or(&key);
+                if ["key", "password", "token", "secret", "url"]
+                    .iter()
+                    .any(|s| last.contains(s))
+                {
+                    // The reason without the quoted value.
+                    let reason = e.inner().to_string();
+                    let reason = reason.lines().next().unwrap_or_default();
+                    let mut parts = reason.split('`');
+                    let mut kept = parts.next().unwrap_or_default().trim_end().to_owned();
+                    while let (Some(_quoted), Some(after)) = (parts.next(), parts.next()) {
+                        kept.push_str(after);
+                    }
+                    ConfigError(format!("invalid value for '{key}': {kept}"))
+                } else {
+                    ConfigError(format!("invalid value for '{key}': {}", e.inner()))
+                }
             })?;
         config.check()?;
         Ok(config)
@@ -850,6 +881,26 @@ mod tests {
             );
             assert!(load(None, &[(var, "1")]).is_ok(), "{var}");
         }
+    }
+
+    /// Errors about a secret's value name the key and the reason, never the
+    /// value; a TOML syntax error gives the place, not the line's text.
+    #[test]
+    fn configuration_errors_never_quote_a_secret() {
+        let e = load(Some("[admin_auth]\napi_key = 12345678\n"), &[])
+            .unwrap_err()
+            .0;
+        assert_eq!(
+            e,
+            "invalid value for 'admin_auth.api_key': invalid type: integer, expected a string"
+        );
+        let dir = std::env::temp_dir().join(format!("sluice-config-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("sluice.toml");
+        std::fs::write(&file, "[admin_auth]\napi_key = \"TOPSECRET123\n").unwrap();
+        let e = Config::load_from(Some(&file), Vec::new()).unwrap_err().0;
+        assert!(!e.contains("TOPSECRET123"), "{e}");
+        assert!(e.contains("is not valid TOML at line 2 column"), "{e}");
     }
 
     /// Periods are added to clock readings; one near u64::MAX overflowed

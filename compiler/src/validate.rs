@@ -1304,7 +1304,7 @@ fn mask(v: &mut Json, headers_everywhere: bool) {
 
 /// `scheme://user:password@host...` with the password masked (a Redis or
 /// HTTP URL may carry credentials in any field); `None` when there is none.
-fn mask_url_password(text: &str) -> Option<String> {
+pub fn mask_url_password(text: &str) -> Option<String> {
     let start = text.find("://")? + 3;
     let rest = &text[start..];
     let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());

@@ -1707,3 +1707,34 @@ async fn example_kafka_dead_letter_consumes_and_routes_bad_events() {
     }
     panic!("no completed kafka trace for {order}: {last}");
 }
+
+/// A password in `--server` never reaches the output, even when the call
+/// fails and the message names the URL.
+#[test]
+fn apply_never_prints_the_servers_password() {
+    let dir = std::env::temp_dir().join(format!("sluice-apply-{}", uuid::Uuid::new_v4()));
+    write_def(
+        &dir,
+        "workflows/w.json",
+        &json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "a", "name": "a", "function": {"name": "log", "input": {"message": "hi"}}}]}),
+    );
+    let port = crate::support::free_port();
+    let out = sluice()
+        .args([
+            "apply",
+            "--server",
+            &format!("http://user:PASSWD123@127.0.0.1:{port}"),
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(all.contains("127.0.0.1"), "{all}");
+    assert!(!all.contains("PASSWD123"), "{all}");
+}
