@@ -555,6 +555,18 @@ impl Config {
         if let Some((key, _)) = periods.iter().find(|(_, secs)| *secs > YEAR_SECS) {
             return fail(key, "must be at most one year");
         }
+        if self.kafka.enabled && self.kafka.brokers.trim().is_empty() {
+            return fail(
+                "kafka.brokers",
+                "must not be empty when kafka.enabled is true",
+            );
+        }
+        if self.kafka.dlq.enabled && self.kafka.dlq.topic.trim().is_empty() {
+            return fail(
+                "kafka.dlq.topic",
+                "must not be empty when kafka.dlq.enabled is true",
+            );
+        }
         // Each worker is a task polling storage; a million of them only
         // exhausts memory.
         if self.queue.workers > 1024 {
@@ -939,5 +951,32 @@ mod tests {
             .unwrap_err()
             .0;
         assert_eq!(e, "invalid value for 'queue.workers': must be at most 1024");
+        // Switched on with nothing to talk to.
+        let e = load(
+            None,
+            &[
+                ("SERVICE_KAFKA__ENABLED", "true"),
+                ("SERVICE_KAFKA__BROKERS", " "),
+            ],
+        )
+        .unwrap_err()
+        .0;
+        assert_eq!(
+            e,
+            "invalid value for 'kafka.brokers': must not be empty when kafka.enabled is true"
+        );
+        let e = load(
+            None,
+            &[
+                ("SERVICE_KAFKA__DLQ__ENABLED", "true"),
+                ("SERVICE_KAFKA__DLQ__TOPIC", ""),
+            ],
+        )
+        .unwrap_err()
+        .0;
+        assert_eq!(
+            e,
+            "invalid value for 'kafka.dlq.topic': must not be empty when kafka.dlq.enabled is true"
+        );
     }
 }

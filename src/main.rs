@@ -153,7 +153,7 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
         /// Activate new versions of existing workflows for this share of traffic (1..100).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u8).range(1..=100))]
         rollout: Option<u8>,
         dir: PathBuf,
     },
@@ -266,6 +266,8 @@ async fn serve(config: config::Config) -> Result<(), String> {
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    // The address actually bound (port 0 picks one).
+    let addr = listener.local_addr().map_or(addr, |a| a.to_string());
     let app = sluice::start(config).await?;
     tracing::info!(%addr, version = app::VERSION, "sluice is serving");
     server::run(listener, app, shutdown_signal()).await;

@@ -522,18 +522,19 @@ fn collect(paths: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
     for path in paths {
         if path.is_dir() {
             files_under(path, &is_test, &mut out)?;
-        } else if path.is_file() {
-            out.push(path.clone());
         } else {
-            return Err(format!("{}: no such file or directory", path.display()));
+            // A named file that cannot be read is a failed case when it is
+            // loaded (the others still run), as one that does not parse.
+            out.push(path.clone());
         }
     }
     Ok(out)
 }
 
 /// `sluice test <file-or-dir>...`: one line per case, a diff under each
-/// failure, `N passed, N failed` last; exit 1 on any failure, 2 when the
-/// arguments name nothing to run.
+/// failure, `N passed, N failed` last; exit 1 on any failure (a named file
+/// that cannot be read or parsed counts as one), 2 when there is nothing to
+/// run (no test file, or no case in them).
 pub fn run(paths: &[PathBuf]) -> ExitCode {
     let files = match collect(paths) {
         Ok(files) if files.is_empty() => {
@@ -607,6 +608,10 @@ pub fn run(paths: &[PathBuf]) -> ExitCode {
     crate::outln!("{passed} passed, {failed} failed");
     if failed > 0 {
         ExitCode::FAILURE
+    } else if passed == 0 {
+        // Test files without a single case: nothing was run.
+        crate::errln!("error: the test files hold no cases");
+        ExitCode::from(2)
     } else {
         ExitCode::SUCCESS
     }

@@ -799,6 +799,33 @@ cases:
     let empty = temp_dir();
     let out = sluice().arg("test").arg(&empty).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    // A named file that does not exist is a failure beside the others,
+    // which still run.
+    let out = sluice()
+        .arg("test")
+        .arg(dir.join("nope.test.yaml"))
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("FAIL") && stdout.contains("nope.test.yaml"),
+        "{stdout}"
+    );
+    assert!(stdout.ends_with("1 passed, 5 failed\n"), "{stdout}");
+    // Test files without a case: nothing ran.
+    std::fs::write(
+        dir.join("none.test.json"),
+        r#"{"workflow": "wf/w.json", "cases": []}"#,
+    )
+    .unwrap();
+    let out = sluice()
+        .arg("test")
+        .arg(dir.join("none.test.json"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
 }
 
 /// `mongo_read` stubs answer canned documents matched on the call's
