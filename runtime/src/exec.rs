@@ -148,6 +148,10 @@ pub enum TaskStatus {
 pub struct TaskRecord {
     pub id: String,
     pub status: TaskStatus,
+    /// Why a task that was due to run did not (a dry run makes no
+    /// connector calls); absent for a task whose condition was false.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<&'static str>,
     pub ms: f64,
     /// When the task started (`None`: skipped); for span timestamps.
     #[serde(skip)]
@@ -842,6 +846,7 @@ impl<'a> Machine<'a> {
                 for step in &block.steps {
                     match step {
                         Step::Task(t) => out.push(TaskRecord {
+                            reason: None,
                             id: t.id.to_string(),
                             status: TaskStatus::Skipped,
                             ms: 0.0,
@@ -863,6 +868,9 @@ impl<'a> Machine<'a> {
         match self.condition_holds(&task.condition, arena) {
             Ok(true) if self.skip_connectors && task.function.needs_io() => {
                 self.record(task, TaskStatus::Skipped);
+                if let Some(last) = self.tasks.last_mut() {
+                    last.reason = Some("a test run makes no connector or channel calls");
+                }
                 return None;
             }
             Ok(true) => {}
@@ -982,6 +990,7 @@ impl<'a> Machine<'a> {
             self.tasks.push(TaskRecord {
                 id: task.id.to_string(),
                 status,
+                reason: None,
                 ms,
                 started: self.task_started.filter(|_| status != TaskStatus::Skipped),
             });

@@ -116,6 +116,21 @@ fn dry_run_runs_a_workflow_offline() {
         statuses,
         vec![json!("executed"), json!("skipped"), json!("executed")]
     );
+    // The connector task says why it did not run; the others say nothing.
+    let reasons: Vec<_> = answer["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.get("reason").cloned())
+        .collect();
+    assert_eq!(
+        reasons,
+        vec![
+            None,
+            Some(json!("a test run makes no connector or channel calls")),
+            None
+        ]
+    );
 
     let failing = temp_file(
         "fail.json",
