@@ -358,9 +358,23 @@ async fn new_version(app: &App, kind: Kind, id: &str, who: Principal) -> ApiResu
 }
 
 fn percentage(body: &Json, field: &str, required: bool) -> Result<Option<i64>, ApiError> {
+    if !body.is_object() {
+        return Err(ApiError::bad_request(format!(
+            "the body must be a JSON object like {{\"{field}\": 30}}, got {}",
+            sluice_compiler::diag::type_name(body)
+        )));
+    }
     match body.get(field) {
-        None | Some(Json::Null) if !required => Ok(None),
-        None | Some(Json::Null) => Err(ApiError::invalid(
+        // `null` is not "absent" (docs/decisions.md).
+        Some(Json::Null) => Err(ApiError::invalid(
+            "request",
+            vec![Diagnostic {
+                field: field.into(),
+                message: "expected integer, got null".into(),
+            }],
+        )),
+        None if !required => Ok(None),
+        None => Err(ApiError::invalid(
             "request",
             vec![Diagnostic {
                 field: field.into(),
@@ -425,13 +439,13 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
         None
     };
     let version = match body.get("version") {
-        None | Some(Json::Null) => None,
+        None => None,
         Some(v) => Some(v.as_i64().filter(|n| *n >= 1).ok_or_else(|| {
             ApiError::invalid(
                 "request",
                 vec![Diagnostic {
                     field: "version".into(),
-                    message: "must be a positive integer".into(),
+                    message: format!("must be a positive integer, got {v}"),
                 }],
             )
         })?),

@@ -1269,3 +1269,50 @@ async fn a_definitions_rollout_range_does_not_split_traffic() {
         assert_eq!(r.body["data"]["v"], "R");
     }
 }
+
+/// In a status or rollout change, `null` is a value of the wrong type, not
+/// an absent field, and a body that is not an object says so.
+#[tokio::test]
+async fn lifecycle_bodies_treat_null_as_a_value() {
+    let s = start(Db::Sqlite).await;
+    s.admin("POST", "/workflows", Some(workflow("nul")))
+        .await
+        .ok(201);
+    for (body, field, message) in [
+        (
+            json!({"status": "active", "rollout_percentage": null}),
+            "rollout_percentage",
+            "expected integer, got null",
+        ),
+        (
+            json!({"status": "active", "version": null}),
+            "version",
+            "must be a positive integer, got null",
+        ),
+    ] {
+        let r = s.admin("PATCH", "/workflows/nul/status", Some(body)).await;
+        r.error(400, "BAD_REQUEST");
+        assert_eq!(
+            r.body["error"]["details"],
+            json!([{"field": field, "message": message}])
+        );
+    }
+    let r = s
+        .admin(
+            "PATCH",
+            "/workflows/nul/rollout",
+            Some(json!({"rollout_percentage": null})),
+        )
+        .await;
+    assert_eq!(
+        r.body["error"]["details"],
+        json!([{"field": "rollout_percentage", "message": "expected integer, got null"}])
+    );
+    let r = s
+        .admin("PATCH", "/workflows/nul/rollout", Some(json!([])))
+        .await;
+    assert_eq!(
+        r.error(400, "BAD_REQUEST")["message"],
+        "the body must be a JSON object like {\"rollout_percentage\": 30}, got array"
+    );
+}
