@@ -597,6 +597,21 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
         crate::errln!("error: --rollout must be from 1 to 100, got {p}");
         return ExitCode::from(2);
     }
+    // `--server` is the service's base URL (`http://host:port`), nothing
+    // else: a bad one is a usage error, not a failed call.
+    let base_ok = reqwest::Url::parse(&opts.server).is_ok_and(|u| {
+        matches!(u.scheme(), "http" | "https")
+            && u.host_str().is_some()
+            && matches!(u.path(), "" | "/")
+    });
+    if !base_ok {
+        let shown = sluice_compiler::validate::mask_url_password(&opts.server)
+            .unwrap_or_else(|| opts.server.clone());
+        crate::errln!(
+            "error: --server must be the service's base URL, like http://127.0.0.1:8080, got '{shown}'"
+        );
+        return ExitCode::from(2);
+    }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let client = match reqwest::Client::builder()
         .no_proxy()

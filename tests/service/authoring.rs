@@ -1764,4 +1764,18 @@ fn apply_never_prints_the_servers_password() {
     );
     assert!(all.contains("127.0.0.1"), "{all}");
     assert!(!all.contains("PASSWD123"), "{all}");
+    // Not a base URL: a usage error naming the option.
+    for bad in ["notaurl", "http://127.0.0.1:8080/api/v1", "ftp://x"] {
+        let out = sluice()
+            .args(["apply", "--server", bad])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.starts_with("error: --server must be the service's base URL"),
+            "{stderr}"
+        );
+    }
 }
