@@ -806,6 +806,15 @@ impl Store {
         let mut shareable = true;
         let (pools, backend) = match scheme.as_str() {
             "sqlite" => {
+                // `sqlite://` with no path: sqlx opens a private in-memory
+                // database per connection, so migrations and queries would
+                // each see a different one.
+                let path = url["sqlite:".len()..].trim_start_matches('/');
+                if path.is_empty() || path.starts_with('?') {
+                    return Err(StorageError::BadRequest(
+                        "invalid storage.url: it names no database file (sqlite://path/to/file.db, or sqlite::memory:)".into(),
+                    ));
+                }
                 let memory = url.contains(":memory:") || url.contains("mode=memory");
                 shareable = !memory;
                 let opts = SqliteConnectOptions::from_str(url)
@@ -835,6 +844,7 @@ impl Store {
             "postgres" | "postgresql" => {
                 let opts = PgConnectOptions::from_str(url)
                     .map_err(|e| StorageError::BadRequest(format!("invalid storage.url: {e}")))?;
+                probe(&opts, "PostgreSQL", acquire).await?;
                 let p = PgPoolOptions::new()
                     .max_connections(max)
                     .acquire_timeout(acquire)
@@ -849,6 +859,7 @@ impl Store {
                 let opts = MySqlConnectOptions::from_str(&url)
                     .map_err(|e| StorageError::BadRequest(format!("invalid storage.url: {e}")))?
                     .charset("utf8mb4");
+                probe(&opts, "MySQL", acquire).await?;
                 let p = MySqlPoolOptions::new()
                     .max_connections(max)
                     .acquire_timeout(acquire)
@@ -930,5 +941,30 @@ impl Store {
 
     pub(crate) fn sql(&self) -> &Sql {
         &self.inner.sql
+    }
+}
+
+/// Opens one connection before the pool is built: when the server cannot
+/// be reached, the pool only reports that it timed out waiting, while a
+/// direct connection says why (refused, unknown host, bad password).
+async fn probe<O>(opts: &O, backend: &str, wait: Duration) -> Result<(), StorageError>
+where
+    O: sqlx::ConnectOptions,
+    O::Connection: Sized,
+{
+    use sqlx::Connection as _;
+    match tokio::time::timeout(wait, opts.connect()).await {
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+            Ok(())
+        }
+        // sqlx errors do not echo the URL (it may hold a password).
+        Ok(Err(e)) => Err(StorageError::Database(format!(
+            "cannot connect to {backend} storage: {e}"
+        ))),
+        Err(_) => Err(StorageError::Database(format!(
+            "cannot connect to {backend} storage: no answer within {} s",
+            wait.as_secs()
+        ))),
     }
 }

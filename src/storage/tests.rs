@@ -1394,9 +1394,29 @@ async fn memory_sqlite_and_bad_urls() {
         Store::connect("redis://127.0.0.1/", 1).await,
         Err(StorageError::BadRequest(_))
     ));
-    match Store::connect("postgres://u:supersecret@127.0.0.1:1/db", 1).await {
-        Err(StorageError::Database(m)) => assert!(!m.contains("supersecret"), "{m}"),
-        other => panic!("expected a connection error, got {other:?}"),
+    // The cause, at once: not the pool's "timed out" after ten seconds.
+    let started = std::time::Instant::now();
+    for url in [
+        "postgres://u:supersecret@127.0.0.1:1/db",
+        "mysql://u:supersecret@127.0.0.1:1/db",
+    ] {
+        match Store::connect(url, 1).await {
+            Err(StorageError::Database(m)) => {
+                assert!(!m.contains("supersecret"), "{m}");
+                assert!(m.to_lowercase().contains("refused"), "{m}");
+            }
+            other => panic!("expected a connection error, got {other:?}"),
+        }
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    // No file: each pooled connection would get its own empty database.
+    for url in ["sqlite://", "sqlite:", "sqlite://?mode=rwc"] {
+        match Store::connect(url, 1).await {
+            Err(StorageError::BadRequest(m)) => {
+                assert!(m.contains("names no database file"), "{m}")
+            }
+            other => panic!("{url}: expected a bad request, got {other:?}"),
+        }
     }
 }
 
