@@ -101,7 +101,7 @@ unsafe impl std::alloc::GlobalAlloc for MiMalloc {
     about = "Runs business logic declared as JSON"
 )]
 struct Cli {
-    /// Configuration file (default: ./sluice.toml if present).
+    /// Configuration file for serve and migrate (default: ./sluice.toml if present).
     #[arg(long, global = true)]
     config: Option<PathBuf>,
     #[command(subcommand)]
@@ -170,7 +170,14 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command.unwrap_or(Command::Serve) {
+    let command = cli.command.unwrap_or(Command::Serve);
+    // The tools that need no server read no configuration: a `--config`
+    // given to them would be silently ignored.
+    if cli.config.is_some() && !matches!(command, Command::Serve | Command::Migrate) {
+        sluice::errln!("error: --config applies to serve and migrate only");
+        return ExitCode::from(2);
+    }
+    match command {
         Command::Serve => with_config(cli.config, |config| runtime()?.block_on(serve(config))),
         Command::Migrate => with_config(cli.config, |config| runtime()?.block_on(migrate(config))),
         Command::Lint { files } => cli::lint(&files),

@@ -371,3 +371,18 @@ fn dry_run_names_its_files() {
         "{message}"
     );
 }
+
+/// `--config` is read by serve and migrate only; given to another command
+/// it is refused rather than silently ignored.
+#[test]
+fn config_is_refused_where_it_would_be_ignored() {
+    let out = sluice()
+        .args(["--config", "/nonexistent.toml", "logic", "--rule", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "error: --config applies to serve and migrate only"
+    );
+}
