@@ -231,22 +231,18 @@ fn checked(
         )));
     };
     let id_field = kind.id_field();
-    let given = obj
-        .get(id_field)
-        .or_else(|| {
-            if kind == Kind::Workflow {
-                obj.get("id")
-            } else {
-                None
-            }
-        })
-        .cloned();
+    // The field the client used: the id field, or the engine schema's `id`.
+    let (given_field, given) = match obj.get(id_field) {
+        Some(v) => (id_field, Some(v.clone())),
+        None if kind == Kind::Workflow => ("id", obj.get("id").cloned()),
+        None => (id_field, None),
+    };
     let id = match (id_from_path, given) {
         (Some(path_id), Some(Json::String(body_id))) if body_id != path_id => {
             return Err(ApiError::invalid(
                 kind.label(),
                 vec![Diagnostic {
-                    field: id_field.into(),
+                    field: given_field.into(),
                     message: format!("must equal the id in the path ('{path_id}')"),
                 }],
             ));

@@ -894,6 +894,14 @@ async fn ids_are_checked_not_replaced() {
     let r = s.admin("PUT", "/workflows/d", Some(w)).await;
     r.error(400, "BAD_REQUEST");
     assert_eq!(r.detail_fields(), ["workflow_id"]);
+    // A different id given in the engine schema's spelling is reported
+    // where the client wrote it.
+    let mut w = workflow("d");
+    w.as_object_mut().unwrap().remove("workflow_id");
+    w["id"] = json!("zzz");
+    let r = s.admin("PUT", "/workflows/d", Some(w)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["id"], "{}", r.text);
 
     for id in ["export", "import", "validate"] {
         let r = s.admin("POST", "/workflows", Some(workflow(id))).await;
