@@ -198,6 +198,24 @@ impl<'a> Value<'a> {
         }
     }
 
+    /// How deep the value nests (a scalar 0, `[]` 1), when that is at most
+    /// `limit`; `None` when deeper (the walk goes no deeper than `limit`).
+    pub fn depth_within(&self, limit: usize) -> Option<usize> {
+        let children: &mut dyn Iterator<Item = &Value<'_>> = match self {
+            Value::Array(items) => &mut items.iter(),
+            Value::Object(members) => &mut members.iter().map(|(_, v)| v),
+            _ => return Some(0),
+        };
+        if limit == 0 {
+            return None;
+        }
+        let mut deepest = 0;
+        for child in children {
+            deepest = deepest.max(child.depth_within(limit - 1)?);
+        }
+        Some(deepest + 1)
+    }
+
     /// Serializes as compact JSON text.
     pub fn write_json(&self, out: &mut Vec<u8>) {
         write_compact(self, out);

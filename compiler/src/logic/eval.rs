@@ -6,8 +6,9 @@ use super::ops::compare::{Rel, loose_eq_checked, relate, strict_eq};
 use super::ops::string::{substr_range, write_js_string};
 use super::ops::{to_number, truthy};
 use super::{
-    ARITH_STACK, BUDGET_EXCEEDED, Body, EvalError, Iter, MAX_ARENA_BYTES, MAX_EVAL_ALLOC,
-    MissingKey, Node, NodeId, Op, Operand, Program, Scalar, Slot, Step,
+    ARITH_STACK, BUDGET_EXCEEDED, Body, DATA_DEPTH, EvalError, Iter, MAX_ARENA_BYTES, MAX_DEPTH,
+    MAX_EVAL_ALLOC, MAX_VALUE_DEPTH, MissingKey, Node, NodeId, Op, Operand, Program, Scalar, Slot,
+    Step,
 };
 use crate::path::Segment;
 use crate::value::{Value, key_eq};
@@ -495,7 +496,10 @@ impl<'a> Ev<'a, '_> {
     }
 
     fn charge(&self, bytes: usize) -> Result<(), Fail> {
-        if bytes > self.room() {
+        let room = self.room();
+        // Nothing left is a failure even for an empty result: the arena is
+        // past its limit.
+        if bytes > room || room == 0 {
             return Err(self.fail(EvalError::InvalidArguments(BUDGET_EXCEEDED)));
         }
         self.budget.set(self.budget.get() - bytes);
@@ -921,6 +925,7 @@ impl<'a> Ev<'a, '_> {
             },
             Op::Log => self.arg(args, 0, scope),
             Op::Array => {
+                self.charge(n * size_of::<Value>())?;
                 let out = self.arena.alloc_slice_fill_copy(n, Value::Null);
                 match args {
                     // Constants and plain reads are stored without a call: a
@@ -947,6 +952,7 @@ impl<'a> Ev<'a, '_> {
     /// memory and copied on as a block would straddle the callee's stores.
     #[inline(never)]
     fn array(&self, ids: &'a [NodeId], scope: &Scope<'_, 'a>) -> R<'a> {
+        self.charge(ids.len() * size_of::<Value>())?;
         let out = self.arena.alloc_slice_fill_copy(ids.len(), Value::Null);
         for (slot, &id) in out.iter_mut().zip(ids) {
             *slot = self.operand(id, scope)?;
@@ -1249,13 +1255,14 @@ impl<'a> Ev<'a, '_> {
         }
         let k = konst.value();
         if op == Op::Filter {
+            // What is reserved is what the arena loses, kept or not.
+            self.charge(size_of_val(items))?;
             let mut out = BVec::with_capacity_in(items.len(), self.arena);
             for item in items {
                 if self.pred_holds(cmp, path, &k, item)? {
                     out.push(*item);
                 }
             }
-            self.charge(out.len() * size_of::<Value>())?;
             return Ok(Value::Array(out.into_bump_slice()));
         }
         // `all` stops at the first failing element, `some` / `none` at the
@@ -1347,19 +1354,42 @@ impl<'a> Ev<'a, '_> {
                 Ok(Value::Array(out))
             }
             Op::Filter => {
+                // What is reserved is what the arena loses, kept or not.
+                self.charge(size_of_val(items))?;
                 let mut out = BVec::with_capacity_in(items.len(), self.arena);
                 for (i, item) in items.iter().enumerate() {
                     if test(i, item)? {
                         out.push(*item);
                     }
                 }
-                self.charge(out.len() * size_of::<Value>())?;
                 Ok(Value::Array(out.into_bump_slice()))
             }
             Op::Reduce => {
                 let mut acc = init;
+                // The one way a rule nests values deeper than its data and
+                // its own nesting: an accumulator wrapped once more per
+                // element (`[{"var": "accumulator"}]`). Everything that
+                // walks values recursively (stringifying, equality, the
+                // writer) must stay within the stack, so a container
+                // accumulator keeps a bound on its depth (one step adds at
+                // most the rule's nesting to it or to data it reads) and is
+                // measured once the bound passes the limit.
+                let mut bound = DATA_DEPTH;
                 for (i, item) in items.iter().enumerate() {
                     acc = value(i, item, &acc)?;
+                    if matches!(acc, Value::Array(_) | Value::Object(_)) {
+                        bound += MAX_DEPTH;
+                        if bound > MAX_VALUE_DEPTH {
+                            match acc.depth_within(MAX_VALUE_DEPTH) {
+                                Some(depth) => bound = depth.max(DATA_DEPTH),
+                                None => {
+                                    return Err(self.fail(EvalError::InvalidArguments(
+                                        "reduce: the accumulator would nest deeper than 4096 levels",
+                                    )));
+                                }
+                            }
+                        }
+                    }
                 }
                 Ok(acc)
             }

@@ -46,6 +46,16 @@ pub const MAX_EVAL_ALLOC: usize = 64 << 20;
 /// of many mappings each doubling the last), its data stays under this.
 pub const MAX_ARENA_BYTES: usize = 128 << 20;
 
+/// The deepest value a rule may build: past it, a `reduce` whose
+/// accumulator is wrapped once more per element fails. Every walk of a value
+/// (stringifying, equality, the JSON writer) recurses once per level, and
+/// this keeps such walks far inside a runtime thread's stack.
+pub const MAX_VALUE_DEPTH: usize = 4096;
+
+/// How deep the data a rule reads may nest: bodies at most 1,024 levels,
+/// the execution context at most 2,048 (`exec::MAX_NESTING`).
+pub(crate) const DATA_DEPTH: usize = 2048;
+
 /// The error an evaluation gives when it would pass its budget.
 pub(crate) const BUDGET_EXCEEDED: &str =
     "evaluation exceeds its allocation budget (64 MiB per rule, 128 MiB per execution)";

@@ -415,6 +415,58 @@ fn runaway_allocation_is_an_error() {
     assert!(err.contains("allocation budget"), "{err}");
 }
 
+/// Allocations the budget did not see (rule arrays, what `filter`
+/// reserves) let one rule take gigabytes: a reduce building a 60-element
+/// array per inner step took 1.4 GB, nested filters 76 GB of address space.
+#[test]
+fn every_allocation_counts_against_the_budget() {
+    let mut big = vec![json!({"var": "current"})];
+    big.extend((0..59).map(|i| json!(i)));
+    let arrays = json!({"reduce": [{"var": "xs"},
+        {"reduce": [{"val": [[2], "xs"]}, big, 0]}, 0]});
+    let data = json!({"xs": (0..1000).collect::<Vec<_>>()});
+    let err = eval_json(arrays, data).unwrap_err();
+    assert!(err.contains("allocation budget"), "{err}");
+    let filters = json!({"filter": [{"var": "xs"}, {"filter": [{"val": [[2], "xs"]},
+        {"filter": [{"val": [[4], "xs"]}, {"==": [{"var": ""}, -1]}]}]}]});
+    let data = json!({"xs": (0..500).collect::<Vec<_>>()});
+    let err = eval_json(filters, data).unwrap_err();
+    assert!(err.contains("allocation budget"), "{err}");
+}
+
+/// A reduce that wraps its accumulator once per element nests as deep as
+/// its array is long; past 4,096 levels it fails instead of building a
+/// value whose walks (stringifying, equality, writing) overflow the stack.
+#[test]
+fn reduce_cannot_nest_values_without_bound() {
+    // Deep values are walked recursively (to_json here); debug frames are
+    // large, so the test runs on a stack like the service's debug workers.
+    std::thread::Builder::new()
+        .stack_size(256 << 20)
+        .spawn(reduce_nesting)
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+fn reduce_nesting() {
+    let wrap = json!({"reduce": [{"var": "xs"}, [{"var": "accumulator"}], []]});
+    let ok = eval_json(wrap.clone(), json!({"xs": vec![0; 3000]})).unwrap();
+    let mut depth = 0;
+    let mut v = &ok;
+    while let Some(first) = v.as_array().and_then(|a| a.first()) {
+        depth += 1;
+        v = first;
+    }
+    assert_eq!(depth, 3000);
+    let err = eval_json(json!({"cat": wrap}), json!({"xs": vec![0; 40_000]})).unwrap_err();
+    assert!(err.contains("deeper than 4096 levels"), "{err}");
+    // A flat accumulator is measured now and then, never refused.
+    let flat = json!({"reduce": [{"var": "xs"}, {"merge": [{"var": "accumulator"}, [{"var": "current"}]]}, []]});
+    let out = eval_json(flat, json!({"xs": vec![1; 1000]})).unwrap();
+    assert_eq!(out.as_array().unwrap().len(), 1000);
+}
+
 #[test]
 fn scalar_results_allocate_nothing() {
     /// Arena bytes handed out so far (all chunks minus what is left).
