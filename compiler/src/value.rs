@@ -9,7 +9,6 @@
 //! shared), which also makes "validation never mutates" true by construction.
 
 use bumpalo::Bump;
-use std::fmt::Write as _;
 
 /// A JSON value borrowed for `'a` (the arena or a longer-lived owner).
 ///
@@ -297,17 +296,7 @@ pub fn write_float(f: f64, out: &mut Vec<u8>) {
 
 /// Formats a number as JavaScript's `String(n)` would, for `cat` and friends.
 pub fn format_number(f: f64, out: &mut String) {
-    if f.is_nan() {
-        out.push_str("NaN");
-    } else if f.is_infinite() {
-        out.push_str(if f > 0.0 { "Infinity" } else { "-Infinity" });
-    } else if f.fract() == 0.0 && f.abs() < 1e21 {
-        let _ = write!(out, "{}", f as i128);
-    } else {
-        let mut buf = Vec::new();
-        write_float(f, &mut buf);
-        out.push_str(std::str::from_utf8(&buf).unwrap_or_default());
-    }
+    let _ = crate::logic::write_js_number(f, out);
 }
 
 /// A little-endian word of up to eight ASCII bytes, for fixed-size stores.

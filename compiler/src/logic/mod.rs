@@ -27,6 +27,7 @@ use bumpalo::Bump;
 use std::fmt;
 
 pub use ops::compare::{loose_eq, strict_eq};
+pub(crate) use ops::string::write_js_number;
 pub use ops::truthy;
 
 /// The deepest nesting (of operators, argument lists and literal containers) a

@@ -415,6 +415,39 @@ fn runaway_allocation_is_an_error() {
     assert!(err.contains("allocation budget"), "{err}");
 }
 
+/// Integral doubles from 2^53 up print as JavaScript's `String()` does: the
+/// shortest digits padded with zeros, not the binary value's exact digits
+/// (which made `in` disagree with `==` on the same pair).
+#[test]
+fn large_integral_doubles_print_like_javascript() {
+    for (rule, text) in [
+        (
+            json!({"cat": [{"*": [1.1, 1e20]}]}),
+            "110000000000000020000",
+        ),
+        (
+            json!({"cat": [{"*": [123456789, 1000000000000i64]}]}),
+            "123456789000000000000",
+        ),
+        (
+            json!({"cat": [999999999999999900000.0]}),
+            "999999999999999900000",
+        ),
+        (json!({"cat": [9007199254740991.0]}), "9007199254740991"),
+        (json!({"cat": [-9007199254740992.0]}), "-9007199254740992"),
+        (json!({"cat": [1e21]}), "1e+21"),
+    ] {
+        assert_eq!(ok(rule.clone(), json!({})), json!(text), "{rule}");
+    }
+    assert_eq!(
+        ok(
+            json!({"in": [{"*": [1.1, 1e20]}, "110000000000000020000"]}),
+            json!({})
+        ),
+        json!(true)
+    );
+}
+
 /// Allocations the budget did not see (rule arrays, what `filter`
 /// reserves) let one rule take gigabytes: a reduce building a 60-element
 /// array per inner step took 1.4 GB, nested filters 76 GB of address space.

@@ -17,8 +17,11 @@ pub(crate) fn write_js_number(f: f64, out: &mut impl Write) -> fmt::Result {
     if f == 0.0 {
         return out.write_char('0');
     }
-    if f.fract() == 0.0 && f.abs() < 1e21 {
-        return out.write_str(itoa::Buffer::new().format(f as i128));
+    // Below 2^53 an integral double is its own shortest digits; above, the
+    // shortest digits padded with zeros (`String(1.1e20)` is
+    // "110000000000000020000", not the binary value's 110000000000000016384).
+    if f.fract() == 0.0 && f.abs() < 9_007_199_254_740_992.0 {
+        return out.write_str(itoa::Buffer::new().format(f as i64));
     }
     // ryu gives the shortest round-trip digits; re-lay them out per the
     // ECMAScript Number::toString algorithm (digits d, point position n).
