@@ -448,6 +448,21 @@ fn large_integral_doubles_print_like_javascript() {
     );
 }
 
+/// A negative fractional length is subtracted before truncating, as the
+/// reference implementation does.
+#[test]
+fn substr_negative_fractional_lengths_follow_json_logic_js() {
+    for (rule, text) in [
+        (json!({"substr": ["jsonlogic", 1, -2.9]}), "sonlo"),
+        (json!({"substr": ["abc", 0, -0.5]}), "ab"),
+        (json!({"substr": ["jsonlogic", 4, -2]}), "log"),
+        (json!({"substr": ["jsonlogic", -5, -2]}), "log"),
+        (json!({"substr": ["abc", 1, -5]}), ""),
+    ] {
+        assert_eq!(ok(rule.clone(), json!({})), json!(text), "{rule}");
+    }
+}
+
 /// Allocations the budget did not see (rule arrays, what `filter`
 /// reserves) let one rule take gigabytes: a reduce building a 60-element
 /// array per inner step took 1.4 GB, nested filters 76 GB of address space.

@@ -130,7 +130,10 @@ pub(crate) fn substr_range(s: &str, start: f64, len: Option<f64>) -> (usize, usi
     let to = match len {
         None => count_f,
         Some(l) if l.is_nan() => from,
-        Some(l) if l < 0.0 => (count_f + l.trunc()).max(from),
+        // As json-logic-js: the rest of the string after `start`, less
+        // `-len` characters, truncated after the subtraction
+        // (`substr("jsonlogic", 1, -2.9)` is "sonlo").
+        Some(l) if l < 0.0 => from + ((count_f - from) + l).trunc().max(0.0),
         Some(l) => (from + l.trunc()).min(count_f),
     };
     let (from, to) = (from as usize, to.max(from) as usize);
