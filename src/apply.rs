@@ -339,12 +339,26 @@ impl Api {
         let path = format!("/{}/{}/versions?limit=1000", kind.collection(), enc(id));
         let (status, json) = self.call("GET", &path, None).await?;
         if status == 404 {
-            return Ok(None);
+            return self.absent(&json).map(|()| None);
         }
         if status != 200 {
             return self.ok("GET", &path, None).await.map(|_| None);
         }
         Ok(Some(json["data"].as_array().cloned().unwrap_or_default()))
+    }
+
+    /// A 404 means "absent" only when it is Sluice's own (`NOT_FOUND` in
+    /// the error envelope): any other server answers 404 for every path,
+    /// and a plan against it would create everything.
+    fn absent(&self, answer: &Json) -> Result<(), ApiFailure> {
+        if answer["error"]["code"] == "NOT_FOUND" {
+            return Ok(());
+        }
+        let shown = sluice_compiler::validate::mask_url_password(&self.base)
+            .unwrap_or_else(|| self.base.clone());
+        Err(ApiFailure(format!(
+            "{shown} answered 404 without Sluice's error envelope: is --server a Sluice service?"
+        )))
     }
 
     /// Every id of `kind` with a version in `status`.
@@ -408,7 +422,10 @@ async fn plan(api: &Api, locals: &[Local], opts: &ApplyOptions) -> Result<Vec<St
                 .call("GET", &format!("/connectors/{}", enc(&l.id)), None)
                 .await?;
             match status {
-                404 => Action::Create,
+                404 => {
+                    api.absent(&json)?;
+                    Action::Create
+                }
                 200 if normalized(l.kind, &json["data"]) == want => Action::Unchanged,
                 200 => Action::NewVersion { draft: None },
                 _ => {

@@ -1764,6 +1764,37 @@ fn apply_never_prints_the_servers_password() {
     );
     assert!(all.contains("127.0.0.1"), "{all}");
     assert!(!all.contains("PASSWD123"), "{all}");
+    // A server that is not Sluice answers 404 for everything: that is not
+    // "absent", and nothing is planned.
+    let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let other_addr = other.local_addr().unwrap();
+    std::thread::spawn(move || {
+        use std::io::{Read as _, Write as _};
+        for conn in other.incoming() {
+            let Ok(mut conn) = conn else { break };
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = conn.write_all(
+                b"HTTP/1.1 404 Not Found\r\ncontent-length: 9\r\nconnection: close\r\n\r\nnot found",
+            );
+        }
+    });
+    let out = sluice()
+        .args([
+            "apply",
+            "--dry-run",
+            "--server",
+            &format!("http://{other_addr}"),
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("answered 404 without Sluice's error envelope"),
+        "{stderr}"
+    );
     // Not a base URL: a usage error naming the option.
     for bad in ["notaurl", "http://127.0.0.1:8080/api/v1", "ftp://x"] {
         let out = sluice()
