@@ -20,7 +20,7 @@ use serde_json::{Value as Json, json};
 use sluice_runtime::connectors::CallScope;
 use sluice_runtime::exec::{self, Input, Meta, Options, PayloadFrom, Status};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
@@ -33,12 +33,17 @@ pub const RETENTION_INTERVAL: Duration = Duration::from_secs(3600);
 /// Dead letters moved back to pending per storage round trip.
 const REQUEUE_BATCH: i64 = 100;
 
-/// One unit of work for a worker.
+/// One unit of work for a worker. Every claim is made by the worker that
+/// runs it, right before the run: a lease taken while the job waited in the
+/// channel could run out before a busy pool got to it, and the sweep would
+/// claim the trace again (the first run's result then discarded as stale,
+/// the upstream called again, over and over under a backlog).
 enum Job {
     /// A hint: this trace may be pending; claim it first.
     Claim(String),
-    /// Already claimed by the sweep.
-    Run(Claimed),
+    /// From the sweep: claim and run whatever is claimable, one trace after
+    /// another, until storage has nothing left.
+    Drain,
 }
 
 /// The pool's handles; lives in `App`, started by `start` once the app exists.
@@ -51,6 +56,9 @@ pub struct Queue {
     loops: Mutex<Vec<AbortHandle>>,
     /// Runs in progress (trace id → attempt), handed back if shutdown cuts them off.
     running: Mutex<HashMap<String, i64>>,
+    /// `Drain` jobs queued or being worked (at most one per worker).
+    draining: AtomicUsize,
+    workers_count: usize,
 }
 
 impl std::fmt::Debug for Queue {
@@ -74,6 +82,8 @@ impl Queue {
             workers: Mutex::new(Vec::new()),
             loops: Mutex::new(Vec::new()),
             running: Mutex::new(HashMap::new()),
+            draining: AtomicUsize::new(0),
+            workers_count: config.workers.max(1) as usize,
         }
     }
 
@@ -141,16 +151,10 @@ pub async fn shutdown(app: &App, drain: Duration) {
         );
         aborts.iter().for_each(AbortHandle::abort);
     }
+    // Queued jobs hold no claim (workers claim when they start a run): only
+    // the runs cut off go back.
     let cut_off = std::mem::take(&mut *lock(&q.running));
-    let mut queued = Vec::new();
-    if let Ok(mut rx) = q.rx.try_lock() {
-        while let Ok(job) = rx.try_recv() {
-            if let Job::Run(c) = job {
-                queued.push((c.trace_id, c.attempt));
-            }
-        }
-    }
-    for (id, attempt) in cut_off.into_iter().chain(queued) {
+    for (id, attempt) in cut_off {
         if let Err(e) = app.store.release_trace(&id, attempt).await {
             tracing::warn!(trace_id = %id, error = %e, "could not hand an unfinished trace back");
         }
@@ -172,23 +176,39 @@ async fn worker(
             }
         };
         let Some(job) = job else { break };
-        let claimed = match job {
-            Job::Run(c) => c,
+        match job {
             Job::Claim(id) => match app.store.claim_trace(&id, lease(&app)).await {
-                Ok(Some(c)) => c,
+                Ok(Some(c)) => run_claimed(&app, c).await,
                 // Taken by another worker or instance, finished, or deleted.
-                Ok(None) => continue,
+                Ok(None) => {}
                 Err(e) => {
                     tracing::warn!(trace_id = %id, error = %e, "could not claim a trace; the sweep retries it");
-                    continue;
                 }
             },
-        };
-        let id = claimed.trace_id.clone();
-        lock(&app.queue.running).insert(id.clone(), claimed.attempt);
-        run(&app, claimed).await;
-        lock(&app.queue.running).remove(&id);
+            Job::Drain => {
+                while !*stop.borrow() {
+                    match app.store.claim_next_trace(lease(&app)).await {
+                        Ok(Some(c)) => run_claimed(&app, c).await,
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "trace sweep failed");
+                            break;
+                        }
+                    }
+                }
+                app.queue.draining.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
     }
+}
+
+/// Runs a trace this worker just claimed (recorded as running, so shutdown
+/// can hand it back).
+async fn run_claimed(app: &App, claimed: Claimed) {
+    let id = claimed.trace_id.clone();
+    lock(&app.queue.running).insert(id.clone(), claimed.attempt);
+    run(app, claimed).await;
+    lock(&app.queue.running).remove(&id);
 }
 
 /// A poisoned lock only means a panic elsewhere; the maps stay usable.
@@ -494,27 +514,21 @@ pub(crate) async fn execute(
     ok
 }
 
-/// Claims what storage holds as claimable while the channel has room.
+/// Sets idle workers draining what storage holds as claimable (traces the
+/// channel did not carry, leases that ran out): at most one `Drain` job per
+/// worker is queued or running at a time, and each claims just before it runs.
 async fn sweep_loop(app: Arc<App>) {
     let mut every = tokio::time::interval(SWEEP_INTERVAL);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let q = &app.queue;
     loop {
         every.tick().await;
-        while app.queue.tx.capacity() > 0 {
-            match app.store.claim_next_trace(lease(&app)).await {
-                Ok(Some(c)) => {
-                    if let Err(mpsc::error::SendError(Job::Run(c))) =
-                        app.queue.tx.send(Job::Run(c)).await
-                    {
-                        let _ = app.store.release_trace(&c.trace_id, c.attempt).await;
-                        return;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    tracing::warn!(error = %e, "trace sweep failed");
-                    break;
-                }
+        while q.draining.load(Ordering::Acquire) < q.workers_count {
+            q.draining.fetch_add(1, Ordering::AcqRel);
+            if q.tx.try_send(Job::Drain).is_err() {
+                // The channel is full of hints: the workers have work.
+                q.draining.fetch_sub(1, Ordering::AcqRel);
+                break;
             }
         }
     }

@@ -602,3 +602,59 @@ fn deep_traces_within_the_store_postgres() {
 fn deep_traces_within_the_store_mariadb() {
     with_service_stacks(Db::MySql);
 }
+
+/// A backlog longer than the lease: every trace runs once. The sweep used
+/// to claim traces into the workers' channel, where their leases ran out
+/// while they waited; it then claimed them again, the first run's result
+/// was discarded as stale and the upstream called again, round after round.
+/// Workers now claim each trace right before they run it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_longer_than_the_lease_runs_each_trace_once() {
+    use crate::support::recording_upstream;
+    let s = start_with(Db::Sqlite, |c| {
+        c.queue.workers = 1;
+        // The lease is at least the longest channel timeout plus 5 s: 6 s.
+        c.queue.lease_secs = 1;
+        c.security.allow_private_networks = true;
+    })
+    .await;
+    let (upstream, seen) = recording_upstream(Duration::from_millis(300)).await;
+    s.http_connector("slow-up", &upstream).await;
+    s.deploy(
+        json!({"workflow_id": "slow", "name": "slow", "tasks": [
+            {"id": "call", "name": "call", "function": {"name": "http_call", "input": {
+                "connector": "slow-up", "method": "POST",
+                "path_logic": {"cat": ["/t/", {"var": "payload.n"}]}, "response_path": "up"}}}]}),
+        json!({"channel_id": "slow", "name": "slow", "channel_type": "async", "protocol": "http",
+               "workflow_id": "slow", "config_json": {"timeout_ms": 1000}}),
+    )
+    .await;
+    // 60 runs of 0.3 s on one worker: the last waits about 18 s, three
+    // times the lease, and sweeps (every 5 s) come by meanwhile.
+    let mut ids = Vec::new();
+    for n in 0..60 {
+        ids.push(submit(&s, "/api/v1/data/slow", json!({"data": {"n": n}}), &[]).await);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for id in &ids {
+        let trace = loop {
+            let t = s
+                .get(&format!("/api/v1/data/traces/{id}"))
+                .await
+                .ok(200)
+                .clone();
+            if t["status"] == "completed" || t["status"] == "failed" {
+                break t;
+            }
+            assert!(Instant::now() < deadline, "never finished: {t}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(trace["status"], "completed", "{trace}");
+        assert_eq!(trace["attempts"], 1, "{trace}");
+    }
+    let calls = seen.requests().len();
+    assert_eq!(
+        calls, 60,
+        "the upstream was called {calls} times for 60 traces"
+    );
+}
