@@ -1238,8 +1238,9 @@ const SECRET_SUFFIXES: &[&str] = &[
     "access_key",
     "private_key",
 ];
-/// A header value is masked when its name contains one of these.
-const SECRET_HEADER_PARTS: &[&str] = &["authorization", "token", "secret", "key"];
+/// A header value is masked when its name contains one of these (`cookie`
+/// covers `Cookie` and `Set-Cookie`: a session cookie is a credential).
+const SECRET_HEADER_PARTS: &[&str] = &["authorization", "token", "secret", "key", "cookie"];
 
 fn is_secret_key(k: &str) -> bool {
     let k = k.to_ascii_lowercase();
@@ -1262,7 +1263,7 @@ pub fn mask_secrets_everywhere(v: &mut Json) {
 /// key named `token`, `password`, `key`, `secret`, `api_key` or
 /// `connection_string` (and the variants in `SECRET_SUFFIXES`), and, inside any
 /// object under a `headers` key, every value whose header name contains
-/// `authorization`, `token`, `secret` or `key`. Any non-null value is masked,
+/// `authorization`, `token`, `secret`, `key` or `cookie`. Any non-null value is masked,
 /// whatever its type, so a structured secret does not leak either; `null`
 /// stays `null` because it hides nothing.
 pub fn mask_secrets(v: &mut Json) {

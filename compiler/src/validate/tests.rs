@@ -1417,7 +1417,8 @@ fn masks_sensitive_header_values() {
     let mut v = json!({
         "headers": {"Authorization": "Bearer x", "x-api-key": "k", "X-Auth-Token": "t",
                     "x-client-secret": "s", "content-type": "application/json", "accept": "*/*"},
-        "metadata": {"headers": {"proxy-authorization": "Basic y", "x-tenant": "t1"}},
+        "metadata": {"headers": {"proxy-authorization": "Basic y", "x-tenant": "t1",
+                                 "cookie": "session=abc", "Set-Cookie": "sid=1"}},
         "list": [{"headers": {"keycloak-session": "z"}}],
         "not_headers": {"authorization": "kept"}
     });
@@ -1427,7 +1428,8 @@ fn masks_sensitive_header_values() {
         json!({
             "headers": {"Authorization": "******", "x-api-key": "******", "X-Auth-Token": "******",
                         "x-client-secret": "******", "content-type": "application/json", "accept": "*/*"},
-            "metadata": {"headers": {"proxy-authorization": "******", "x-tenant": "t1"}},
+            "metadata": {"headers": {"proxy-authorization": "******", "x-tenant": "t1",
+                                     "cookie": "******", "Set-Cookie": "******"}},
             "list": [{"headers": {"keycloak-session": "******"}}],
             "not_headers": {"authorization": "kept"}
         })
