@@ -710,13 +710,7 @@ async fn handle(
                                 false
                             }
                         };
-                        let m = &channel.metrics;
-                        if ok {
-                            m.ok.increment(1)
-                        } else {
-                            m.failed.increment(1)
-                        }
-                        m.duration.record(started.elapsed().as_secs_f64());
+                        crate::queue::count_run(channel, ok, started);
                         ok
                     }
                 };

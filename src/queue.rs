@@ -244,6 +244,17 @@ fn push_error(errors: &mut Json, code: &str, message: &str) {
     }
 }
 
+/// Counts a finished run in its channel's metrics.
+pub(crate) fn count_run(channel: &crate::engine::Channel, ok: bool, started: Instant) {
+    let m = &channel.metrics;
+    if ok {
+        m.ok.increment(1)
+    } else {
+        m.failed.increment(1)
+    }
+    m.duration.record(started.elapsed().as_secs_f64());
+}
+
 /// A result nested deeper than the database's JSON check accepts is not
 /// stored (the trace says why) rather than failing the write.
 pub(crate) fn drop_unstorable_result(app: &App, outcome: &mut Outcome) {
@@ -285,13 +296,7 @@ async fn run(app: &App, c: Claimed) {
         }
         Some(channel) => {
             let ok = execute(app, channel, &c, &mut outcome).await;
-            let m = &channel.metrics;
-            if ok {
-                m.ok.increment(1)
-            } else {
-                m.failed.increment(1)
-            }
-            m.duration.record(started.elapsed().as_secs_f64());
+            count_run(channel, ok, started);
             ok
         }
     };

@@ -1473,24 +1473,19 @@ fn plans_follow_the_state_table() {
         v(2, Paused, 100, 2),
         v(3, Paused, 30, 3),
     ];
-    let p = plan_status(k, "w", &rows, Active, None, None).unwrap();
-    let moves: Vec<(i64, Status, i64)> = p
-        .changes
-        .iter()
-        .map(|c| (c.version, c.to, c.rollout))
-        .collect();
+    let resumed = |rows: &[VRow]| -> Vec<(i64, Status, i64)> {
+        let p = plan_status(k, "w", rows, Active, None, None).unwrap();
+        p.changes
+            .iter()
+            .map(|c| (c.version, c.to, c.rollout))
+            .collect()
+    };
     assert_eq!(
-        moves,
+        resumed(&rows),
         [(1, Archived, 100), (2, Active, 70), (3, Active, 30)]
     );
     let rows = [v(1, Paused, 40, 1), v(2, Paused, 100, 2)];
-    let p = plan_status(k, "w", &rows, Active, None, None).unwrap();
-    let moves: Vec<(i64, Status, i64)> = p
-        .changes
-        .iter()
-        .map(|c| (c.version, c.to, c.rollout))
-        .collect();
-    assert_eq!(moves, [(1, Archived, 40), (2, Active, 100)]);
+    assert_eq!(resumed(&rows), [(1, Archived, 40), (2, Active, 100)]);
     // Resuming a paused version while another is active is a rollback.
     let rows = [v(1, Paused, 100, 1), v(2, Active, 100, 2)];
     let p = plan_status(k, "w", &rows, Active, Some(1), None).unwrap();
