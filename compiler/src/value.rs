@@ -563,13 +563,18 @@ impl Writer {
                 frac /= 10;
             }
             self.word((w << 8) | u64::from(b'.'), k as usize + 1);
+        } else if f.abs() < 1e21 && f.abs() >= 1e16 {
+            // Integral (every double from 2^53 up is): JavaScript writes the
+            // shortest digits padded with zeros up to 1e21, not an exponent.
+            self.large_integral(f);
         } else {
             let mut buf = zmij::Buffer::new();
             let text = buf.format_finite(f).as_bytes();
             // zmij writes a positive exponent as `e+21`; JavaScript (and ryu,
             // which this output matched before) as `e21`. Only magnitudes from
-            // 1e16 up have a positive exponent; the search is skipped below.
-            let plus = if f.abs() >= 1e16 {
+            // 1e21 up reach here with a positive exponent; the search is
+            // skipped below.
+            let plus = if f.abs() >= 1e21 {
                 text.iter().position(|&b| b == b'+')
             } else {
                 None
@@ -582,6 +587,30 @@ impl Writer {
                 None => self.copy(text),
             }
         }
+    }
+
+    /// A double from 1e16 up to 1e21 as JavaScript's `String(n)` writes it
+    /// (`1e16` is `10000000000000000`). Rare: out of line, through the
+    /// engine's own number text. Needs the room `float` reserves.
+    #[cold]
+    #[inline(never)]
+    fn large_integral(&mut self, f: f64) {
+        struct Digits([u8; 32], usize);
+        impl std::fmt::Write for Digits {
+            fn write_str(&mut self, s: &str) -> std::fmt::Result {
+                let end = self.1 + s.len();
+                self.0
+                    .get_mut(self.1..end)
+                    .ok_or(std::fmt::Error)?
+                    .copy_from_slice(s.as_bytes());
+                self.1 = end;
+                Ok(())
+            }
+        }
+        let mut text = Digits([0; 32], 0);
+        // At most 22 bytes (a sign and 21 digits).
+        let _ = crate::logic::write_js_number(f, &mut text);
+        self.copy(&text.0[..text.1]);
     }
 
     /// Writes `open`, the bytes of a string with JSON escapes, and `close`.
@@ -855,8 +884,12 @@ mod tests {
     #[test]
     fn exponents_print_like_javascript() {
         let cases = [
-            (1e16, "1e16"),
-            (1.2345678901234568e17, "1.2345678901234568e17"),
+            (1e16, "10000000000000000"),
+            (-1e16, "-10000000000000000"),
+            (1.2345678901234568e17, "123456789012345680"),
+            (1.1e20, "110000000000000000000"),
+            (9.999999999999999e20, "999999999999999900000"),
+            (1e21, "1e21"),
             (1.7976931348623157e308, "1.7976931348623157e308"),
             (-3.0009e23, "-3.0009e23"),
             (1e-7, "1e-7"),

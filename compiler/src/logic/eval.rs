@@ -4,7 +4,7 @@
 
 use super::ops::compare::{Rel, loose_eq_checked, relate, strict_eq};
 use super::ops::string::{substr_range, write_js_string};
-use super::ops::{to_number, truthy};
+use super::ops::{js_number, to_number, truthy};
 use super::{
     ARITH_STACK, BUDGET_EXCEEDED, Body, DATA_DEPTH, EvalError, Iter, MAX_ARENA_BYTES, MAX_DEPTH,
     MAX_EVAL_ALLOC, MAX_VALUE_DEPTH, MissingKey, Node, NodeId, Op, Operand, Program, Scalar, Slot,
@@ -904,11 +904,13 @@ impl<'a> Ev<'a, '_> {
             }
             Op::Substr => {
                 let s = key_text(self.arg(args, 0, scope)?, self.arena);
-                let start = to_number(&self.arg(args, 1, scope)?).unwrap_or(0.0);
+                // Coerced as JavaScript's `substr` does: NaN starts at 0
+                // and takes nothing.
+                let start = js_number(&self.arg(args, 1, scope)?);
                 let len = if n > 2 {
                     match self.arg(args, 2, scope)? {
                         Value::Null => None,
-                        v => Some(to_number(&v).unwrap_or(0.0)),
+                        v => Some(js_number(&v)),
                     }
                 } else {
                     None
@@ -1607,7 +1609,8 @@ impl<'a> Ev<'a, '_> {
         scope: &Scope<'_, 'a>,
     ) -> R<'a> {
         let need = match need {
-            Some(id) => Some(to_number(&self.operand(id, scope)?).unwrap_or(0.0)),
+            // A count that is not a number (NaN) is never reached.
+            Some(id) => Some(js_number(&self.operand(id, scope)?)),
             None => None,
         };
         if scope.reduce || keys.len() > 64 {
@@ -1750,7 +1753,7 @@ impl<'a> Ev<'a, '_> {
     #[inline(never)]
     fn missing_dynamic(&self, op: Op, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
         let (need, keys): (Option<f64>, &'a [Value<'a>]) = if op == Op::MissingSome {
-            let need = to_number(&self.arg(args, 0, scope)?).unwrap_or(0.0);
+            let need = js_number(&self.arg(args, 0, scope)?);
             match self.arg(args, 1, scope)? {
                 Value::Array(items) => (Some(need), items),
                 other => (Some(need), std::slice::from_ref(self.arena.alloc(other))),

@@ -463,6 +463,59 @@ fn substr_negative_fractional_lengths_follow_json_logic_js() {
     }
 }
 
+/// `substr`'s start and length and `missing_some`'s count are coerced as
+/// JavaScript coerces them: an array through its string form (`[1]` is 1),
+/// anything that is not a number is NaN. A NaN count is never reached, so
+/// `missing_some` answers what is missing (json-logic-js compares
+/// `found >= need`, false for NaN); before, it read NaN as 0 and answered
+/// `[]`.
+#[test]
+fn counts_and_indexes_are_coerced_like_javascript() {
+    let data = json!({"s": "abcdef", "one": [1], "two": [1, 2], "t": [true], "x": 1});
+    for (rule, want) in [
+        (
+            json!({"substr": [{"var": "s"}, {"var": "one"}]}),
+            json!("bcdef"),
+        ),
+        (json!({"substr": ["abcdef", [2]]}), json!("cdef")),
+        (json!({"substr": [{"var": "s"}, [["3"]]]}), json!("def")),
+        (
+            json!({"substr": [{"var": "s"}, {"var": "two"}]}),
+            json!("abcdef"),
+        ),
+        (
+            json!({"substr": [{"var": "s"}, {"var": "t"}]}),
+            json!("abcdef"),
+        ),
+        (
+            json!({"substr": [{"var": "s"}, 1, {"var": "one"}]}),
+            json!("b"),
+        ),
+        (
+            json!({"substr": [{"var": "s"}, 1, {"var": "two"}]}),
+            json!(""),
+        ),
+        (json!({"substr": [{"var": "s"}, [], 2]}), json!("ab")),
+        (json!({"missing_some": ["a", ["x", "y"]]}), json!(["y"])),
+        (
+            json!({"missing_some": [{"var": "s"}, ["x", "y"]]}),
+            json!(["y"]),
+        ),
+        (
+            json!({"missing_some": [{"var": "one"}, ["x", "y"]]}),
+            json!([]),
+        ),
+        (json!({"missing_some": ["1", ["x", "y"]]}), json!([])),
+        (json!({"missing_some": [{}, ["x", "y"]]}), json!(["y"])),
+        (json!({"missing_some": ["a", ["x"]]}), json!([])),
+        (json!({"missing_some": ["a", {"var": "k"}]}), json!(["y"])),
+    ] {
+        let mut d = data.clone();
+        d["k"] = json!(["x", "y"]);
+        assert_eq!(ok(rule.clone(), d), want, "{rule}");
+    }
+}
+
 /// Allocations the budget did not see (rule arrays, what `filter`
 /// reserves) let one rule take gigabytes: a reduce building a 60-element
 /// array per inner step took 1.4 GB, nested filters 76 GB of address space.

@@ -49,6 +49,25 @@ pub(crate) fn to_number(v: &Value<'_>) -> Option<f64> {
     }
 }
 
+/// JavaScript's `Number(v)` for any value, NaN included: an array reads as
+/// its string form (`[]` is 0, `[1]` and `["1"]` are 1, `[true]` and
+/// `[1, 2]` are NaN), an object as NaN. For the operators that take a
+/// count or an index the way JavaScript coerces it (`substr`,
+/// `missing_some`); arithmetic refuses arrays instead (the compat-tables'
+/// `NaN` error).
+pub(crate) fn js_number(v: &Value<'_>) -> f64 {
+    match *v {
+        Value::Array([]) => 0.0,
+        Value::Array([one]) => match one {
+            Value::Null => 0.0,
+            Value::Bool(_) | Value::Object(_) => f64::NAN,
+            other => js_number(other),
+        },
+        Value::Array(_) | Value::Object(_) => f64::NAN,
+        _ => to_number(v).unwrap_or(f64::NAN),
+    }
+}
+
 /// JavaScript's `Number(string)`: surrounding whitespace ignored, empty means
 /// 0, decimal with optional sign and exponent, `0x`/`0o`/`0b` integers and
 /// `Infinity`. Rust's float parser alone would also accept `inf` and `NaN`.
