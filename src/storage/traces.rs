@@ -278,8 +278,11 @@ impl TraceSql {
                 "SELECT trace_id FROM trace_dlq WHERE state = 'waiting' AND next_retry_at <= ? \
                  ORDER BY next_retry_at, trace_id LIMIT ?{skip_locked}"
             )),
+            // A retry waits like a new submission (no run times), keeping the
+            // failed attempt's `data` and `errors` until the next outcome.
             requeue: f(
-                "UPDATE traces SET status = 'pending', lease_until = NULL WHERE trace_id = ? AND status = 'failed'",
+                "UPDATE traces SET status = 'pending', lease_until = NULL, started_at = NULL, \
+                 completed_at = NULL, duration_ms = NULL WHERE trace_id = ? AND status = 'failed'",
             ),
             dlq_get: f(
                 "SELECT trace_id, state, attempts, next_retry_at, last_error FROM trace_dlq WHERE trace_id = ?",
