@@ -223,6 +223,8 @@ async fn run_sync(
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
+    let caller_id = req.caller_request_id.then_some(req.request_id.as_str());
+    let bucket = rollout::bucket_for(&headers, caller_id, Some(&req.client_ip));
     let view = View {
         client_ip: &req.client_ip,
         method: req.method.as_str(),
@@ -232,6 +234,8 @@ async fn run_sync(
         path: params,
         body: &req.body,
         internal: false,
+        bucket,
+        profile: engine_lock_ms.is_some(),
     };
     // OpenTelemetry (only when enabled and sampled): the request's span,
     // begun before the channel's checks so that a request they refuse (or
@@ -269,8 +273,6 @@ async fn run_sync(
             .insert("x-cache", http::HeaderValue::from_static("hit"));
         return Ok(response);
     }
-    let caller_id = req.caller_request_id.then_some(req.request_id.as_str());
-    let bucket = rollout::bucket_for(&headers, caller_id, Some(&req.client_ip));
     let input = Input {
         body: &req.body,
         payload_from: PayloadFrom::DataMember,

@@ -54,6 +54,12 @@ pub struct Rules {
     /// key, so a response of an older definition is never served after a
     /// change (without flushing other channels' entries on every reload).
     pub cache_scope: String,
+    /// Set when the bound plans split traffic by rollout bucket: for each
+    /// bucket (0..100), which set of plans it runs (a small number naming
+    /// that set), part of the cache key so a canary caller is never
+    /// answered from the other version's cache. `None` (one set for every
+    /// bucket, the usual case) costs nothing.
+    pub cache_variants: Option<Box<[u8; 100]>>,
 }
 
 impl Rules {
@@ -105,6 +111,7 @@ impl Rules {
                 dedup_key,
                 cache_key,
                 cache_scope,
+                cache_variants: rollout_variants(plans),
             })
         } else {
             Err(problems)
@@ -126,6 +133,35 @@ pub struct View<'r> {
     /// A `channel_call`: the body is the payload itself, and the platform
     /// limit (which meters outside clients) was already paid by the caller.
     pub internal: bool,
+    /// The request's rollout bucket (which version it runs; see
+    /// [`Rules::cache_variants`]).
+    pub bucket: Option<u8>,
+    /// A profiled request: the cache neither answers nor stores it (its
+    /// timings belong to this run).
+    pub profile: bool,
+}
+
+/// For each rollout bucket, a number naming the set of `plans` whose range
+/// accepts it; `None` when every bucket gets the same set.
+fn rollout_variants(plans: &[Arc<Plan>]) -> Option<Box<[u8; 100]>> {
+    let mut sets: Vec<Vec<bool>> = Vec::new();
+    let mut table = Box::new([0u8; 100]);
+    for (bucket, slot) in (0u8..100).zip(table.iter_mut()) {
+        let set: Vec<bool> = plans
+            .iter()
+            .map(|p| p.rollout.accepts(Some(bucket)))
+            .collect();
+        let id = match sets.iter().position(|s| *s == set) {
+            Some(id) => id,
+            None => {
+                sets.push(set);
+                sets.len() - 1
+            }
+        };
+        // At most 100 distinct sets: one per bucket.
+        *slot = id as u8;
+    }
+    (sets.len() > 1).then_some(table)
 }
 
 /// Which checks run: a sync run (or channel_call) gets all of them; an async
@@ -453,13 +489,20 @@ impl Governance {
             _ => None,
         };
         let cache = match cfg.cache.as_ref().filter(|c| c.enabled) {
-            Some(c) if stage == Stage::Run => {
+            Some(c) if stage == Stage::Run && !view.profile => {
                 let key = compact_key(
                     key_of(&rules.cache_key).unwrap_or_else(|| default_cache_key(view)),
                 );
                 let kind = if view.internal { "call" } else { "http" };
+                // The versions this bucket runs; a request without a bucket
+                // runs whichever plan comes first, its own variant.
+                let variant = match (&rules.cache_variants, view.bucket) {
+                    (None, _) => String::new(),
+                    (Some(table), Some(b)) => format!("#{}", table[usize::from(b.min(99))]),
+                    (Some(_), None) => "#any".to_owned(),
+                };
                 Some((
-                    format!("{}\0{kind}\0{key}", rules.cache_scope),
+                    format!("{}{variant}\0{kind}\0{key}", rules.cache_scope),
                     Duration::from_secs(c.ttl_secs),
                 ))
             }

@@ -101,6 +101,8 @@ impl ChannelInvoker for Invoker {
             path: &[],
             body: &body,
             internal: true,
+            bucket: req.bucket,
+            profile: false,
         };
         let refused = |e: crate::api::ApiError| {
             let kind = match e.code {

@@ -180,6 +180,24 @@ fn data_plane_handles() -> &'static [HttpHandles] {
     })
 }
 
+/// The `method` label: the nine methods of RFC 9110 by name, any other
+/// (a caller may send any token as a method, of any length) as `other`, so
+/// callers cannot add label values.
+fn method_label(method: &http::Method) -> &'static str {
+    match method.as_str() {
+        "GET" => "GET",
+        "POST" => "POST",
+        "PUT" => "PUT",
+        "PATCH" => "PATCH",
+        "DELETE" => "DELETE",
+        "HEAD" => "HEAD",
+        "OPTIONS" => "OPTIONS",
+        "TRACE" => "TRACE",
+        "CONNECT" => "CONNECT",
+        _ => "other",
+    }
+}
+
 /// Records one HTTP request in `http_requests_total` and
 /// `http_request_duration_seconds`.
 pub fn record_http(
@@ -198,7 +216,7 @@ pub fn record_http(
         return;
     }
     let labels = [
-        ("method", method.as_str().to_owned()),
+        ("method", method_label(method).to_owned()),
         ("path", route.into_owned()),
         ("status", status.as_str().to_owned()),
     ];

@@ -48,6 +48,9 @@ pub async fn submit(
                 path,
                 body: &req.body,
                 internal: false,
+                // The submit stage has no response cache.
+                bucket: None,
+                profile: false,
             },
             crate::governance::Stage::Submit,
         )

@@ -230,8 +230,21 @@ async fn metrics_are_served_in_prometheus_format() {
         .post("/api/v1/data/metered-ch/1", json!({"data": {"name": "x"}}))
         .await;
     assert_eq!(ok.status, 200, "{}", ok.text);
+    // Methods a caller invents do not become label values (each one used to
+    // add a series and its 17 buckets).
+    let mut refused = 0;
+    for invented in ["INVENTEDMETHOD", "ANOTHERINVENTED"] {
+        let r = s.call(invented, "/api/v1/data/metered-ch/1", None).await;
+        assert!(r.status >= 400, "{}", r.text);
+        refused = r.status;
+    }
     let r = s.get("/metrics").await;
     assert_eq!(r.status, 200);
+    assert!(!r.text.contains("INVENTED"), "{}", r.text);
+    let other = format!(
+        "http_requests_total{{method=\"other\",path=\"/api/v1/data/{{path}}\",status=\"{refused}\"}}"
+    );
+    assert!(r.text.contains(&other), "missing {other} in\n{}", r.text);
     assert!(
         r.headers["content-type"]
             .to_str()

@@ -491,6 +491,106 @@ async fn the_response_cache_serves_hits_without_running_the_workflow_body(gov: G
     assert_eq!(fresh.headers["x-cache"], "miss");
 }
 
+/// While two versions split traffic, a cached answer is served only to
+/// callers whose bucket runs the version that produced it (before, a canary
+/// caller got the stable version's cached answer with `x-cache: hit`). A
+/// profiled request by header skips the cache like `?profile=1` (before, the
+/// header was ignored on a hit).
+#[tokio::test]
+async fn the_response_cache_follows_the_rollout_and_skips_profiles() {
+    let s = start(Db::Sqlite).await;
+    let version = |tag: &str| {
+        let mut wf = echo("rc");
+        wf["tasks"][1]["function"]["input"]["mappings"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"path": "by", "logic": tag}));
+        wf
+    };
+    s.deploy(
+        version("v1"),
+        named("rolled", "rc", json!({"cache": {"ttl_secs": 60}})),
+    )
+    .await;
+    s.admin("POST", "/workflows/rc/versions", None)
+        .await
+        .ok(201);
+    s.admin("PUT", "/workflows/rc", Some(version("v2")))
+        .await
+        .ok(200);
+    s.admin(
+        "PATCH",
+        "/workflows/rc/status",
+        Some(json!({"status": "active", "rollout_percentage": 50})),
+    )
+    .await
+    .ok(200);
+    // Callers on each side of the split (by a first, distinct body each).
+    let (mut on_v1, mut on_v2) = (None, None);
+    for i in 0..200 {
+        let key = format!("caller-{i}");
+        let r = post_with(
+            &s,
+            "rolled",
+            json!({"probe": i}),
+            &[("x-rollout-key", &key)],
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let side = if r.body["data"]["by"] == "v1" {
+            &mut on_v1
+        } else {
+            &mut on_v2
+        };
+        side.get_or_insert(key);
+        if on_v1.is_some() && on_v2.is_some() {
+            break;
+        }
+    }
+    let (k1, k2) = (on_v1.expect("a v1 caller"), on_v2.expect("a v2 caller"));
+    let same = json!({"same": 1});
+    for (first, second) in [(&k1, &k2), (&k2, &k1)] {
+        let body = json!({"same": first});
+        let a = post_with(&s, "rolled", body.clone(), &[("x-rollout-key", first)]).await;
+        let b = post_with(&s, "rolled", body.clone(), &[("x-rollout-key", second)]).await;
+        assert_ne!(
+            a.body["data"]["by"], b.body["data"]["by"],
+            "{} / {}",
+            a.text, b.text
+        );
+        assert_eq!(b.headers["x-cache"], "miss");
+        // Each side is a hit for its own callers.
+        let again = post_with(&s, "rolled", body, &[("x-rollout-key", second)]).await;
+        assert_eq!(again.headers["x-cache"], "hit");
+        assert_eq!(again.body, b.body);
+    }
+    // Profiled by header: run, not answered from the cache, not stored.
+    let cached = post_with(&s, "rolled", same.clone(), &[("x-rollout-key", &k1)]).await;
+    assert_eq!(cached.headers["x-cache"], "miss");
+    let profiled = post_with(
+        &s,
+        "rolled",
+        same.clone(),
+        &[("x-rollout-key", &k1), ("x-service-profile", "1")],
+    )
+    .await;
+    assert_eq!(profiled.status, 200, "{}", profiled.text);
+    assert!(
+        profiled.headers.get("x-cache").is_none(),
+        "{:?}",
+        profiled.headers
+    );
+    assert!(
+        profiled.body["_service"]["profile"].is_object(),
+        "{}",
+        profiled.text
+    );
+    assert_ne!(profiled.body["data"]["rid"], cached.body["data"]["rid"]);
+    let after = post_with(&s, "rolled", same, &[("x-rollout-key", &k1)]).await;
+    assert_eq!(after.headers["x-cache"], "hit");
+    assert_eq!(after.body, cached.body);
+}
+
 #[tokio::test]
 async fn the_cache_key_logic_and_failures_are_not_cached() {
     let s = start(Db::Sqlite).await;
