@@ -149,8 +149,12 @@ impl Breakers {
         )
     }
 
-    /// Every breaker, sorted by key.
+    /// Every breaker, sorted by key. moka evicts in its maintenance pass,
+    /// which runs now, so the list never shows more than `max_breakers`
+    /// (before, breakers over the bound stayed listed until a later pass,
+    /// hundreds of calls on).
     pub fn list(&self) -> Vec<Json> {
+        self.map.run_pending_tasks();
         let mut all: Vec<Arc<Breaker>> = self.map.iter().map(|(_, b)| b).collect();
         all.sort_by(|a, b| a.key.cmp(&b.key));
         all.iter().map(|b| b.to_json(self.state_now(b))).collect()
@@ -600,6 +604,25 @@ mod tests {
     /// (a recently used breaker may be evicted, and the map may hold more
     /// than `max_breakers` until the next pass). Run one operation at a time
     /// with the pending work applied after each, as here, it is exact LRU.
+    /// The listing applies pending evictions: it never shows more
+    /// breakers than the bound.
+    #[test]
+    fn the_listing_holds_at_most_max_breakers() {
+        let mut c = cfg(1, 1);
+        c.max_breakers = 2;
+        let b = Breakers::new(&c);
+        for i in 0..12 {
+            b.breaker(&format!("channel-{i}"), "up");
+        }
+        assert_eq!(b.list().len(), 2);
+        let listed: Vec<String> = b
+            .list()
+            .iter()
+            .map(|j| j["key"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        assert!(listed.iter().all(|k| k.ends_with(":up")), "{listed:?}");
+    }
+
     #[test]
     fn breakers_evict_the_least_recently_used() {
         let mut c = cfg(1, 1);
