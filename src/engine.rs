@@ -712,8 +712,9 @@ pub fn assemble(
                     );
                 }
                 match compile_workflow(&def) {
-                    Ok(compiled) => {
+                    Ok(mut compiled) => {
                         compiled_count += 1;
+                        compiled.plan.source_id = stored.stamp.identity().into();
                         let label = record
                             .definition
                             .get("channel")
@@ -839,7 +840,13 @@ pub fn assemble(
                         }
                     },
                 };
-                match build_channel(&record, stored.text.clone(), plans, previous) {
+                match build_channel(
+                    &record,
+                    stored.text.clone(),
+                    &stored.stamp.identity(),
+                    plans,
+                    previous,
+                ) {
                     Ok(channel) => channel,
                     Err(mut errors) => {
                         problems.append(&mut errors);
@@ -897,6 +904,7 @@ pub fn assemble(
 fn build_channel(
     record: &Record,
     source: Arc<str>,
+    source_id: &str,
     plans: Vec<Arc<Plan>>,
     previous: &Snapshot,
 ) -> Result<Arc<Channel>, Vec<Diagnostic>> {
@@ -924,6 +932,7 @@ fn build_channel(
         &def.config_json,
         &def.name,
         record.version,
+        source_id,
         &plans,
     ) {
         Ok(r) => r,

@@ -50,9 +50,11 @@ pub struct Rules {
     pub rate_key: Option<Logic>,
     pub dedup_key: Option<Logic>,
     pub cache_key: Option<Logic>,
-    /// The channel version and its workflows' versions: part of every cache
-    /// key, so a response of an older definition is never served after a
-    /// change (without flushing other channels' entries on every reload).
+    /// The channel version and its workflows' versions, each with the
+    /// identity of its stored text: part of every cache key, so a response
+    /// of an older definition is never served after a change, nor after a
+    /// definition was deleted and created again under the same id (without
+    /// flushing other channels' entries on every reload).
     pub cache_scope: String,
     /// Set when the bound plans split traffic by rollout bucket: for each
     /// bucket (0..100), which set of plans it runs (a small number naming
@@ -68,6 +70,7 @@ impl Rules {
         config: &ChannelConfig,
         name: &str,
         version: i64,
+        source_id: &str,
         plans: &[Arc<Plan>],
     ) -> Result<Rules, Vec<Diagnostic>> {
         let mut problems = Vec::new();
@@ -101,9 +104,9 @@ impl Rules {
             config.cache.as_ref().and_then(|c| c.key_logic.as_ref()),
             "cache",
         );
-        let mut cache_scope = format!("{name}@{version}");
+        let mut cache_scope = format!("{name}@{version}:{source_id}");
         for p in plans {
-            cache_scope.push_str(&format!(",{}@{}", p.workflow_id, p.version));
+            cache_scope.push_str(&format!(",{}@{}:{}", p.workflow_id, p.version, p.source_id));
         }
         if problems.is_empty() {
             Ok(Rules {

@@ -38,6 +38,12 @@ pub struct Plan {
     pub body: Block,
     /// True when some step calls a connector or another channel.
     pub needs_io: bool,
+    /// Which stored definition the plan was compiled from, set by whoever
+    /// stores definitions (the service: a digest of the stored text). Part
+    /// of response cache keys, so a workflow deleted and created again
+    /// under the same id and version is not answered from the old one's
+    /// cache. Empty from the compiler.
+    pub source_id: Box<str>,
     /// Number of task steps (for sizing per-execution buffers).
     pub task_count: usize,
 }
@@ -430,6 +436,7 @@ pub fn compile_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
         body,
         needs_io: cx.needs_io,
         task_count: cx.task_count,
+        source_id: Box::default(),
     };
     Ok(Compiled {
         plan,

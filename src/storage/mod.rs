@@ -188,6 +188,17 @@ impl Stamp {
     pub fn same(&self, other: &Stamp) -> bool {
         self.digest.is_some() && self == other
     }
+
+    /// A short name for the stored text this stamp describes, the same on
+    /// every replica: the digest's first 16 hex digits, or (for a row
+    /// without a digest) its creation time. A row deleted and created again
+    /// with other text gets another name.
+    pub fn identity(&self) -> String {
+        match &self.digest {
+            Some(d) => d.get(..16).unwrap_or(d).to_owned(),
+            None => format!("c{}", self.created_us),
+        }
+    }
 }
 
 /// One active row without its definition (`Store::active_rows`).

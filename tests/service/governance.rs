@@ -591,6 +591,34 @@ async fn the_response_cache_follows_the_rollout_and_skips_profiles() {
     assert_eq!(after.body, cached.body);
 }
 
+/// A workflow and channel deleted and created again under the same ids
+/// start at version 1 again: the cache must not answer from the deleted
+/// definitions' entries (before, the old answer came back as a hit).
+#[tokio::test]
+async fn the_response_cache_forgets_deleted_definitions() {
+    let s = start(Db::Sqlite).await;
+    let tagged = |tag: &str| {
+        let mut wf = echo("again");
+        wf["tasks"][1]["function"]["input"]["mappings"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"path": "val", "logic": tag}));
+        wf
+    };
+    let channel = named("again-ch", "again", json!({"cache": {"ttl_secs": 60}}));
+    s.deploy(tagged("OLD"), channel.clone()).await;
+    let old = post_with(&s, "again-ch", json!({"same": 1}), &[]).await;
+    assert_eq!(old.body["data"]["val"], "OLD", "{}", old.text);
+    for path in ["/channels/again-ch", "/workflows/again"] {
+        let r = s.admin("DELETE", path, None).await;
+        assert_eq!(r.status, 204, "{path}: {}", r.text);
+    }
+    s.deploy(tagged("NEW"), channel).await;
+    let new = post_with(&s, "again-ch", json!({"same": 1}), &[]).await;
+    assert_eq!(new.body["data"]["val"], "NEW", "{}", new.text);
+    assert_eq!(new.headers["x-cache"], "miss");
+}
+
 #[tokio::test]
 async fn the_cache_key_logic_and_failures_are_not_cached() {
     let s = start(Db::Sqlite).await;
