@@ -371,11 +371,7 @@ async fn build_on(
     let started = Instant::now();
     // First the active rows without their definitions; then the text of
     // only the rows whose stamp differs from what `previous` was built from.
-    let rows = store
-        .active_rows(Kind::Workflow)
-        .await
-        .map_err(ReloadError::Storage)?;
-    let workflows = resolve(store, Kind::Workflow, rows, |row| {
+    let workflows = read_active(store, Kind::Workflow, |row| {
         previous
             .compiled
             .get(&(row.id.clone(), row.version))
@@ -384,11 +380,7 @@ async fn build_on(
     })
     .await
     .map_err(ReloadError::Storage)?;
-    let rows = store
-        .active_rows(Kind::Channel)
-        .await
-        .map_err(ReloadError::Storage)?;
-    let channels = resolve(store, Kind::Channel, rows, |row| {
+    let channels = read_active(store, Kind::Channel, |row| {
         previous
             .channel_texts
             .get(&row.id)
@@ -603,18 +595,65 @@ impl Row {
     }
 }
 
-/// The active rows of `kind` with their texts: `known` gives the text of a
-/// row whose stamp is unchanged; the others are read from storage, one by
-/// one if they are few, else all active definitions at once. A row read one
-/// by one is taken as it is now (a concurrent change is read whole, and a
-/// row that stopped being active meanwhile is left out; that change's own
-/// reload follows).
+/// How often a reload lists a kind's active rows again when a change
+/// landed between the listing and the reading of its texts, before it reads
+/// every active definition in one statement.
+const READ_ATTEMPTS: usize = 3;
+
+/// The active rows of `kind` with their texts, as storage held them at one
+/// moment: the listing is one statement, and every text read after it must
+/// still have the stamp the listing gave (else it is listed again). Before,
+/// a row read one by one was taken as it was then: a reload that straddled
+/// a version change could combine the listing's state with the change's and
+/// serve a set of versions storage never held (a canary's old version
+/// already archived, its new one not yet listed: no workflow at all).
+async fn read_active(
+    store: &Store,
+    kind: Kind,
+    known: impl Fn(&ActiveRow) -> Option<Arc<str>>,
+) -> Result<Vec<Row>, StorageError> {
+    for _ in 0..READ_ATTEMPTS {
+        let rows = store.active_rows(kind).await?;
+        if let Some(rows) = resolve(store, kind, rows, &known).await? {
+            return Ok(rows);
+        }
+    }
+    // Changes keep landing between listing and reading: one statement.
+    let all = store.active(kind).await?;
+    Ok(all.into_iter().map(Row::Read).collect())
+}
+
+/// What [`resolve`] makes of a listing taken earlier, and what
+/// [`read_active`] reads now, as `(id, version)` pairs (no text known).
+#[cfg(test)]
+pub(crate) async fn listed_and_current(
+    store: &Store,
+    kind: Kind,
+    listed: Vec<ActiveRow>,
+) -> Result<(Option<Vec<(String, i64)>>, Vec<(String, i64)>), StorageError> {
+    let ids = |rows: Vec<Row>| -> Vec<(String, i64)> {
+        rows.into_iter()
+            .map(|r| {
+                let s = r.into_stored();
+                (s.id, s.version)
+            })
+            .collect()
+    };
+    let then = resolve(store, kind, listed, &|_: &ActiveRow| None).await?;
+    let now = read_active(store, kind, |_| None).await?;
+    Ok((then.map(ids), ids(now)))
+}
+
+/// The listed `rows` with their texts: `known` gives the text of a row
+/// whose stamp is unchanged; the others are read from storage, one by one
+/// if they are few, else all active definitions at once (one statement).
+/// `None` when a row read one by one is no longer as listed.
 async fn resolve(
     store: &Store,
     kind: Kind,
     rows: Vec<ActiveRow>,
-    known: impl Fn(&ActiveRow) -> Option<Arc<str>>,
-) -> Result<Vec<Row>, StorageError> {
+    known: &impl Fn(&ActiveRow) -> Option<Arc<str>>,
+) -> Result<Option<Vec<Row>>, StorageError> {
     // Compared in slices with a yield between them (when this runs on a
     // request worker; see `Store::active_rows`).
     let mut sorted: Vec<Result<Row, ActiveRow>> = Vec::with_capacity(rows.len());
@@ -630,22 +669,22 @@ async fn resolve(
     let rows = sorted;
     if rows.iter().filter(|r| r.is_err()).count() > FETCH_ONE_BY_ONE {
         let all = store.active(kind).await?;
-        return Ok(all.into_iter().map(Row::Read).collect());
+        return Ok(Some(all.into_iter().map(Row::Read).collect()));
     }
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {
         match row {
             Ok(known) => out.push(known),
-            Err(row) => {
-                if let Some(stored) = store.stored(kind, &row.id, row.version).await?
-                    && stored.status == Status::Active
-                {
+            Err(row) => match store.stored(kind, &row.id, row.version).await? {
+                Some(stored) if stored.status == Status::Active && stored.stamp == row.stamp => {
                     out.push(Row::Read(stored));
                 }
-            }
+                // Changed (or no longer active) since the listing.
+                _ => return Ok(None),
+            },
         }
     }
-    Ok(out)
+    Ok(Some(out))
 }
 
 /// Puts the calling thread in the lowest CPU scheduling class (Linux

@@ -189,15 +189,15 @@ impl Stamp {
         self.digest.is_some() && self == other
     }
 
-    /// A short name for the stored text this stamp describes, the same on
-    /// every replica: the digest's first 16 hex digits, or (for a row
-    /// without a digest) its creation time. A row deleted and created again
-    /// with other text gets another name.
+    /// A short name for the stored version this stamp describes, the same
+    /// on every replica and for the row's whole life: its creation time in
+    /// microseconds (hex). A version's text changes only while it is a
+    /// draft, before it can serve, so this names the text that serves; a
+    /// version deleted and created again gets another name. (The digest
+    /// would do too, but rows written before it existed get theirs later,
+    /// and the name must not change under a running snapshot.)
     pub fn identity(&self) -> String {
-        match &self.digest {
-            Some(d) => d.get(..16).unwrap_or(d).to_owned(),
-            None => format!("c{}", self.created_us),
-        }
+        format!("{:x}", self.created_us)
     }
 }
 

@@ -162,6 +162,7 @@ backend_tests!(
     backups,
     digests_follow_definitions,
     reload_after_any_change_equals_a_cold_start,
+    a_reload_reads_one_moment_of_storage,
     reloads_build_at_background_priority_on_their_own_connection,
     channel_filters_see_effective_type_and_protocol,
 );
@@ -1664,6 +1665,44 @@ async fn active_flow_and_channel(s: &Store) {
     s.set_status(c, "ca", Status::Active, None, None, admin("status"))
         .await
         .unwrap();
+}
+
+/// A reload lists the active rows, then reads the texts it does not know.
+/// A change that lands in between must not be mixed into the listing: the
+/// reload lists again. Before, a canary's old version (listed) could be
+/// read after the rollout to 100 % had archived it and dropped, while the
+/// new version was not listed: a replica served no workflow at all.
+async fn a_reload_reads_one_moment_of_storage(s: Store, _: PathBuf) {
+    let w = Kind::Workflow;
+    let v = |pairs: &[(&str, i64)]| -> Vec<(String, i64)> {
+        pairs.iter().map(|(id, v)| ((*id).to_owned(), *v)).collect()
+    };
+    active_flow_and_channel(&s).await;
+    s.new_version(w, "a", admin("new_version")).await.unwrap();
+    s.update_draft(w, "a", &flow("data.a2", 1), admin("update"))
+        .await
+        .unwrap();
+    let before_canary = s.active_rows(w).await.unwrap();
+    s.set_status(w, "a", Status::Active, None, Some(30), admin("status"))
+        .await
+        .unwrap();
+    // Version 1 is still active, but no longer as listed (its share moved).
+    let (then, now) = crate::engine::listed_and_current(&s, w, before_canary)
+        .await
+        .unwrap();
+    assert_eq!((then, now), (None, v(&[("a", 1), ("a", 2)])));
+    let before_rollout = s.active_rows(w).await.unwrap();
+    s.set_rollout(w, "a", 100, admin("rollout")).await.unwrap();
+    let (then, now) = crate::engine::listed_and_current(&s, w, before_rollout)
+        .await
+        .unwrap();
+    assert_eq!((then, now), (None, v(&[("a", 2)])));
+    // Nothing changed since the listing: it stands.
+    let listed = s.active_rows(w).await.unwrap();
+    let (then, _) = crate::engine::listed_and_current(&s, w, listed)
+        .await
+        .unwrap();
+    assert_eq!(then, Some(v(&[("a", 2)])));
 }
 
 async fn reload_after_any_change_equals_a_cold_start(s: Store, _: PathBuf) {
