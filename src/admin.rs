@@ -853,9 +853,7 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
 async fn reload_connectors(app: &App, who: Principal) -> ApiResult {
     let n = app.connectors.reload(&app.store).await?;
     // The other replicas reload theirs (and their engines) too.
-    if let Err(e) = app.store.bump_engine_generation().await {
-        tracing::warn!(error = %e, "could not tell other replicas about the connector reload");
-    }
+    app.store.bump_engine_generation_or_later().await;
     let report = json!({"connectors": n});
     let mut entry = audit(who, "reload");
     entry.resource_type = "connectors".into();
@@ -875,9 +873,7 @@ async fn connectors_changed(app: &App) {
         tracing::warn!(error = %e, "connector reload after a change failed");
     }
     // Other replicas reload their registries when the generation moves.
-    if let Err(e) = app.store.bump_engine_generation().await {
-        tracing::warn!(error = %e, "could not tell other replicas about the connector change");
-    }
+    app.store.bump_engine_generation_or_later().await;
 }
 
 async fn reset_breaker(app: &App, key: &str, who: Principal) -> ApiResult {

@@ -101,9 +101,7 @@ impl App {
     /// An admin change: moves the stored generation on (notifying the other
     /// replicas on PostgreSQL) and reloads this replica.
     pub async fn changed(&self, audit: Option<Audit>) -> Result<ReloadReport, ReloadError> {
-        if let Err(e) = self.store.bump_engine_generation().await {
-            tracing::warn!(error = %e, "could not move the engine generation on; other replicas catch up on their next check");
-        }
+        self.store.bump_engine_generation_or_later().await;
         self.reload(audit).await
     }
 

@@ -39,6 +39,43 @@ impl Store {
         .await
     }
 
+    /// [`Self::bump_engine_generation`] after a committed change; when
+    /// storage refuses even after its retries, again in the background
+    /// (1 s, doubling to 30 s) until the generation moves. The other
+    /// replicas learn of the change only from the generation: before, a
+    /// failed bump left them serving the previous definitions for good,
+    /// all reporting the same generation. Returns the first failure (the
+    /// caller logs nothing more).
+    pub async fn bump_engine_generation_or_later(&self) -> Option<StorageError> {
+        let e = self.bump_engine_generation().await.err()?;
+        tracing::warn!(
+            error = %e,
+            "could not move the engine generation on; trying again in the background \
+             (other replicas serve the previous definitions until it moves)"
+        );
+        let store = self.clone();
+        tokio::spawn(async move {
+            let mut wait = std::time::Duration::from_secs(1);
+            loop {
+                tokio::time::sleep(wait).await;
+                match store.bump_engine_generation().await {
+                    Ok(generation) => {
+                        tracing::info!(
+                            generation,
+                            "engine generation moved on; other replicas catch up"
+                        );
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "still cannot move the engine generation on");
+                        wait = (wait * 2).min(std::time::Duration::from_secs(30));
+                    }
+                }
+            }
+        });
+        Some(e)
+    }
+
     /// A listener on [`NOTIFY_CHANNEL`] (PostgreSQL only; `None` elsewhere).
     pub async fn engine_listener(
         &self,

@@ -163,6 +163,7 @@ backend_tests!(
     digests_follow_definitions,
     reload_after_any_change_equals_a_cold_start,
     a_reload_reads_one_moment_of_storage,
+    a_failed_generation_bump_is_retried_until_it_moves,
     reloads_build_at_background_priority_on_their_own_connection,
     channel_filters_see_effective_type_and_protocol,
 );
@@ -1665,6 +1666,37 @@ async fn active_flow_and_channel(s: &Store) {
     s.set_status(c, "ca", Status::Active, None, None, admin("status"))
         .await
         .unwrap();
+}
+
+/// A change is committed before the generation moves; if storage refuses
+/// the bump, it is tried again in the background until it moves (before,
+/// the other replicas never learnt of the change).
+async fn a_failed_generation_bump_is_retried_until_it_moves(s: Store, _: PathBuf) {
+    let before = s.engine_generation().await.unwrap();
+    raw(
+        &s,
+        "ALTER TABLE engine_generation RENAME TO engine_generation_hidden",
+        "ALTER TABLE engine_generation RENAME TO engine_generation_hidden",
+    )
+    .await;
+    assert!(s.bump_engine_generation_or_later().await.is_some());
+    raw(
+        &s,
+        "ALTER TABLE engine_generation_hidden RENAME TO engine_generation",
+        "ALTER TABLE engine_generation_hidden RENAME TO engine_generation",
+    )
+    .await;
+    assert_eq!(s.engine_generation().await.unwrap(), before);
+    // The first retry comes after a second.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while s.engine_generation().await.unwrap() == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the generation never moved"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(s.engine_generation().await.unwrap(), before + 1);
 }
 
 /// A reload lists the active rows, then reads the texts it does not know.
