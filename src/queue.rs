@@ -275,7 +275,18 @@ pub(crate) fn drop_unstorable_result(app: &App, outcome: &mut Outcome) {
 /// Runs one claimed trace and records its outcome.
 async fn run(app: &App, c: Claimed) {
     let started = Instant::now();
-    let snapshot = app.engine.load_full();
+    let mut snapshot = app.engine.load_full();
+    // The replica that accepted the trace served its channel; this one may
+    // not have caught up with it yet (its next check is up to
+    // `engine.sync_interval_ms` away): catch up before calling it unknown.
+    if snapshot
+        .channels
+        .get(&c.channel)
+        .is_none_or(|channel| channel.plans.is_empty())
+    {
+        crate::sync::catch_up(app).await;
+        snapshot = app.engine.load_full();
+    }
     let mut outcome = Outcome {
         trace_id: c.trace_id.clone(),
         attempt: c.attempt,

@@ -28,11 +28,12 @@ pub(crate) async fn replica_with(db: &str, env: &[(&str, &str)]) -> Replica {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .arg("serve")
+        // Defaults a test's `env` may override.
+        .env("SERVICE_ENGINE__SYNC_INTERVAL_MS", "100")
         .envs(env.iter().copied())
         .env("SERVICE_SERVER__PORT", port.to_string())
         .env("SERVICE_STORAGE__URL", db)
         .env("SERVICE_STORAGE__MAX_CONNECTIONS", "4")
-        .env("SERVICE_ENGINE__SYNC_INTERVAL_MS", "100")
         .env("SERVICE_LOGGING__LEVEL", "warn")
         .stdout(Stdio::null())
         .spawn()
@@ -312,6 +313,83 @@ async fn async_work_survives_a_killed_replica() {
         .collect();
     ns.sort();
     assert_eq!(ns, (0..300).collect::<Vec<i64>>());
+}
+
+/// A replica that has not caught up with a new async channel yet (MariaDB
+/// replicas poll the generation; this one only every minute) still runs the
+/// traces it claims: it catches up first. Before, it failed them as
+/// `Channel '…' not found`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_behind_catches_up_before_running_a_trace() {
+    crate::support::install_crypto();
+    let url = fresh_database(Db::MySql).await;
+    let upstream = crate::support::slow_upstream(Duration::from_millis(300)).await;
+    let allow = ("SERVICE_SECURITY__ALLOW_PRIVATE_NETWORKS", "true");
+    // The killed replica's claim lapses after the lease (raised to the
+    // channel's timeout + 5 s).
+    let lease = ("SERVICE_QUEUE__LEASE_SECS", "2");
+    let first = replica_with(&url, &[allow, lease, ("SERVICE_QUEUE__WORKERS", "1")]).await;
+    let behind = replica_with(
+        &url,
+        &[allow, lease, ("SERVICE_ENGINE__SYNC_INTERVAL_MS", "60000")],
+    )
+    .await;
+    let c = reqwest::Client::new();
+    admin(&c, &first.base, "POST", "/connectors", json!({"name": "slow", "connector_type": "http",
+        "config": {"type": "http", "url": upstream, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})).await;
+    deploy_on(
+        &c,
+        &first.base,
+        json!({"workflow_id": "late", "name": "late", "tasks": [
+            {"id": "call", "name": "call", "function": {"name": "http_call", "input": {"connector": "slow", "method": "POST", "path": "/w"}}},
+            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [{"path": "n", "logic": {"var": "payload.n"}}]}}}
+        ]}),
+        json!({"channel_id": "late", "name": "late", "channel_type": "async", "protocol": "http",
+               "workflow_id": "late", "config_json": {"timeout_ms": 1000}}),
+    )
+    .await;
+    let ahead = generation(&c, &first.base).await;
+    assert!(generation(&c, &behind.base).await < ahead);
+    for n in 0..6 {
+        let r = c
+            .post(format!("{}/api/v1/data/late", first.base))
+            .json(&json!({"data": {"n": n}}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 202, "{}", r.text().await.unwrap());
+    }
+    // The first replica (one worker, 300 ms a trace) goes away: the one
+    // behind claims what is left on its next sweep.
+    drop(first);
+    let base = behind.base.clone();
+    let traces = || {
+        let (c, base) = (c.clone(), base.clone());
+        async move {
+            let r: Json = c
+                .get(format!("{base}/api/v1/data/traces?channel=late&limit=10"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            r["data"].as_array().cloned().unwrap_or_default()
+        }
+    };
+    let until = Instant::now() + Duration::from_secs(40);
+    loop {
+        let all = traces().await;
+        let failed: Vec<&Json> = all.iter().filter(|t| t["status"] == "failed").collect();
+        assert!(failed.is_empty(), "{failed:?}");
+        if all.len() == 6 && all.iter().all(|t| t["status"] == "completed") {
+            break;
+        }
+        assert!(Instant::now() < until, "{all:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // It caught up on the way.
+    assert!(generation(&c, &behind.base).await >= ahead);
 }
 
 // ------------------------------------------------- shared governance (Redis)
