@@ -925,8 +925,44 @@ impl Store {
         let r = match &self.inner.pools {
             Pools::Sqlite(p) => MIGRATOR_SQLITE.run(p).await,
             Pools::Postgres(p) => MIGRATOR_POSTGRES.run(p).await,
-            Pools::MySql(p) => MIGRATOR_MYSQL.run(p).await,
+            Pools::MySql(p) => return self.migrate_mysql(p).await,
         };
+        r.map_err(|e| StorageError::Database(format!("migration failed: {e}")))?;
+        // Rows written before 0004 get their digest once, and channels their
+        // effective type and protocol.
+        self.backfill().await
+    }
+
+    /// MySQL/MariaDB migrations under a lock of our own. sqlx's takes
+    /// `GET_LOCK(name, -1)`, which MariaDB answers with NULL at once instead
+    /// of waiting, so replicas started together ran the same migrations at
+    /// once and failed ("migration 1 is partially applied", duplicate keys).
+    /// `GET_LOCK` with a positive wait works on both; the migrations run on
+    /// the connection that holds it, and closing it releases it.
+    async fn migrate_mysql(&self, pool: &sqlx::MySqlPool) -> Result<(), StorageError> {
+        const WAIT_SECS: i64 = 300;
+        let mut conn = pool.acquire().await.map_err(db_err)?;
+        let got: Option<i64> =
+            sqlx::query_scalar("SELECT GET_LOCK(CONCAT('sluice_migrate:', DATABASE()), ?)")
+                .bind(WAIT_SECS)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(db_err)?;
+        if got != Some(1) {
+            return Err(StorageError::Database(format!(
+                "migration failed: another process kept the migration lock for {WAIT_SECS} s"
+            )));
+        }
+        let r = MIGRATOR_MYSQL.run(&mut *conn).await;
+        let released = sqlx::query("SELECT RELEASE_LOCK(CONCAT('sluice_migrate:', DATABASE()))")
+            .execute(&mut *conn)
+            .await;
+        if released.is_err() {
+            // The lock goes with the connection.
+            drop(conn.detach());
+        } else {
+            drop(conn);
+        }
         r.map_err(|e| StorageError::Database(format!("migration failed: {e}")))?;
         // Rows written before 0004 get their digest once, and channels their
         // effective type and protocol.

@@ -392,6 +392,37 @@ async fn a_replica_behind_catches_up_before_running_a_trace() {
     assert!(generation(&c, &behind.base).await >= ahead);
 }
 
+/// Replicas started together on a fresh MariaDB database migrate it one
+/// at a time. Before, sqlx's migration lock (`GET_LOCK(name, -1)`) did not
+/// wait on MariaDB, and two of three `sluice migrate` runs usually failed
+/// ("migration 1 is partially applied", duplicate keys).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_started_together_migrate_one_at_a_time() {
+    for _ in 0..3 {
+        let url = fresh_database(Db::MySql).await;
+        let runs: Vec<Child> = (0..3)
+            .map(|_| {
+                Command::new(env!("CARGO_BIN_EXE_sluice"))
+                    .arg("migrate")
+                    .env("SERVICE_STORAGE__URL", &url)
+                    .env("SERVICE_LOGGING__LEVEL", "warn")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .expect("the sluice binary starts")
+            })
+            .collect();
+        for run in runs {
+            let out = run.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
+
 // ------------------------------------------------- shared governance (Redis)
 
 /// Creates and activates `workflow`, then `channel`, through `base`.
