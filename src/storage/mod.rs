@@ -953,7 +953,8 @@ impl Store {
                 "migration failed: another process kept the migration lock for {WAIT_SECS} s"
             )));
         }
-        let r = MIGRATOR_MYSQL.run(&mut *conn).await;
+        // `run_direct`: `run(&mut *conn)` is not `Send` (sqlx's `Acquire` bound).
+        let r = MIGRATOR_MYSQL.run_direct(&mut *conn).await;
         let released = sqlx::query("SELECT RELEASE_LOCK(CONCAT('sluice_migrate:', DATABASE()))")
             .execute(&mut *conn)
             .await;
