@@ -98,17 +98,20 @@ pub async fn handle(
     let (channel, params) = resolve(&snapshot, &req.method, req, parts)?;
     let result = if is_async || channel.is_async {
         // Boxed, like every rare branch, so the sync path's future stays small.
-        Box::pin(crate::traces::submit(app, req, channel, &params)).await
+        let result = Box::pin(crate::traces::submit(app, req, channel, &params)).await;
+        // An accepted submission is counted when its trace runs; a refused
+        // one now.
+        if let Err(e) = &result {
+            count_refusal(channel, e);
+        }
+        result
     } else {
         let started = Instant::now();
         let result = run_sync(app, req, channel, &params, engine_lock_ms).await;
         let m = &channel.metrics;
         match &result {
             Ok(_) => m.ok.increment(1),
-            Err(e) if e.code == Code::BadRequest || e.code == Code::NotFound => {
-                m.rejected.increment(1)
-            }
-            Err(_) => m.failed.increment(1),
+            Err(e) => count_refusal(channel, e),
         }
         m.duration.record(started.elapsed().as_secs_f64());
         result
@@ -117,6 +120,18 @@ pub async fn handle(
     let mut response = result.unwrap_or_else(ApiError::into_response);
     governance::decorate(channel, &req.headers, &mut response);
     Ok(response)
+}
+
+/// `messages_total` for a request that did not succeed: `rejected` when
+/// the caller's request was refused (a 4xx: invalid, unknown, duplicate,
+/// over its rate limit), `error` when the service failed it (a 5xx: a task
+/// failed, a timeout, backpressure).
+fn count_refusal(channel: &crate::engine::Channel, e: &ApiError) {
+    if e.code.status().is_client_error() {
+        channel.metrics.rejected.increment(1);
+    } else {
+        channel.metrics.failed.increment(1);
+    }
 }
 
 /// Path parameters of a route match: names from the route table, values

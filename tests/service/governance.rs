@@ -204,6 +204,64 @@ async fn the_channel_rate_limit_answers_429_with_retry_after_past_the_burst_body
     assert!(line.contains("client=\"127.0.0.1\""), "{line}");
 }
 
+/// `messages_total`: a refused request (4xx) is `rejected`, on sync and
+/// async channels alike; a run that fails (5xx) is `error`. Before, a 429
+/// or a duplicate counted as `error`, and a refused async submission not
+/// at all.
+#[tokio::test]
+async fn refused_messages_count_as_rejected() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        echo("counted"),
+        named(
+            "counted-sync",
+            "counted",
+            json!({"rate_limit": {"requests_per_second": 0.1, "burst": 1}}),
+        ),
+    )
+    .await;
+    let mut refused = named(
+        "counted-async",
+        "counted",
+        json!({"rate_limit": {"requests_per_second": 0.1, "burst": 1}}),
+    );
+    refused["channel_type"] = json!("async");
+    s.admin("POST", "/channels", Some(refused)).await.ok(201);
+    s.admin(
+        "PATCH",
+        "/channels/counted-async/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    assert_eq!(
+        post_with(&s, "counted-sync", json!({}), &[]).await.status,
+        200
+    );
+    post_with(&s, "counted-sync", json!({}), &[])
+        .await
+        .error(429, "RATE_LIMITED");
+    assert_eq!(
+        post_with(&s, "counted-async", json!({}), &[]).await.status,
+        202
+    );
+    post_with(&s, "counted-async", json!({}), &[])
+        .await
+        .error(429, "RATE_LIMITED");
+    let metrics = s.get("/metrics").await.text;
+    for line in [
+        "messages_total{channel=\"counted-sync\",status=\"ok\"} 1",
+        "messages_total{channel=\"counted-sync\",status=\"rejected\"} 1",
+        "messages_total{channel=\"counted-async\",status=\"rejected\"} 1",
+    ] {
+        assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+    }
+    assert!(
+        !metrics.contains("messages_total{channel=\"counted-sync\",status=\"error\"} 1"),
+        "{metrics}"
+    );
+}
+
 crate::on_both_governance_backends!(
     the_rate_limit_key_logic_isolates_clients,
     the_rate_limit_key_logic_isolates_clients_body
