@@ -308,6 +308,21 @@ pub fn unsampled_traceparent(inbound: Option<&str>) -> Option<String> {
     ))
 }
 
+/// The caller's `traceparent` as it is forwarded to a connector when this
+/// request is not traced: version 00 as it came, a later version as the
+/// version-00 form of its first four fields (W3C: a parser reads a newer
+/// version's known fields), `None` when it is not valid (a new trace
+/// starts instead).
+pub fn forwardable_traceparent(t: &str) -> Option<String> {
+    let t = t.trim();
+    parse_traceparent(t, None)?;
+    match t.get(..3) {
+        Some("00-") => Some(t.to_owned()),
+        // Parsed: 2 + 1 + 32 + 1 + 16 + 1 + 2 ASCII bytes lead.
+        _ => t.get(2..55).map(|rest| format!("00{rest}")),
+    }
+}
+
 /// The request's call log, if the scope carries one.
 pub fn call_log(scope: &CallScope) -> Option<&CallLog> {
     scope.observer.as_ref()?.downcast_ref::<CallLog>()
@@ -397,10 +412,16 @@ fn parse_traceparent(t: &str, state: Option<&str>) -> Option<SpanContext> {
     let mut parts = t.trim().split('-');
     let (version, trace, span, flags) =
         (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    if version.len() != 2 || version == "ff" || (version == "00" && parts.next().is_some()) {
+    // W3C: lowercase hex only; version `ff` is invalid; version 00 has
+    // exactly four fields, and a later version is read by its first four
+    // (whatever follows them is for parsers of that version).
+    let hex = |s: &str, n: usize| {
+        s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    };
+    if !hex(version, 2) || version == "ff" || (version == "00" && parts.next().is_some()) {
         return None;
     }
-    if trace.len() != 32 || span.len() != 16 || flags.len() != 2 {
+    if !hex(trace, 32) || !hex(span, 16) || !hex(flags, 2) {
         return None;
     }
     let trace_id = TraceId::from_hex(trace).ok()?;
@@ -486,9 +507,22 @@ mod tests {
             "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "0g-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         ] {
             assert!(parse_traceparent(bad, None).is_none(), "{bad}");
+            assert_eq!(forwardable_traceparent(bad), None, "{bad}");
         }
+        // A later version is read by its first four fields and forwarded
+        // as version 00 (before, it was dropped and a new trace started).
+        let future = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-comes-next";
+        assert!(parse_traceparent(future, None).is_some());
+        assert_eq!(
+            forwardable_traceparent(future).as_deref(),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        );
+        let v00 = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-03";
+        assert_eq!(forwardable_traceparent(v00).as_deref(), Some(v00));
     }
 
     /// OpenTelemetry on, a root the ratio leaves out: its outbound calls
