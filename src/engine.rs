@@ -258,6 +258,8 @@ impl CompiledPlan {
             && self.range == *range
             && self.updated_at == record.updated_at
             && self.stamp.updated_us == record.stamp.updated_us
+            // The plan's `source_id` (a digest filled in later is a new one).
+            && self.stamp.same_identity(&record.stamp)
             && (Arc::ptr_eq(&self.text, &record.text) || *self.text == *record.text)
     }
 }
@@ -823,6 +825,11 @@ pub fn assemble(
         let before = previous_by_id.get(stored.id.as_str()).filter(|c| {
             c.version == stored.version
                 && (Arc::ptr_eq(&c.source, &stored.text) || *c.source == *stored.text)
+                // Its cache scope names the stored text (see `Stamp::identity`).
+                && previous
+                    .channel_texts
+                    .get(&stored.id)
+                    .is_some_and(|t| t.stamp.same_identity(&stored.stamp))
         });
         // Parsed only when the text changed.
         let record = match before {

@@ -189,15 +189,25 @@ impl Stamp {
         self.digest.is_some() && self == other
     }
 
-    /// A short name for the stored version this stamp describes, the same
-    /// on every replica and for the row's whole life: its creation time in
-    /// microseconds (hex). A version's text changes only while it is a
-    /// draft, before it can serve, so this names the text that serves; a
-    /// version deleted and created again gets another name. (The digest
-    /// would do too, but rows written before it existed get theirs later,
-    /// and the name must not change under a running snapshot.)
+    /// A short name for the stored text this stamp describes, the same on
+    /// every replica (and for identical definitions created apart): the
+    /// digest's first 16 hex digits, or, for a row written before digests
+    /// existed, its creation time. A definition deleted and created again
+    /// with other text gets another name.
     pub fn identity(&self) -> String {
-        format!("{:x}", self.created_us)
+        match &self.digest {
+            Some(d) => d.get(..16).unwrap_or(d).to_owned(),
+            None => format!("c{:x}", self.created_us),
+        }
+    }
+
+    /// Whether two stamps have the same [`Self::identity`].
+    pub fn same_identity(&self, other: &Stamp) -> bool {
+        match (&self.digest, &other.digest) {
+            (Some(a), Some(b)) => a == b,
+            (None, None) => self.created_us == other.created_us,
+            _ => false,
+        }
     }
 }
 

@@ -1835,7 +1835,12 @@ async fn reload_after_any_change_equals_a_cold_start(s: Store, _: PathBuf) {
             .unwrap();
     }
     assert_eq!(reload_and_compare(&s, &mut warm, "70 new").await, 70);
-    // Digests cleared and filled in again: texts read again, nothing compiled.
+    // Digests cleared and filled in again: the texts are read again, and
+    // the plans whose identity (part of cache keys, `Stamp::identity`)
+    // changed are compiled again: the hand-edited row's, which had no
+    // digest before, and on PostgreSQL every row's (its backfill digests
+    // the text as JSONB gives it back, not as it was written). The reload
+    // still equals a cold start, and the next one compiles nothing.
     raw(
         &s,
         "UPDATE workflows SET digest = NULL",
@@ -1843,7 +1848,8 @@ async fn reload_after_any_change_equals_a_cold_start(s: Store, _: PathBuf) {
     )
     .await;
     s.migrate().await.unwrap();
-    assert_eq!(reload_and_compare(&s, &mut warm, "backfill").await, 0);
+    let recompiled = reload_and_compare(&s, &mut warm, "backfill").await;
+    assert!((1..=71).contains(&recompiled), "{recompiled}");
     assert_eq!(reload_and_compare(&s, &mut warm, "steady").await, 0);
 }
 
