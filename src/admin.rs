@@ -219,6 +219,28 @@ fn one_of_filter(req: &Req, name: &str, allowed: &[&str]) -> Result<Option<Strin
 }
 
 /// Checks a definition strictly; returns it with its identifier filled in.
+/// A definition the database can keep: MariaDB's JSON functions (its
+/// validity check on the definition columns, the tag filter) stop at 32
+/// levels, so there a deeper definition is refused with this message
+/// instead of failing in storage (a 500). Other databases keep whatever an
+/// admin body may hold (127 levels).
+fn storable(app: &App, def: &Json) -> Result<(), ApiError> {
+    fn within(v: &Json, levels: usize) -> bool {
+        match v {
+            Json::Array(items) => levels > 0 && items.iter().all(|i| within(i, levels - 1)),
+            Json::Object(members) => levels > 0 && members.values().all(|m| within(m, levels - 1)),
+            _ => true,
+        }
+    }
+    match app.store.json_depth() {
+        Some(limit) if !within(def, limit) => Err(ApiError::bad_request(format!(
+            "the definition nests deeper than the {limit} levels this database ({}) keeps in a JSON column",
+            app.store.backend().as_str()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn checked(
     kind: Kind,
     mut def: Json,
@@ -297,6 +319,7 @@ async fn list(app: &App, req: &Req, kind: Kind) -> ApiResult {
 
 async fn create(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
     let (id, def) = checked(kind, req.json()?, None)?;
+    storable(app, &def)?;
     let record = app
         .store
         .create(kind, &id, &def, audit(who, "create"))
@@ -317,6 +340,7 @@ async fn get(app: &App, req: &Req, kind: Kind, id: &str) -> ApiResult {
 
 async fn update(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) -> ApiResult {
     let (_, def) = checked(kind, req.json()?, Some(id))?;
+    storable(app, &def)?;
     let record = app
         .store
         .update_draft(kind, id, &def, audit(who, "update"))
@@ -551,7 +575,9 @@ async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
     let mut seen_ids = std::collections::HashSet::new();
     let mut seen_names = std::collections::HashSet::new();
     for (index, item) in items.into_iter().enumerate() {
-        let (id, def) = match checked(kind, item, None) {
+        let (id, def) = match checked(kind, item, None)
+            .and_then(|(id, def)| storable(app, &def).map(|()| (id, def)))
+        {
             Ok(ok) => ok,
             Err(e) => {
                 let details = e.details.unwrap_or_else(|| {
@@ -738,6 +764,7 @@ async fn list_connectors(app: &App, req: &Req) -> ApiResult {
 
 async fn create_connector(app: &App, req: &Req, who: Principal) -> ApiResult {
     let def = checked_connector(req.json()?, None)?;
+    storable(app, &def)?;
     let record = app
         .store
         .create_connector(&def, audit(who, "create"))
@@ -765,6 +792,7 @@ async fn update_connector(app: &App, req: &Req, name: &str, who: Principal) -> A
         Err(e) => return Err(e.into()),
     }
     let def = checked_connector(def, Some(name))?;
+    storable(app, &def)?;
     let record = app
         .store
         .update_connector(name, &def, audit(who, "update"))
@@ -813,13 +841,21 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
     let (mut created, mut failed) = (Vec::new(), Vec::new());
     let mut seen = std::collections::HashSet::new();
     for (index, item) in items.into_iter().enumerate() {
-        let def = match checked_connector(item, None) {
-            Ok(def) => def,
-            Err(e) => {
-                failed.push(json!({"index": index, "details": e.details.unwrap_or_default()}));
-                continue;
-            }
-        };
+        let def =
+            match checked_connector(item, None).and_then(|def| storable(app, &def).map(|()| def)) {
+                Ok(def) => def,
+                Err(e) => {
+                    // Problems at the root (not an object, too deep) at `field: ""`.
+                    let details = e.details.unwrap_or_else(|| {
+                        vec![Diagnostic {
+                            field: String::new(),
+                            message: e.message,
+                        }]
+                    });
+                    failed.push(json!({"index": index, "details": details}));
+                    continue;
+                }
+            };
         let name = def
             .get("name")
             .and_then(Json::as_str)

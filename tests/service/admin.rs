@@ -1324,3 +1324,49 @@ async fn lifecycle_bodies_treat_null_as_a_value() {
         "the body must be a JSON object like {\"rollout_percentage\": 30}, got array"
     );
 }
+
+/// MariaDB keeps JSON 31 levels deep (its `JSON_VALID` check and its JSON
+/// functions stop at 32): a deeper definition is refused as bad input, at
+/// create and in an import's dry run alike, where it used to fail in storage
+/// with a 500 (and the dry run promised it). PostgreSQL keeps it.
+#[tokio::test]
+async fn definitions_the_database_cannot_keep_are_refused_up_front() {
+    let nested = |id: &str, levels: usize| {
+        let mut message = json!("x");
+        for _ in 0..levels {
+            message = json!([message]);
+        }
+        json!({"workflow_id": id, "name": id, "tasks": [
+            {"id": "l", "name": "l", "function": {"name": "log", "input": {"message": message}}}
+        ]})
+    };
+    let s = start(Db::MySql).await;
+    // The definition object, `tasks`, the task, `function` and `input` are
+    // five levels: 26 more reach 31.
+    s.admin("POST", "/workflows", Some(nested("deep-ok", 26)))
+        .await
+        .ok(201);
+    let refused = s
+        .admin("POST", "/workflows", Some(nested("too-deep", 27)))
+        .await;
+    assert_eq!(
+        refused.error(400, "BAD_REQUEST")["message"],
+        "the definition nests deeper than the 31 levels this database (mysql) keeps in a JSON column"
+    );
+    let dry = s
+        .admin(
+            "POST",
+            "/workflows/import?dry_run=true",
+            Some(json!([nested("a-ok", 20), nested("b-deep", 27)])),
+        )
+        .await;
+    let dry = dry.ok(200);
+    assert_eq!(dry["created"], json!(["a-ok"]));
+    assert_eq!(dry["failed"][0]["index"], 1);
+    assert_eq!(dry["failed"][0]["details"][0]["field"], "");
+    // PostgreSQL keeps what an admin body may hold.
+    let pg = start(Db::Postgres).await;
+    pg.admin("POST", "/workflows", Some(nested("too-deep", 27)))
+        .await
+        .ok(201);
+}
