@@ -232,6 +232,22 @@ fn storable(app: &App, def: &Json) -> Result<(), ApiError> {
             _ => true,
         }
     }
+    fn holds_nul(v: &Json) -> bool {
+        match v {
+            Json::String(s) => s.contains('\0'),
+            Json::Array(items) => items.iter().any(holds_nul),
+            Json::Object(members) => members
+                .iter()
+                .any(|(k, m)| k.contains('\0') || holds_nul(m)),
+            _ => false,
+        }
+    }
+    if holds_nul(def) {
+        // PostgreSQL's JSON cannot hold one; refused on every database alike.
+        return Err(ApiError::bad_request(
+            "the definition holds a NUL character (\\u0000), which storage cannot keep",
+        ));
+    }
     match app.store.json_depth() {
         Some(limit) if !within(def, limit) => Err(ApiError::bad_request(format!(
             "the definition nests deeper than the {limit} levels this database ({}) keeps in a JSON column",

@@ -457,6 +457,14 @@ async fn read_and_route(
         .into_response();
         return early(app, &parts, refused);
     }
+    // A NUL (`%00`) names nothing Sluice keeps, and PostgreSQL cannot even
+    // compare text holding one (its lookups failed with a 500): refused
+    // before routing, alike on every database.
+    if has_nul_escape(parts.uri.path()) || parts.uri.query().is_some_and(has_nul_escape) {
+        let refused =
+            ApiError::bad_request("the request target holds a NUL character (%00)").into_response();
+        return early(app, &parts, refused);
+    }
     let query = parts.uri.query().map(parse_query).unwrap_or_default();
     let mut headers = parts.headers;
     if headers.len() != headers.keys_len() {
@@ -550,6 +558,11 @@ fn is_json(headers: &HeaderMap) -> bool {
     };
     sub.eq_ignore_ascii_case(b"json")
         || (sub.len() >= 5 && sub[sub.len() - 5..].eq_ignore_ascii_case(b"+json"))
+}
+
+/// Whether `s` holds a percent-encoded NUL (`%00`).
+fn has_nul_escape(s: &str) -> bool {
+    s.contains('%') && s.as_bytes().windows(3).any(|w| w == b"%00")
 }
 
 /// Decodes `a=1&b=x%20y` (percent-decoding, `+` as space).

@@ -1370,3 +1370,38 @@ async fn definitions_the_database_cannot_keep_are_refused_up_front() {
         .await
         .ok(201);
 }
+
+/// A NUL character names nothing Sluice keeps, and PostgreSQL cannot even
+/// compare text that holds one: `%00` in a request target and `\u0000` in
+/// a definition are refused as bad input on every database (PostgreSQL
+/// answered them with a 500).
+#[tokio::test]
+async fn nul_characters_are_refused_alike_on_every_database() {
+    for db in [Db::Postgres, Db::Sqlite] {
+        let s = start(db).await;
+        for path in [
+            "/api/v1/admin/workflows/%00",
+            "/api/v1/admin/workflows?tag=a%00b",
+            "/api/v1/admin/audit-logs?action=%00",
+            "/api/v1/data/traces/%00",
+        ] {
+            let r = s.get(path).await;
+            assert_eq!(
+                r.error(400, "BAD_REQUEST")["message"],
+                "the request target holds a NUL character (%00)",
+                "{path}"
+            );
+        }
+        let mut wf = workflow("nul");
+        wf["name"] = json!("a\u{0}b");
+        let r = s.admin("POST", "/workflows", Some(wf)).await;
+        assert_eq!(
+            r.error(400, "BAD_REQUEST")["message"],
+            "the definition holds a NUL character (\\u0000), which storage cannot keep"
+        );
+        // Without the NUL it is kept.
+        s.admin("POST", "/workflows", Some(workflow("nul")))
+            .await
+            .ok(201);
+    }
+}
