@@ -44,7 +44,9 @@
 //! (including connecting); `query_timeout_ms` bounds each query. A query that
 //! runs out of time fails with `Timeout`, and its connection is closed rather
 //! than returned to the pool, so the next query never waits behind it;
-//! PostgreSQL also gets `statement_timeout` so the server stops the statement.
+//! PostgreSQL also gets `statement_timeout` and MariaDB `max_statement_time`
+//! so the server stops the statement. A `db_write` the client stopped
+//! waiting for is not retried: it may still commit.
 
 use base64::Engine as _;
 use serde_json::{Map, Number, Value as Json};
@@ -118,9 +120,15 @@ macro_rules! dispatch {
 /// an error too, and closes the connection the same way.
 macro_rules! timed {
     ($self:expr, $pool:expr, $conn:ident => $run:expr) => {
-        timed!($self, $pool, $conn => $run, refuse: |_| None)
+        timed!($self, $pool, $conn => $run, refuse: |_| None, timeout: timeout_err)
     };
-    ($self:expr, $pool:expr, $conn:ident => $run:expr, refuse: $refuse:expr) => {{
+    ($self:expr, $pool:expr, $conn:ident => $run:expr, refuse: $refuse:expr) => {
+        timed!($self, $pool, $conn => $run, refuse: $refuse, timeout: timeout_err)
+    };
+    ($self:expr, $pool:expr, $conn:ident => $run:expr, timeout: $timeout:expr) => {
+        timed!($self, $pool, $conn => $run, refuse: |_| None, timeout: $timeout)
+    };
+    ($self:expr, $pool:expr, $conn:ident => $run:expr, refuse: $refuse:expr, timeout: $timeout:expr) => {{
         let mut $conn = $pool
             .acquire()
             .await
@@ -136,7 +144,7 @@ macro_rules! timed {
             Ok(Err(e)) => Err(sql_err(e)),
             Err(_) => {
                 drop($conn.detach());
-                Err(timeout_err($self.query_timeout))
+                Err($timeout($self.query_timeout))
             }
         }
     }};
@@ -239,10 +247,25 @@ impl SqlPool {
                 let opts = MySqlConnectOptions::from_str(&url)
                     .map_err(bad_url)?
                     .charset("utf8mb4");
+                // MariaDB stops a statement that outlives the timeout too
+                // (`max_statement_time`, seconds); MySQL has no such
+                // setting for writes and refuses it, which is ignored.
+                let limit = format!(
+                    "SET SESSION max_statement_time = {}",
+                    query_timeout_ms as f64 / 1000.0
+                );
                 Pools::MySql(
                     MySqlPoolOptions::new()
                         .max_connections(max)
                         .acquire_timeout(acquire)
+                        .after_connect(move |conn, _| {
+                            let limit = limit.clone();
+                            Box::pin(async move {
+                                use sqlx::Executor as _;
+                                let _ = conn.execute(limit.as_str()).await;
+                                Ok(())
+                            })
+                        })
                         .connect_lazy_with(opts),
                 )
             }
@@ -288,15 +311,18 @@ impl SqlPool {
         match &self.pools {
             Pools::Sqlite(pool) => {
                 let q = params.iter().fold(sqlx::query(query), bind_sqlite);
-                timed!(self, pool, conn => q.execute(&mut *conn)).map(|r| r.rows_affected())
+                timed!(self, pool, conn => q.execute(&mut *conn), timeout: write_timeout_err)
+                    .map(|r| r.rows_affected())
             }
             Pools::Postgres(pool) => {
                 let q = params.iter().fold(pg_query(query), bind_pg);
-                timed!(self, pool, conn => q.execute(&mut *conn)).map(|r| r.rows_affected())
+                timed!(self, pool, conn => q.execute(&mut *conn), timeout: write_timeout_err)
+                    .map(|r| r.rows_affected())
             }
             Pools::MySql(pool) => {
                 let q = params.iter().fold(sqlx::query(query), bind_mysql);
-                timed!(self, pool, conn => q.execute(&mut *conn)).map(|r| r.rows_affected())
+                timed!(self, pool, conn => q.execute(&mut *conn), timeout: write_timeout_err)
+                    .map(|r| r.rows_affected())
             }
         }
     }
@@ -689,6 +715,22 @@ fn timeout_err(d: Duration) -> ConnectorError {
         ConnectorErrorKind::Timeout,
         format!("query timed out after {} ms", d.as_millis()),
     )
+}
+
+/// A write the client stopped waiting for may still commit on the server
+/// (MySQL and MariaDB run on after the client gives up, and even a server
+/// limit can lose the race), so it is not retried: a retry could write
+/// twice. A statement the server itself cancelled is retried as before
+/// (`sql_err`).
+fn write_timeout_err(d: Duration) -> ConnectorError {
+    ConnectorError::new(
+        ConnectorErrorKind::Timeout,
+        format!(
+            "query timed out after {} ms; not retried, as the statement may still complete on the server",
+            d.as_millis()
+        ),
+    )
+    .retryable(false)
 }
 
 /// Classifies a driver error. Network and connect failures, pool waits,
@@ -1214,6 +1256,41 @@ mod tests {
             pool.close().await;
         })
         .await;
+    }
+
+    /// A write that outlives the timeout is not retried (the client cannot
+    /// know whether it committed), and MariaDB stops it itself
+    /// (`max_statement_time`): before, the statement ran on after the client
+    /// gave up, and each retry wrote another row.
+    #[tokio::test]
+    async fn a_timed_out_write_is_not_retried_and_the_server_stops_it() {
+        for server in [Server::MySql, Server::Postgres] {
+            with_db(server, 300, move |pool| async move {
+                pool.write("CREATE TABLE w (v VARCHAR(40))", &[])
+                    .await
+                    .unwrap();
+                let slow = match server {
+                    Server::MySql => "INSERT INTO w (v) SELECT CONCAT(?, SLEEP(1))",
+                    Server::Postgres => "INSERT INTO w (v) SELECT $1 || pg_sleep(1)::text",
+                };
+                let e = pool.write(slow, &[json!("once")]).await.unwrap_err();
+                assert_eq!(e.kind, ConnectorErrorKind::Timeout, "{e:?}");
+                // Either the server stopped it first and said so (then a
+                // retry is safe), or the client gave up first (then not).
+                let server_said =
+                    e.message.contains("interrupted") || e.message.contains("canceling statement");
+                assert_eq!(e.retryable, server_said, "{e:?}");
+                if !server_said {
+                    assert!(e.message.contains("not retried"), "{}", e.message);
+                }
+                // Long after the statement would have finished: nothing.
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                let rows = pool.read("SELECT COUNT(*) AS n FROM w", &[]).await.unwrap();
+                assert_eq!(rows, vec![json!({"n": 0})]);
+                pool.close().await;
+            })
+            .await;
+        }
     }
 
     #[tokio::test]
