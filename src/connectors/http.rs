@@ -144,6 +144,24 @@ impl HttpConn {
         }
     }
 
+    /// Whether `url` (parsed, so `..` and `%2E%2E` segments are resolved)
+    /// is still under the base URL: the path is appended to the base, and
+    /// a computed path (`path_logic` over request data) must not reach the
+    /// upstream's other endpoints.
+    fn keeps_base(&self, url: &reqwest::Url) -> bool {
+        let Ok(base) = reqwest::Url::parse(&self.base) else {
+            return true;
+        };
+        let base_path = base.path().trim_end_matches('/');
+        let path = url.path();
+        url.origin() == base.origin()
+            && (base_path.is_empty()
+                || path == base_path
+                || path
+                    .strip_prefix(base_path)
+                    .is_some_and(|rest| rest.starts_with('/')))
+    }
+
     /// One attempt of `req`.
     pub async fn send(&self, scope: &CallScope, req: &HttpRequest) -> Result<Json, ConnectorError> {
         let method = req.method.as_str();
@@ -156,6 +174,11 @@ impl HttpConn {
         );
         let url = reqwest::Url::parse(&self.url(req.path.as_deref()))
             .map_err(|e| ConnectorError::other(format!("{what}: not a valid URL ({e})")))?;
+        if !self.keeps_base(&url) {
+            return Err(ConnectorError::other(format!(
+                "{what}: the path leaves the connector's base URL ('..' segments)"
+            )));
+        }
         if self.guarded {
             ssrf::check_url(&url).map_err(|r| ConnectorError::other(format!("{what}: {r}")))?;
         }
@@ -191,10 +214,7 @@ impl HttpConn {
             .await
             .map_err(|e| transport_error(&what, timeout, e))?;
         let status = response.status();
-        let bytes = response
-            .bytes()
-            .await
-            .map_err(|e| transport_error(&what, timeout, e))?;
+        let bytes = read_capped(response, &what, timeout).await?;
         if status.is_success() {
             return Ok(parse_body(&bytes));
         }
@@ -209,6 +229,45 @@ impl HttpConn {
         )
         .retryable(retryable))
     }
+}
+
+/// The largest response body an `http_call` reads (16 MiB): a larger one
+/// fails the call once the limit is passed, without reading the rest.
+/// Before, the whole body was read first (an upstream answering 200 MB grew
+/// the service by 500 MB, and the execution then refused the result).
+pub const MAX_RESPONSE_BYTES: usize = 16 << 20;
+
+/// Reads a response body of at most [`MAX_RESPONSE_BYTES`] (refused at once
+/// when its `Content-Length` says more).
+async fn read_capped(
+    mut response: reqwest::Response,
+    what: &str,
+    timeout: Duration,
+) -> Result<bytes::Bytes, ConnectorError> {
+    let too_large = || {
+        ConnectorError::other(format!(
+            "{what}: the response body is larger than {} MiB",
+            MAX_RESPONSE_BYTES >> 20
+        ))
+    };
+    if response
+        .content_length()
+        .is_some_and(|n| n > MAX_RESPONSE_BYTES as u64)
+    {
+        return Err(too_large());
+    }
+    let mut body = bytes::BytesMut::new();
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|e| transport_error(what, timeout, e))?
+    {
+        if body.len() + chunk.len() > MAX_RESPONSE_BYTES {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
 }
 
 /// Standard base64 with padding (RFC 4648), for Basic auth; a dozen lines
@@ -387,6 +446,78 @@ mod tests {
             String::from_utf8_lossy(&buf[..n]).into_owned()
         });
         (format!("http://{addr}"), task)
+    }
+
+    /// A path (computed from request data by `path_logic`) cannot climb out
+    /// of the base URL with `..` segments, encoded or not: before,
+    /// `../../../admin/users` reached `/admin/users` on the upstream.
+    #[tokio::test]
+    async fn paths_cannot_leave_the_base_url() {
+        let c = conn("http://example.com/api/v1/customers", false);
+        for path in [
+            "../../../admin/users",
+            "%2E%2E/%2E%2E/%2E%2E/admin",
+            "42/../../orders",
+            "..",
+        ] {
+            let e = c.send(&CallScope::default(), &get(path)).await.unwrap_err();
+            assert!(
+                e.message.contains("leaves the connector's base URL"),
+                "{path}: {}",
+                e.message
+            );
+            assert!(!e.retryable);
+        }
+        for path in ["42", "42/orders/../notes", "?q=1", "a..b"] {
+            let url = reqwest::Url::parse(&c.url(Some(path))).unwrap();
+            assert!(c.keeps_base(&url), "{path}");
+        }
+        let root = conn("http://example.com", false);
+        let url = reqwest::Url::parse(&root.url(Some("../x"))).unwrap();
+        assert!(root.keeps_base(&url));
+    }
+
+    /// A response body over the limit fails the call without being read
+    /// whole, with or without a `Content-Length`.
+    #[tokio::test]
+    async fn response_bodies_are_read_up_to_the_limit() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        for announced in [true, false] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let server = tokio::spawn(async move {
+                let (mut sock, _) = listener.accept().await.unwrap();
+                let mut buf = vec![0u8; 8192];
+                let _ = sock.read(&mut buf).await.unwrap();
+                let size = MAX_RESPONSE_BYTES + 1;
+                let head = if announced {
+                    format!("HTTP/1.1 200 OK\r\ncontent-length: {size}\r\n\r\n")
+                } else {
+                    "HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n".to_owned()
+                };
+                sock.write_all(head.as_bytes()).await.unwrap();
+                let block = vec![b'x'; 1 << 16];
+                let mut sent = 0;
+                while sent < size {
+                    let n = block.len().min(size - sent);
+                    if sock.write_all(&block[..n]).await.is_err() {
+                        return sent;
+                    }
+                    sent += n;
+                }
+                sent
+            });
+            let c = conn(&format!("http://{addr}"), true);
+            let e = c
+                .send(&CallScope::default(), &get("big"))
+                .await
+                .unwrap_err();
+            assert!(e.message.contains("larger than 16 MiB"), "{}", e.message);
+            assert!(!e.retryable);
+            // With a Content-Length nothing past the head was wanted; the
+            // server may still have pushed some into the socket buffers.
+            let _ = server.await;
+        }
     }
 
     #[test]
