@@ -303,9 +303,19 @@ struct Rebalancer {
     partitions: Arc<Partitions>,
     /// Longest wait for a running message of a revoked partition.
     drain: Duration,
+    /// The client's own log lines, throttled.
+    log: crate::connectors::kafka::QuietLog,
 }
 
-impl ClientContext for Rebalancer {}
+impl ClientContext for Rebalancer {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, log_message: &str) {
+        self.log.log_line(level, fac, log_message);
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        self.log.error_line(&error, reason);
+    }
+}
 
 impl ConsumerContext for Rebalancer {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -409,6 +419,7 @@ async fn consume_once(app: &Arc<App>, sub: &Subscription, mut stop: watch::Recei
             topic: sub.topic.clone(),
             partitions: partitions.clone(),
             drain: Duration::from_millis(k.session_timeout_ms / 2),
+            log: crate::connectors::kafka::QuietLog::new(format!("topic '{}'", sub.topic)),
         };
         match cfg.create_with_context::<_, Kafka>(context) {
             Ok(c) => match c.subscribe(&[&sub.topic]) {

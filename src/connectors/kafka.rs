@@ -14,19 +14,103 @@
 //! - Headers carry the W3C trace context (`traceparent`, `tracestate`) of the
 //!   calling request.
 
-use rdkafka::ClientConfig;
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::util::Timeout;
+use rdkafka::{ClientConfig, ClientContext};
 use sluice_compiler::def::KafkaConnector;
 use sluice_runtime::connectors::{CallScope, ConnectorError, ConnectorErrorKind, PublishRequest};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// One Kafka connector's producer; cheap to share behind the entry.
 pub struct KafkaProducer {
-    producer: FutureProducer,
+    producer: FutureProducer<QuietLog>,
     delivery_timeout: Duration,
+}
+
+/// librdkafka's log lines and error reports for one client, at most one
+/// every [`QuietLog::EVERY`], the next one saying how many were left out.
+/// A broker that stays down makes librdkafka report it about ten times a
+/// second for as long as the client lives; before, every report was a log
+/// line.
+pub struct QuietLog {
+    /// Who the lines are about (a connector, a consumed topic).
+    about: String,
+    every: Duration,
+    started: Instant,
+    /// When the last line was written (ms since `started`, plus one; 0 for
+    /// never).
+    last: AtomicU64,
+    left_out: AtomicU64,
+}
+
+impl QuietLog {
+    pub const EVERY: Duration = Duration::from_secs(30);
+
+    pub fn new(about: impl Into<String>) -> QuietLog {
+        QuietLog::every(about, QuietLog::EVERY)
+    }
+
+    fn every(about: impl Into<String>, every: Duration) -> QuietLog {
+        QuietLog {
+            about: about.into(),
+            every,
+            started: Instant::now(),
+            last: AtomicU64::new(0),
+            left_out: AtomicU64::new(0),
+        }
+    }
+
+    /// `Some(lines left out since the last one)` when a line may be written.
+    fn admit(&self) -> Option<u64> {
+        let now = self.started.elapsed().as_millis() as u64 + 1;
+        let last = self.last.load(Ordering::Relaxed);
+        let due = last == 0 || now.saturating_sub(last) >= self.every.as_millis() as u64;
+        if due
+            && self
+                .last
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.left_out.swap(0, Ordering::Relaxed));
+        }
+        self.left_out.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+
+    /// Writes a client log line (errors and warnings only; librdkafka is
+    /// set to log no more than errors anyway).
+    pub fn log_line(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        if matches!(
+            level,
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info | RDKafkaLogLevel::Debug
+        ) {
+            return;
+        }
+        if let Some(left_out) = self.admit() {
+            tracing::warn!(about = %self.about, left_out, "kafka client: {facility} {message}");
+        }
+    }
+
+    /// Writes a client error report.
+    pub fn error_line(&self, error: &KafkaError, reason: &str) {
+        if let Some(left_out) = self.admit() {
+            tracing::warn!(about = %self.about, left_out, "kafka client: {error}: {reason}");
+        }
+    }
+}
+
+impl ClientContext for QuietLog {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        self.log_line(level, fac, log_message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.error_line(&error, reason);
+    }
 }
 
 impl std::fmt::Debug for KafkaProducer {
@@ -72,7 +156,9 @@ impl KafkaProducer {
             )
         });
         let producer = producer_config(&brokers, cfg.client_id.as_deref(), sasl, delivery_timeout)
-            .create::<FutureProducer>()
+            .create_with_context::<_, FutureProducer<QuietLog>>(QuietLog::new(format!(
+                "connector '{name}'"
+            )))
             .map_err(|e| {
                 // librdkafka names the property, never its value.
                 ConnectorError::other(format!(
@@ -161,4 +247,21 @@ fn publish_error(topic: &str, e: &KafkaError) -> ConnectorError {
     };
     ConnectorError::new(kind, format!("publishing to topic '{topic}' failed: {e}"))
         .retryable(retryable)
+}
+
+#[cfg(test)]
+mod quiet_log_tests {
+    use super::*;
+
+    #[test]
+    fn client_lines_are_throttled_and_count_what_was_left_out() {
+        let q = QuietLog::every("connector 'k'", Duration::from_millis(50));
+        assert_eq!(q.admit(), Some(0));
+        for _ in 0..10 {
+            assert_eq!(q.admit(), None);
+        }
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(q.admit(), Some(10));
+        assert_eq!(q.admit(), None);
+    }
 }
