@@ -939,7 +939,10 @@ pub fn validate_connector(def: &Json) -> Vec<Diagnostic> {
             ConnectorType::Db => {
                 if let Some(s) = c.nonempty_string(cfg, "connection_string", &at, true) {
                     let schemes = ["sqlite", "postgres", "postgresql", "mysql", "mariadb"];
-                    check_scheme(&mut c, s, &schemes, &at.key("connection_string"));
+                    let at = at.key("connection_string");
+                    if check_scheme(&mut c, s, &schemes, &at) && !s.starts_with("sqlite:") {
+                        check_server_url(&mut c, s, &at, ServerUrl::Sql);
+                    }
                 }
                 c.integer(
                     cfg,
@@ -958,14 +961,20 @@ pub fn validate_connector(def: &Json) -> Vec<Diagnostic> {
                 if let Some(url) = c.nonempty_string(cfg, "url", &at, redis)
                     && redis
                 {
-                    check_scheme(&mut c, url, &["redis", "rediss"], &at.key("url"));
+                    let at = at.key("url");
+                    if check_scheme(&mut c, url, &["redis", "rediss"], &at) {
+                        check_server_url(&mut c, url, &at, ServerUrl::Redis);
+                    }
                 }
                 c.integer(cfg, "max_entries", &at, false, Some(1), None);
             }
             ConnectorType::Mongodb => {
                 if let Some(s) = c.nonempty_string(cfg, "connection_string", &at, true) {
                     let schemes = ["mongodb", "mongodb+srv"];
-                    check_scheme(&mut c, s, &schemes, &at.key("connection_string"));
+                    let at = at.key("connection_string");
+                    if check_scheme(&mut c, s, &schemes, &at) {
+                        check_mongodb_hosts(&mut c, s, &at);
+                    }
                 }
             }
             ConnectorType::Kafka => check_kafka_connector(&mut c, cfg, &at),
@@ -1113,7 +1122,9 @@ fn check_kafka_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
 fn is_host_port(s: &str) -> bool {
     match s.rsplit_once(':') {
         Some((host, port)) => {
-            !host.is_empty() && !host.contains(char::is_whitespace) && port.parse::<u16>().is_ok()
+            !host.is_empty()
+                && !host.contains(char::is_whitespace)
+                && port.parse::<u16>().is_ok_and(|p| p > 0)
         }
         None => false,
     }
@@ -1139,9 +1150,11 @@ fn check_http_url(c: &mut Ctx, url: &str, at: &FieldPath) {
 }
 
 /// The URL scheme (text before the first `:`) must be one of `schemes`.
-fn check_scheme(c: &mut Ctx, s: &str, schemes: &[&str], at: &FieldPath) {
+/// True when it is (and the string is not an `env://` reference, checked
+/// when resolved).
+fn check_scheme(c: &mut Ctx, s: &str, schemes: &[&str], at: &FieldPath) -> bool {
     if is_env_ref(s) {
-        return;
+        return false;
     }
     let scheme = s
         .split_once(':')
@@ -1149,6 +1162,79 @@ fn check_scheme(c: &mut Ctx, s: &str, schemes: &[&str], at: &FieldPath) {
     if !scheme.is_some_and(|sc| schemes.contains(&sc.as_str())) {
         let list: Vec<String> = schemes.iter().map(|s| format!("{s}:")).collect();
         c.push(at, format!("must start with one of {}", list.join(", ")));
+        return false;
+    }
+    true
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum ServerUrl {
+    Sql,
+    Redis,
+}
+
+/// A database server's URL, parsed as the drivers parse it (the `url`
+/// crate): a host, a port from 1 to 65535, and for Redis a database number
+/// as the path. Wrong ones used to be stored and then fail every call
+/// (`invalid port number`). Messages never quote the URL: it may hold a
+/// password.
+fn check_server_url(c: &mut Ctx, s: &str, at: &FieldPath, kind: ServerUrl) {
+    let u = match url::Url::parse(s) {
+        Ok(u) => u,
+        Err(e) => {
+            c.push(at, format!("is not a valid URL ({e})"));
+            return;
+        }
+    };
+    // PostgreSQL and MySQL may name a socket instead of a host.
+    let socket = u.query_pairs().any(|(k, _)| k == "host" || k == "socket");
+    if u.host_str().is_none_or(str::is_empty) && !socket {
+        c.push(at, "has no host");
+    }
+    if u.port() == Some(0) {
+        c.push(at, "has port 0 (a port is 1 to 65535)");
+    }
+    if kind == ServerUrl::Redis {
+        let db = u.path().trim_start_matches('/');
+        if !db.is_empty() && db.parse::<u32>().is_err() {
+            c.push(
+                at,
+                "the path must be a database number (redis://host:6379/0)",
+            );
+        }
+    }
+}
+
+/// The hosts of a MongoDB connection string (`mongodb://[user:pass@]h1[:p1],h2[:p2]/...`;
+/// `mongodb+srv://` names one host and no port): each with a name and a
+/// port from 1 to 65535.
+fn check_mongodb_hosts(c: &mut Ctx, s: &str, at: &FieldPath) {
+    let srv = s.to_ascii_lowercase().starts_with("mongodb+srv:");
+    let rest = s.split_once("://").map_or("", |(_, rest)| rest);
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    if hosts.is_empty() {
+        c.push(at, "has no host");
+        return;
+    }
+    let list: Vec<&str> = hosts.split(',').collect();
+    if srv && (list.len() != 1 || list[0].contains(':')) {
+        c.push(at, "a mongodb+srv:// URL names one host and no port");
+        return;
+    }
+    for host in list {
+        let (name, port) = match host.rsplit_once(':') {
+            // `[::1]:27017`: the colon after the bracket.
+            Some((name, port)) if !port.contains(']') => (name, Some(port)),
+            _ => (host, None),
+        };
+        if name.is_empty() {
+            c.push(at, "has a host without a name");
+        } else if let Some(port) = port
+            && !port.parse::<u16>().is_ok_and(|p| p > 0)
+        {
+            c.push(at, "has a port that is not 1 to 65535");
+        }
     }
 }
 

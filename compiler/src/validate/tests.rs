@@ -1645,3 +1645,107 @@ fn whatever_validates_also_deserializes() {
     }
     assert!(checked > 100, "only {checked} mutations validated clean");
 }
+
+/// Database, Redis and MongoDB URLs are parsed as their drivers parse them:
+/// a host and a port from 1 to 65535 (and a Redis database number) are
+/// checked at create, where they used to fail every call. The messages
+/// never quote the URL (it may hold a password).
+#[test]
+fn server_urls_are_checked_at_create() {
+    let field = |ty: &str| {
+        if ty == "cache" {
+            "config.url"
+        } else {
+            "config.connection_string"
+        }
+    };
+    let cases: &[(&str, &str, &str)] = &[
+        ("db", "postgres://", "has no host"),
+        (
+            "db",
+            "postgres://u:secret@h:notaport/test",
+            "is not a valid URL (invalid port number)",
+        ),
+        (
+            "db",
+            "mysql://root@127.0.0.1:70000/test",
+            "is not a valid URL (invalid port number)",
+        ),
+        (
+            "db",
+            "mariadb://root@h:0/test",
+            "has port 0 (a port is 1 to 65535)",
+        ),
+        ("mongodb", "mongodb://", "has no host"),
+        (
+            "mongodb",
+            "mongodb://u:secret@h:99999/",
+            "has a port that is not 1 to 65535",
+        ),
+        (
+            "mongodb",
+            "mongodb://a:1,:2/db",
+            "has a host without a name",
+        ),
+        (
+            "mongodb",
+            "mongodb+srv://h:27017/",
+            "a mongodb+srv:// URL names one host and no port",
+        ),
+    ];
+    for (ty, url, message) in cases {
+        let config = json!({"connection_string": url});
+        let out = validate_connector(&connector(ty, config));
+        check(out.clone(), &[(field(ty), message)]);
+        assert!(!format!("{out:?}").contains("secret"), "{out:?}");
+    }
+    for (url, message) in [
+        ("redis://", "has no host"),
+        (
+            "redis://h:99999",
+            "is not a valid URL (invalid port number)",
+        ),
+        (
+            "redis://h:6379/abc",
+            "the path must be a database number (redis://host:6379/0)",
+        ),
+    ] {
+        let out = validate_connector(&connector("cache", json!({"backend": "redis", "url": url})));
+        check(out, &[("config.url", message)]);
+    }
+    check(
+        validate_connector(&connector("kafka", json!({"brokers": "h:0"}))),
+        &[("config.brokers", "broker 'h:0' must be host:port")],
+    );
+    // What the drivers take.
+    for (ty, config) in [
+        (
+            "db",
+            json!({"connection_string": "postgres://u:p@127.0.0.1:5432/db?sslmode=disable"}),
+        ),
+        (
+            "db",
+            json!({"connection_string": "postgres:///db?host=/var/run/postgresql"}),
+        ),
+        (
+            "db",
+            json!({"connection_string": "mariadb://root@localhost/test"}),
+        ),
+        ("db", json!({"connection_string": "sqlite://data.db"})),
+        (
+            "mongodb",
+            json!({"connection_string": "mongodb://u:p@a:27017,b,[::1]:27018/db?replicaSet=r"}),
+        ),
+        (
+            "mongodb",
+            json!({"connection_string": "mongodb+srv://cluster.example.com/db"}),
+        ),
+        (
+            "cache",
+            json!({"backend": "redis", "url": "redis://:pw@h:6379/2"}),
+        ),
+        ("cache", json!({"backend": "redis", "url": "rediss://h"})),
+    ] {
+        check(validate_connector(&connector(ty, config.clone())), &[]);
+    }
+}
