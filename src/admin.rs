@@ -257,6 +257,17 @@ fn storable(app: &App, def: &Json) -> Result<(), ApiError> {
     }
 }
 
+/// A connector definition that would store `******` as a secret (see
+/// `validate::masked_leftovers`) is refused, naming where.
+fn no_masks(def: &Json) -> Result<(), ApiError> {
+    let problems = sluice_compiler::validate::masked_leftovers(def);
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid("connector", problems))
+    }
+}
+
 fn checked(
     kind: Kind,
     mut def: Json,
@@ -781,6 +792,7 @@ async fn list_connectors(app: &App, req: &Req) -> ApiResult {
 async fn create_connector(app: &App, req: &Req, who: Principal) -> ApiResult {
     let def = checked_connector(req.json()?, None)?;
     storable(app, &def)?;
+    no_masks(&def)?;
     let record = app
         .store
         .create_connector(&def, audit(who, "create"))
@@ -809,6 +821,7 @@ async fn update_connector(app: &App, req: &Req, name: &str, who: Principal) -> A
     }
     let def = checked_connector(def, Some(name))?;
     storable(app, &def)?;
+    no_masks(&def)?;
     let record = app
         .store
         .update_connector(name, &def, audit(who, "update"))
@@ -857,21 +870,23 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
     let (mut created, mut failed) = (Vec::new(), Vec::new());
     let mut seen = std::collections::HashSet::new();
     for (index, item) in items.into_iter().enumerate() {
-        let def =
-            match checked_connector(item, None).and_then(|def| storable(app, &def).map(|()| def)) {
-                Ok(def) => def,
-                Err(e) => {
-                    // Problems at the root (not an object, too deep) at `field: ""`.
-                    let details = e.details.unwrap_or_else(|| {
-                        vec![Diagnostic {
-                            field: String::new(),
-                            message: e.message,
-                        }]
-                    });
-                    failed.push(json!({"index": index, "details": details}));
-                    continue;
-                }
-            };
+        let def = match checked_connector(item, None)
+            .and_then(|def| storable(app, &def).map(|()| def))
+            .and_then(|def| no_masks(&def).map(|()| def))
+        {
+            Ok(def) => def,
+            Err(e) => {
+                // Problems at the root (not an object, too deep) at `field: ""`.
+                let details = e.details.unwrap_or_else(|| {
+                    vec![Diagnostic {
+                        field: String::new(),
+                        message: e.message,
+                    }]
+                });
+                failed.push(json!({"index": index, "details": details}));
+                continue;
+            }
+        };
         let name = def
             .get("name")
             .and_then(Json::as_str)

@@ -1389,6 +1389,54 @@ fn mask(v: &mut Json, headers_everywhere: bool) {
     }
 }
 
+/// Where a definition holds the mask itself as a secret: a secret key's
+/// value, or a URL's password, that is exactly `******`. That happens when
+/// a definition copied from an answer changed around a masked value (a URL
+/// whose path changed keeps its `******` password), which would otherwise
+/// be stored, and sent, literally.
+pub fn masked_leftovers(v: &Json) -> Vec<Diagnostic> {
+    fn walk(v: &Json, path: &str, secret: bool, out: &mut Vec<Diagnostic>) {
+        let message = "holds the mask '******' instead of a secret: send the secret itself, \
+                       or the value exactly as the answer showed it";
+        match v {
+            Json::Object(m) => {
+                for (k, item) in m {
+                    let at = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    let secret = is_secret_key(k)
+                        || (path.rsplit('.').next() == Some("headers") && is_secret_header(k));
+                    walk(item, &at, secret, out);
+                }
+            }
+            Json::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    walk(item, &format!("{path}[{i}]"), secret, out);
+                }
+            }
+            Json::String(text) if (secret && text == MASK) || url_password(text) == Some(MASK) => {
+                out.push(Diagnostic::new(path, message));
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(v, "", false, &mut out);
+    out
+}
+
+/// The password of `scheme://user:password@host...`, if any.
+fn url_password(text: &str) -> Option<&str> {
+    let start = text.find("://")? + 3;
+    let rest = &text[start..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let at = rest[..authority_end].rfind('@')?;
+    let colon = rest[..at].find(':')?;
+    Some(&rest[colon + 1..at])
+}
+
 /// `scheme://user:password@host...` with the password masked (a Redis or
 /// HTTP URL may carry credentials in any field); `None` when there is none.
 pub fn mask_url_password(text: &str) -> Option<String> {

@@ -1222,6 +1222,41 @@ async fn connector_round_trip_keeps_masked_secrets() {
     assert_eq!(stored["config"]["auth"]["token"], "n3w");
 }
 
+/// A masked value that cannot be put back (a URL whose path changed around
+/// its `******` password; a `******` token on create) is refused, naming
+/// the field. Before, the mask itself was stored and sent as the password.
+#[tokio::test]
+async fn a_mask_left_in_a_definition_is_refused() {
+    let s = start(Db::Sqlite).await;
+    let def = json!({"name": "urlpw", "connector_type": "http",
+        "config": {"type": "http", "url": "http://u:URLPW@api.example.com/v1/"}});
+    s.admin("POST", "/connectors", Some(def)).await.ok(201);
+    let mut shown = s
+        .admin("GET", "/connectors/urlpw", None)
+        .await
+        .ok(200)
+        .clone();
+    assert_eq!(
+        shown["config"]["url"],
+        "http://u:******@api.example.com/v1/"
+    );
+    shown["config"]["url"] = json!("http://u:******@api.example.com/v2/");
+    let r = s.admin("PUT", "/connectors/urlpw", Some(shown)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["config.url"]);
+    let stored = s.app.store.get_connector("urlpw").await.unwrap().definition;
+    assert_eq!(
+        stored["config"]["url"],
+        "http://u:URLPW@api.example.com/v1/"
+    );
+    let copied = json!({"name": "copied", "connector_type": "http",
+        "config": {"type": "http", "url": "https://x.example.com",
+                   "auth": {"type": "bearer", "token": "******"}}});
+    let r = s.admin("POST", "/connectors", Some(copied)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["config.auth.token"]);
+}
+
 /// The dry-run body is an object with an optional object `metadata`.
 #[tokio::test]
 async fn dry_run_body_is_checked() {
