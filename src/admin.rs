@@ -428,16 +428,24 @@ fn percentage(body: &Json, field: &str, required: bool) -> Result<Option<i64>, A
                 message: "is required".into(),
             }],
         )),
-        Some(v) => match v.as_i64() {
-            Some(n) if (1..=100).contains(&n) && v.is_i64() => Ok(Some(n)),
-            _ => Err(ApiError::invalid(
+        Some(v) => {
+            let message = match v.as_i64() {
+                Some(n) if (1..=100).contains(&n) => return Ok(Some(n)),
+                Some(_) => format!("must be an integer from 1 to 100, got {v}"),
+                // The spec's wording for a value of the wrong type.
+                None => format!(
+                    "expected integer, got {}",
+                    sluice_compiler::diag::type_name(v)
+                ),
+            };
+            Err(ApiError::invalid(
                 "request",
                 vec![Diagnostic {
                     field: field.into(),
-                    message: format!("must be an integer from 1 to 100, got {v}"),
+                    message,
                 }],
-            )),
-        },
+            ))
+        }
     }
 }
 
@@ -488,11 +496,19 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
     let version = match body.get("version") {
         None => None,
         Some(v) => Some(v.as_i64().filter(|n| *n >= 1).ok_or_else(|| {
+            let message = if v.is_i64() || v.is_u64() {
+                format!("must be a positive integer, got {v}")
+            } else {
+                format!(
+                    "expected integer, got {}",
+                    sluice_compiler::diag::type_name(v)
+                )
+            };
             ApiError::invalid(
                 "request",
                 vec![Diagnostic {
                     field: "version".into(),
-                    message: format!("must be a positive integer, got {v}"),
+                    message,
                 }],
             )
         })?),

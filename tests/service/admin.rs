@@ -1330,7 +1330,32 @@ async fn lifecycle_bodies_treat_null_as_a_value() {
         (
             json!({"status": "active", "version": null}),
             "version",
-            "must be a positive integer, got null",
+            "expected integer, got null",
+        ),
+        (
+            json!({"status": "active", "version": "2"}),
+            "version",
+            "expected integer, got string",
+        ),
+        (
+            json!({"status": "active", "version": 0}),
+            "version",
+            "must be a positive integer, got 0",
+        ),
+        (
+            json!({"status": "active", "rollout_percentage": "50"}),
+            "rollout_percentage",
+            "expected integer, got string",
+        ),
+        (
+            json!({"status": "active", "rollout_percentage": 50.0}),
+            "rollout_percentage",
+            "expected integer, got number",
+        ),
+        (
+            json!({"status": "active", "rollout_percentage": 150}),
+            "rollout_percentage",
+            "must be an integer from 1 to 100, got 150",
         ),
     ] {
         let r = s.admin("PATCH", "/workflows/nul/status", Some(body)).await;
