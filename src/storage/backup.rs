@@ -73,6 +73,18 @@ impl Store {
                 StorageError::BadRequest("the backup directory path is not valid UTF-8".into())
             })?
             .to_owned();
+        // The file holds every connector's secrets: readable by the owner
+        // only. It is created empty with that mode first (`VACUUM INTO`
+        // writes into an empty file), so it is never readable by others,
+        // whatever the umask (before, it was created world-readable).
+        {
+            let mut open = std::fs::OpenOptions::new();
+            open.write(true).create_new(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::mode(&mut open, 0o600);
+            open.open(&path)
+                .map_err(|e| io_err("cannot create the backup file", e))?;
+        }
         let s = self.sql();
         dispatch!(self, pool => {
             execute!(pool, &s.backup, &target)?;

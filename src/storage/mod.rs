@@ -839,7 +839,20 @@ impl Store {
                 let memory = url.contains(":memory:") || url.contains("mode=memory");
                 shareable = !memory;
                 let opts = SqliteConnectOptions::from_str(url)
-                    .map_err(|e| StorageError::BadRequest(format!("invalid storage.url: {e}")))?
+                    .map_err(|e| StorageError::BadRequest(format!("invalid storage.url: {e}")))?;
+                // A new database file holds connector secrets: created
+                // readable by the owner only (SQLite gives its `-wal` and
+                // `-shm` files the database's mode).
+                #[cfg(unix)]
+                if !memory && !opts.get_filename().exists() {
+                    use std::os::unix::fs::OpenOptionsExt as _;
+                    let _ = std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .mode(0o600)
+                        .open(opts.get_filename());
+                }
+                let opts = opts
                     .create_if_missing(true)
                     .journal_mode(SqliteJournalMode::Wal)
                     .synchronous(SqliteSynchronous::Normal)

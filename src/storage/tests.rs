@@ -1342,6 +1342,16 @@ async fn backups(s: Store, dir: PathBuf) {
     let first = s.backup(&dir).await.unwrap();
     let second = s.backup(&dir).await.unwrap();
     let name = |j: &Json| j["filename"].as_str().unwrap().to_owned();
+    // It holds the connectors' secrets: the owner's only.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(dir.join(name(&first)))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+    }
     assert_ne!(
         name(&first),
         name(&second),
@@ -1958,6 +1968,30 @@ async fn reloads_build_at_background_priority_on_their_own_connection(s: Store, 
         .unwrap();
     assert!(again.snapshot.channels.is_empty());
     assert_eq!(again.snapshot.generation, 2);
+}
+
+/// A new SQLite database file holds connector secrets: the owner's only
+/// (it used to be created world-readable, with its `-wal` and `-shm`).
+#[cfg(unix)]
+#[tokio::test]
+async fn a_new_sqlite_database_is_the_owners_only() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = std::env::temp_dir().join(format!("sluice-mode-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("s.db");
+    let s = Store::connect(&format!("sqlite://{}", file.display()), 2)
+        .await
+        .unwrap();
+    s.migrate().await.unwrap();
+    for name in ["s.db", "s.db-wal", "s.db-shm"] {
+        let mode = std::fs::metadata(dir.join(name))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{name}: {mode:o}");
+    }
+    s.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// An in-memory SQLite database has no second connection: its reloads
