@@ -186,7 +186,8 @@ pub(crate) fn paging(req: &Req) -> Result<(i64, i64), ApiError> {
             Ok(n) if n >= 0 => n,
             _ => {
                 return Err(ApiError::bad_request(format!(
-                    "offset must be a non-negative integer, got '{v}'"
+                    "offset must be an integer from 0 to {}, got '{v}'",
+                    i64::MAX
                 )));
             }
         },
@@ -589,7 +590,7 @@ fn dry_run_flag(req: &Req) -> Result<bool, ApiError> {
         None | Some("false" | "0") => Ok(false),
         Some("true" | "1") => Ok(true),
         Some(other) => Err(ApiError::bad_request(format!(
-            "dry_run must be true or false, got '{other}'"
+            "dry_run must be true or false (or 1, 0), got '{other}'"
         ))),
     }
 }

@@ -65,6 +65,121 @@ const OPERATIONS: &[(&str, &str, &str, &str, bool, u16)] = &[
     ("delete", "/api/v1/data/{path}", "data", "Process a request via REST route matching", false, 200),
 ];
 
+/// The query parameters of an operation, as the handlers read them.
+fn query_params(method: &str, path: &str) -> Vec<Json> {
+    let q = |name: &str, schema: Json, description: &str| json!({"name": name, "in": "query", "required": false, "schema": schema, "description": description});
+    let string = || json!({"type": "string"});
+    let one_of = |values: &[&str]| json!({"type": "string", "enum": values});
+    let paging = || {
+        vec![
+            q(
+                "limit",
+                json!({"type": "integer", "minimum": 1, "maximum": 1000, "default": 50}),
+                "Page size",
+            ),
+            q(
+                "offset",
+                json!({"type": "integer", "minimum": 0, "default": 0}),
+                "Items to skip",
+            ),
+        ]
+    };
+    let statuses = ["draft", "active", "archived", "paused"];
+    let mut out = Vec::new();
+    match (method, path) {
+        ("get", "/api/v1/admin/workflows") => {
+            out.push(q("tag", string(), "Only workflows with this tag"));
+            out.push(q("status", one_of(&statuses), "Only this status"));
+            out.extend(paging());
+        }
+        ("get", "/api/v1/admin/workflows/export") => {
+            out.push(q("tag", string(), "Only workflows with this tag"));
+            out.push(q("status", one_of(&statuses), "Only this status"));
+        }
+        ("get", "/api/v1/admin/channels") => {
+            out.push(q("status", one_of(&statuses), "Only this status"));
+            out.push(q(
+                "channel_type",
+                one_of(&["sync", "async"]),
+                "Only this type",
+            ));
+            out.push(q(
+                "protocol",
+                one_of(&["rest", "http", "kafka"]),
+                "Only this protocol",
+            ));
+            out.extend(paging());
+        }
+        ("get", "/api/v1/admin/audit-logs") => {
+            out.push(q(
+                "action",
+                string(),
+                "Only this action (create, update, activate, ...)",
+            ));
+            out.push(q(
+                "resource_type",
+                string(),
+                "Only this resource type (workflow, channel, ...)",
+            ));
+            out.extend(paging());
+        }
+        ("get", "/api/v1/data/traces") => {
+            out.push(q(
+                "status",
+                one_of(&["pending", "running", "completed", "failed"]),
+                "Only this status",
+            ));
+            out.push(q("channel", string(), "Only this channel"));
+            out.push(q("mode", string(), "Only this mode (async, kafka)"));
+            out.extend(paging());
+        }
+        (
+            "get",
+            "/api/v1/admin/connectors"
+            | "/api/v1/admin/connectors/circuit-breakers"
+            | "/api/v1/admin/functions"
+            | "/api/v1/admin/backups"
+            | "/api/v1/admin/workflows/{id}/versions"
+            | "/api/v1/admin/channels/{id}/versions",
+        ) => out.extend(paging()),
+        ("get", "/api/v1/admin/workflows/{id}" | "/api/v1/admin/channels/{id}") => {
+            out.push(q(
+                "version",
+                json!({"type": "integer", "minimum": 1}),
+                "This version instead of the latest",
+            ));
+        }
+        ("post", "/api/v1/admin/workflows/{id}/test") => {
+            out.push(q(
+                "version",
+                json!({"type": "integer", "minimum": 1}),
+                "Run this version instead of the latest",
+            ));
+            out.push(q(
+                "connectors",
+                json!({"type": "boolean", "default": false}),
+                "Call connectors (else they are skipped)",
+            ));
+        }
+        ("post", p) if p.ends_with("/import") => {
+            out.push(q(
+                "dry_run",
+                json!({"type": "boolean", "default": false}),
+                "Validate and report, store nothing",
+            ));
+        }
+        (_, p) if p.starts_with("/api/v1/data/") && !p.starts_with("/api/v1/data/traces") => {
+            out.push(q(
+                "profile",
+                one_of(&["1"]),
+                "Add per-task timings in _service.profile",
+            ));
+        }
+        _ => {}
+    }
+    out
+}
+
 fn schema_ref(name: &str) -> Json {
     json!({"$ref": format!("#/components/schemas/{name}")})
 }
@@ -292,11 +407,12 @@ pub fn document() -> Json {
         if *status == 204 {
             op["responses"]["204"] = json!({"description": "No content"});
         }
-        let params: Vec<Json> = path
+        let mut params: Vec<Json> = path
             .split('/')
             .filter_map(|s| s.strip_prefix('{')?.strip_suffix('}'))
             .map(|name| json!({"name": name, "in": "path", "required": true, "schema": {"type": "string"}}))
             .collect();
+        params.extend(query_params(method, path));
         if !params.is_empty() {
             op["parameters"] = Json::Array(params);
         }

@@ -288,6 +288,32 @@ async fn openapi_and_docs_are_served_offline() {
     ] {
         assert!(spec.body["paths"].get(path).is_some(), "{path}");
     }
+    // Query parameters are described, not only named in summaries.
+    let names = |path: &str, method: &str| -> Vec<String> {
+        spec.body["paths"][path][method]["parameters"]
+            .as_array()
+            .map(|ps| {
+                ps.iter()
+                    .filter(|p| p["in"] == "query")
+                    .map(|p| p["name"].as_str().unwrap().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert_eq!(
+        names("/api/v1/admin/workflows", "get"),
+        ["tag", "status", "limit", "offset"]
+    );
+    assert_eq!(
+        names("/api/v1/admin/channels", "get"),
+        ["status", "channel_type", "protocol", "limit", "offset"]
+    );
+    assert_eq!(
+        names("/api/v1/data/traces", "get"),
+        ["status", "channel", "mode", "limit", "offset"]
+    );
+    assert_eq!(names("/api/v1/admin/workflows/import", "post"), ["dry_run"]);
+    assert_eq!(names("/api/v1/data/{channel}", "post"), ["profile"]);
     let docs = s.get("/docs").await;
     assert_eq!(docs.status, 200);
     assert!(docs.text.contains("/docs/app.js") && docs.text.contains("openapi.json"));
