@@ -843,6 +843,9 @@ async fn update_connector(app: &App, req: &Req, name: &str, who: Principal) -> A
         .store
         .update_connector(name, &def, audit(who, "update"))
         .await?;
+    // A changed connector (a fixed URL, new credentials) starts with closed
+    // breakers: the failures they counted were the old definition's.
+    app.connectors.policy.breakers.forget_connector(name);
     connectors_changed(app).await;
     api::ok(&masked(record.to_connector_json()))
 }

@@ -680,6 +680,24 @@ async fn circuit_breaker_opens_probes_and_closes() {
         );
     }
 
+    // Changing the connector (here: its retry policy) closes its breakers:
+    // their failures were the old definition's.
+    up.failing.store(true, Ordering::SeqCst);
+    run(&s, "brk", json!({})).await;
+    run(&s, "brk", json!({})).await;
+    run(&s, "brk", json!({}))
+        .await
+        .error(503, "SERVICE_UNAVAILABLE");
+    up.failing.store(false, Ordering::SeqCst);
+    let mut changed = s.admin("GET", "/connectors/up", None).await.ok(200).clone();
+    changed["config"]["retry"] = json!({"max_retries": 0, "retry_delay_ms": 5});
+    s.admin("PUT", "/connectors/up", Some(changed))
+        .await
+        .ok(200);
+    let r = s.admin("GET", "/connectors/circuit-breakers", None).await;
+    assert_eq!(r.ok(200), &json!([]), "{}", r.text);
+    assert_eq!(run(&s, "brk", json!({})).await.status, 200);
+
     // Deleting the connector forgets its breakers.
     s.admin("DELETE", "/connectors/up", None).await;
     let r = s.admin("GET", "/connectors/circuit-breakers", None).await;
