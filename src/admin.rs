@@ -355,13 +355,21 @@ async fn create(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
     api::created(&record.to_json(kind))
 }
 
+/// `?version=N`: a positive integer, or absent (the latest).
+fn version_param(req: &Req) -> Result<Option<i64>, ApiError> {
+    match req.query("version") {
+        None => Ok(None),
+        Some(v) => match v.parse::<i64>() {
+            Ok(n) if n >= 1 => Ok(Some(n)),
+            _ => Err(ApiError::bad_request(format!(
+                "version must be a positive integer, got '{v}'"
+            ))),
+        },
+    }
+}
+
 async fn get(app: &App, req: &Req, kind: Kind, id: &str) -> ApiResult {
-    let version = match req.query("version") {
-        None => None,
-        Some(v) => Some(v.parse::<i64>().map_err(|_| {
-            ApiError::bad_request(format!("version must be an integer, got '{v}'"))
-        })?),
-    };
+    let version = version_param(req)?;
     let record = app.store.get(kind, id, version).await?;
     api::ok(&record.to_json(kind))
 }
@@ -713,7 +721,8 @@ async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
             )],
         ));
     }
-    let version = req.query("version").and_then(|v| v.parse().ok());
+    // A version that is not one used to run the latest instead.
+    let version = version_param(req)?;
     let record = app.store.get(Kind::Workflow, id, version).await?;
     let compiled = compile_workflow(&record.to_json(Kind::Workflow))
         .map_err(|p| ApiError::invalid("workflow", p))?;

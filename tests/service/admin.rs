@@ -1257,6 +1257,40 @@ async fn a_mask_left_in_a_definition_is_refused() {
     assert_eq!(r.detail_fields(), ["config.auth.token"]);
 }
 
+/// `?version=` is a positive integer on reads and test runs alike: a test
+/// run given a version that is not one used to run the latest instead, and
+/// `0` or `-1` answered 404 where `abc` answered 400.
+#[tokio::test]
+async fn version_parameters_are_checked() {
+    let s = start(Db::Sqlite).await;
+    s.admin("POST", "/workflows", Some(workflow("vp")))
+        .await
+        .ok(201);
+    for v in ["abc", "0", "-1", "1.5"] {
+        let r = s
+            .admin("GET", &format!("/workflows/vp?version={v}"), None)
+            .await;
+        assert_eq!(
+            r.error(400, "BAD_REQUEST")["message"],
+            format!("version must be a positive integer, got '{v}'")
+        );
+        let r = s
+            .admin(
+                "POST",
+                &format!("/workflows/vp/test?version={v}"),
+                Some(json!({"data": {}})),
+            )
+            .await;
+        r.error(400, "BAD_REQUEST");
+    }
+    s.admin("GET", "/workflows/vp?version=1", None)
+        .await
+        .ok(200);
+    s.admin("GET", "/workflows/vp?version=2", None)
+        .await
+        .error(404, "NOT_FOUND");
+}
+
 /// The dry-run body is an object with an optional object `metadata`.
 #[tokio::test]
 async fn dry_run_body_is_checked() {
