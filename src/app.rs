@@ -161,7 +161,7 @@ impl App {
             channels: built.snapshot.channels.len(),
             routes: built.snapshot.routes.len(),
             compiled: built.compiled,
-            duration_ms: built.elapsed.as_secs_f64() * 1000.0,
+            duration_ms: sluice_runtime::exec::millis(built.elapsed),
         };
         metrics::counter!(names::ENGINE_RELOADS_TOTAL, "status" => "success").increment(1);
         metrics::histogram!(names::ENGINE_RELOAD_DURATION_SECONDS)

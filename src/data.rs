@@ -61,7 +61,7 @@ pub async fn handle(
         && (req.header(X_SERVICE_PROFILE) == Some("1") || req.query("profile") == Some("1"));
     let lock_started = profile.then(Instant::now);
     let snapshot = app.engine.load_full();
-    let engine_lock_ms = lock_started.map(|t| t.elapsed().as_secs_f64() * 1000.0);
+    let engine_lock_ms = lock_started.map(|t| exec::millis(t.elapsed()));
     let (parts, is_async) = match segments.split_last() {
         Some((&"async", rest)) if !rest.is_empty() => (rest, true),
         _ => (segments, false),

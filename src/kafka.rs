@@ -730,7 +730,7 @@ async fn handle(
         }
     };
     crate::queue::drop_unstorable_result(app, &mut outcome);
-    outcome.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
+    outcome.duration_ms = sluice_runtime::exec::millis(started.elapsed());
     let dlq_enabled = app.config.kafka.dlq.enabled;
     if !ok && dlq_enabled {
         let first = outcome

@@ -311,7 +311,7 @@ async fn run(app: &App, c: Claimed) {
             ok
         }
     };
-    outcome.duration_ms = started.elapsed().as_secs_f64() * 1000.0;
+    outcome.duration_ms = exec::millis(started.elapsed());
     drop_unstorable_result(app, &mut outcome);
     let policy = Queue::retry_policy(&app.config.queue);
     let mut recorded = if ok {

@@ -984,9 +984,7 @@ impl<'a> Machine<'a> {
 
     fn record(&mut self, task: &Task, status: TaskStatus) {
         if self.record_tasks {
-            let ms = self
-                .task_started
-                .map_or(0.0, |s| s.elapsed().as_secs_f64() * 1000.0);
+            let ms = self.task_started.map_or(0.0, |s| millis(s.elapsed()));
             self.tasks.push(TaskRecord {
                 id: task.id.to_string(),
                 status,
@@ -1363,7 +1361,7 @@ impl<'a> Machine<'a> {
             data,
             errors: self.errors,
             tasks: self.tasks,
-            workflow_ms: start.map_or(0.0, |s| s.elapsed().as_secs_f64() * 1000.0),
+            workflow_ms: start.map_or(0.0, |s| millis(s.elapsed())),
         }
     }
 }
@@ -1431,5 +1429,25 @@ fn display_json(v: &Json) -> String {
     match v {
         Json::String(s) => s.clone(),
         other => other.to_string(),
+    }
+}
+
+/// A duration in milliseconds at microsecond resolution: timings read as
+/// written (`0.05`, not the `0.049999999999999996` that seconds times 1,000
+/// gives in binary floating point).
+pub fn millis(d: std::time::Duration) -> f64 {
+    d.as_micros() as f64 / 1000.0
+}
+
+#[cfg(test)]
+mod millis_tests {
+    #[test]
+    fn timings_read_as_written() {
+        let ms = super::millis(std::time::Duration::from_micros(50));
+        assert_eq!(serde_json::json!(ms).to_string(), "0.05");
+        assert_eq!(
+            super::millis(std::time::Duration::from_nanos(1_234_567)),
+            1.234
+        );
     }
 }
