@@ -1333,7 +1333,10 @@ fn is_secret_key(k: &str) -> bool {
     SECRET_KEYS.contains(&k.as_str()) || SECRET_SUFFIXES.iter().any(|s| k.ends_with(s))
 }
 
-fn is_secret_header(name: &str) -> bool {
+/// Whether a header of this name carries a credential (its value is
+/// masked): the name contains `authorization`, `token`, `secret`, `key` or
+/// `cookie`.
+pub fn is_secret_header(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
     SECRET_HEADER_PARTS.iter().any(|p| name.contains(p))
 }

@@ -1115,7 +1115,7 @@ impl<'a> Machine<'a> {
                 fields,
             } => {
                 let text = self.eval(message, arena).map_err(fail)?;
-                let text = display(&text);
+                let mut text = display(&text);
                 let mut extra = Vec::with_capacity(fields.len());
                 for (k, logic) in fields {
                     let v = self
@@ -1128,6 +1128,19 @@ impl<'a> Machine<'a> {
                 // header values, URL passwords).
                 let mut fields_json = Value::Object(arena.alloc_slice_copy(&extra)).to_json();
                 sluice_compiler::validate::mask_secrets_everywhere(&mut fields_json);
+                // Nor the request's credentials under any other name: the
+                // values of its credential headers (and the part after an
+                // `Authorization` scheme) are masked wherever the message or
+                // the fields hold them.
+                let mut fields_text = fields_json.to_string();
+                for secret in self.secret_header_values() {
+                    for s in [&mut text, &mut fields_text] {
+                        if s.contains(secret) {
+                            *s = s.replace(secret, sluice_compiler::validate::MASK);
+                        }
+                    }
+                }
+                let fields_json = fields_text;
                 let workflow = &*self.plan.workflow_id;
                 let task_id = &*task.id;
                 match level {
@@ -1182,6 +1195,33 @@ impl<'a> Machine<'a> {
             FunctionPlan::Invalid { message, .. } => Err(TaskError::task(message.to_string())),
             io => self.io_request(io, arena).map(Step2::Io).map_err(fail),
         }
+    }
+
+    /// The values of the request's credential headers
+    /// (`validate::is_secret_header`), and of an `Authorization`-style
+    /// value the credential after its scheme, longest first; none shorter
+    /// than 4 bytes (masking those would garble a log line, not protect it).
+    fn secret_header_values(&self) -> Vec<&'a str> {
+        let Value::Object(meta) = self.ctx.metadata else {
+            return Vec::new();
+        };
+        let Some((_, Value::Object(headers))) = meta.iter().find(|(k, _)| *k == "headers") else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (name, value) in headers.iter() {
+            if let Value::Str(v) = value
+                && sluice_compiler::validate::is_secret_header(name)
+            {
+                out.push(*v);
+                if let Some((_, credential)) = v.split_once(' ') {
+                    out.push(credential.trim());
+                }
+            }
+        }
+        out.retain(|v| v.len() >= 4);
+        out.sort_by_key(|v| std::cmp::Reverse(v.len()));
+        out
     }
 
     fn read_data(&mut self, source: &ReadPath, arena: &'a Bump) -> Option<Value<'a>> {

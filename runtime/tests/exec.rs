@@ -1145,14 +1145,35 @@ fn log_fields_are_masked() {
             "token": {"var": "metadata.headers.authorization"},
             "hdrs": {"var": "metadata.headers"},
             "nested": {"password": "pw-123", "db": "postgres://u:hunter2@h/d"},
-            "plain": "kept"
+            "plain": "kept",
+            // Under names that do not look secret: masked by value.
+            "tok": {"var": "metadata.headers.authorization"},
+            "cred": {"substr": [{"var": "metadata.headers.authorization"}, 7]},
+            "cookie_copy": {"cat": ["c=", {"var": "metadata.headers.cookie"}]}
         }})
+    )])));
+    // The message itself holds a credential.
+    let m = plan(wf(json!([task(
+        "l",
+        "log",
+        json!({"message": {"cat": ["auth is ", {"var": "metadata.headers.authorization"}]}, "level": "warn"})
     )])));
     tracing::subscriber::with_default(subscriber, || {
         run_with(
             &[&p],
             json!({}),
-            &[("authorization", "Bearer s3cr3t"), ("x-api-key", "k3y")],
+            &[
+                ("authorization", "Bearer s3cr3t"),
+                ("x-api-key", "k3y"),
+                ("cookie", "session=c00kie-value"),
+            ],
+            &Services::default(),
+            &Options::default(),
+        );
+        run_with(
+            &[&m],
+            json!({}),
+            &[("authorization", "Bearer s3cr3t")],
             &Services::default(),
             &Options::default(),
         );
@@ -1161,7 +1182,8 @@ fn log_fields_are_masked() {
     assert!(text.contains("visible"), "{text}");
     assert!(text.contains("kept"), "{text}");
     assert!(text.contains("******"), "{text}");
-    for secret in ["s3cr3t", "k3y", "pw-123", "hunter2"] {
+    assert!(text.contains("auth is ******"), "{text}");
+    for secret in ["s3cr3t", "k3y", "pw-123", "hunter2", "c00kie-value"] {
         assert!(!text.contains(secret), "{secret} leaked: {text}");
     }
 }
