@@ -171,6 +171,15 @@ fn attach<'a>(
 /// Serializes `value` as an XML document under `root`.
 pub fn to_xml(value: &Value<'_>, root: &str) -> Result<String, String> {
     check_name(root)?;
+    // Its items would each be a root element: not a document (`parse_xml`
+    // refuses the text it would make).
+    if let Value::Array(_) = value {
+        return Err(format!(
+            "an XML document has one root element, and the source is an array: \
+             publish an object such as {{\"item\": [...]}} (its items become \
+             repeated <item> elements under <{root}>)"
+        ));
+    }
     let mut out = String::with_capacity(128);
     write_element(root, value, &mut out, 0)?;
     Ok(out)
@@ -317,5 +326,22 @@ mod tests {
             .unwrap()
             .to_json();
         assert_eq!(back["order"]["item"], json!(["a & b", "c"]));
+    }
+
+    /// An array at the top would make one root element per item: not a
+    /// document (it was written as `<root>1</root><root>2</root>`).
+    #[test]
+    fn a_top_level_array_is_refused() {
+        let arena = Bump::new();
+        let list = json!([1, 2]);
+        let v = Value::from_json(&list, &arena);
+        let e = to_xml(&v, "root").unwrap_err();
+        assert!(e.contains("one root element"), "{e}");
+        let object = json!({"item": [1, 2]});
+        let wrapped = Value::from_json(&object, &arena);
+        assert_eq!(
+            to_xml(&wrapped, "root").unwrap(),
+            "<root><item>1</item><item>2</item></root>"
+        );
     }
 }
