@@ -606,6 +606,18 @@ impl<'a> Machine<'a> {
         value: &Value<'_>,
         may_outgrow: bool,
     ) -> Result<(), TaskError> {
+        // `data` is what a sync request answers, `{status, data: <object>,
+        // errors}`: replaced whole, it stays an object.
+        if target.path.segments().is_empty()
+            && target.area == sluice_compiler::plan::Area::Data
+            && !matches!(value, Value::Object(_))
+        {
+            return Err(TaskError::task(format!(
+                "cannot write '{}': data is an object, and the value is {}",
+                target.text,
+                sluice_compiler::value::type_name(value)
+            )));
+        }
         // The area itself and each segment of the path are a level above it.
         let levels = 1 + target.path.segments().len();
         if !matches!(value, Value::Array(_) | Value::Object(_)) {

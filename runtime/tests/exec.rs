@@ -1392,3 +1392,37 @@ fn an_execution_cannot_grow_its_data_past_the_arena_limit() {
         f.message
     );
 }
+
+/// `data` is what a sync request answers as `{status, data: <object>,
+/// errors}`: a task may replace it whole only with an object. Before, a
+/// mapping to `data` (or `""`) of a scalar made the answer's `data` that
+/// scalar.
+#[test]
+fn data_replaced_whole_stays_an_object() {
+    for path in ["data", ""] {
+        let mut w = wf(json!([task(
+            "m",
+            "map",
+            json!({"mappings": [{"path": path, "logic": 5}]})
+        )]));
+        w["tasks"][0]["continue_on_error"] = json!(true);
+        let r = run(&plan(w), json!({}));
+        assert_eq!(r.exec.errors.len(), 1, "{path}");
+        assert!(
+            r.exec.errors[0]
+                .message
+                .contains("data is an object, and the value is number"),
+            "{:?}",
+            r.exec.errors[0]
+        );
+        assert!(r.data().is_object());
+    }
+    // An object may replace it.
+    let w = wf(json!([task(
+        "m",
+        "map",
+        json!({"mappings": [{"path": "data", "logic": {"preserve": {"a": 1}}}]})
+    )]));
+    let r = run(&plan(w), json!({}));
+    assert!(r.exec.errors.is_empty(), "{:?}", r.exec.errors);
+}
