@@ -901,6 +901,14 @@ fn map_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
             .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
         let logic = required_logic(obj, "logic")
             .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
+        // `a..b`, `.a` and `a.` name an empty key by accident (a typo);
+        // `#` names it on purpose (`a.#.b`).
+        if !path.is_empty() && path.split('.').any(str::is_empty) {
+            return Err(InputProblem(
+                format!("{at}.path"),
+                format!("'{path}' has an empty segment (write '#' for an empty key)"),
+            ));
+        }
         let path = WritePath::parse(path);
         // Runs of mappings become a tree of their paths (`PathSet`), built
         // and dropped recursively: a path's length is bounded like the

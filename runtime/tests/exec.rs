@@ -1426,3 +1426,40 @@ fn data_replaced_whole_stays_an_object() {
     let r = run(&plan(w), json!({}));
     assert!(r.exec.errors.is_empty(), "{:?}", r.exec.errors);
 }
+
+/// A map path with an empty segment (`a..b`, `.a`, `a.`) is an input
+/// problem (a warning at create, a task error at run): it used to write
+/// under the key `""`. `#` names an empty key on purpose.
+#[test]
+fn map_paths_have_no_empty_segments() {
+    for path in ["in.a..b", ".x", "x."] {
+        let compiled = compile_workflow(&wf(json!([task(
+            "m",
+            "map",
+            json!({"mappings": [{"path": path, "logic": 1}]})
+        )])))
+        .unwrap();
+        assert_eq!(
+            compiled.warnings[0].field, "tasks[0].function.input.mappings[0].path",
+            "{path}"
+        );
+        assert!(
+            compiled.warnings[0]
+                .message
+                .contains("has an empty segment"),
+            "{}",
+            compiled.warnings[0].message
+        );
+        let r = run(&compiled.plan, json!({}));
+        assert!(matches!(r.exec.status, Status::Failed(_)), "{path}");
+    }
+    let r = run(
+        &plan(wf(json!([task(
+            "m",
+            "map",
+            json!({"mappings": [{"path": "a.#.b", "logic": 1}]})
+        )]))),
+        json!({}),
+    );
+    assert_eq!(r.data(), json!({"a": {"": {"b": 1}}}));
+}
