@@ -26,6 +26,15 @@ pub async fn submit(
     channel: &Arc<Channel>,
     params: &[(&str, &str)],
 ) -> ApiResult {
+    // A channel without an active workflow has nothing to run: refused now,
+    // as a sync request is, rather than accepted and failed (and retried)
+    // as a trace.
+    if channel.plans.is_empty() {
+        return Err(ApiError::not_found(format!(
+            "No active workflow of channel '{}' matches the request",
+            channel.name
+        )));
+    }
     let mut headers = crate::data::HeaderPairs::new();
     crate::data::header_pairs_into(req, &mut headers);
     let query: Vec<(&str, &str)> = req

@@ -658,3 +658,36 @@ async fn a_backlog_longer_than_the_lease_runs_each_trace_once() {
         "the upstream was called {calls} times for 60 traces"
     );
 }
+
+/// An async submission to a channel without an active workflow is refused
+/// at once, as a sync request is (404), instead of accepted (202) and then
+/// failed and retried as a trace.
+#[tokio::test]
+async fn a_channel_without_a_workflow_refuses_submissions() {
+    let s = server(Db::Sqlite, 0).await;
+    // The channel's workflow exists but is not active.
+    s.admin("POST", "/workflows", Some(greeter("idle")))
+        .await
+        .ok(201);
+    s.admin(
+        "POST",
+        "/channels",
+        Some(rest_channel("idle", "idle", "async")),
+    )
+    .await
+    .ok(201);
+    s.admin(
+        "PATCH",
+        "/channels/idle/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    let r = s.post("/api/v1/data/idle/7", json!({"data": {}})).await;
+    assert_eq!(
+        r.error(404, "NOT_FOUND")["message"],
+        "No active workflow of channel 'idle' matches the request"
+    );
+    let listed = s.get("/api/v1/data/traces?channel=idle").await;
+    assert_eq!(listed.body["total"], 0, "{}", listed.text);
+}
