@@ -1034,10 +1034,16 @@ fn filter_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
         None => false,
         Some(Json::String(s)) if s == "halt" => false,
         Some(Json::String(s)) if s == "skip" => true,
-        Some(_) => {
+        Some(Json::String(s)) => {
             return Err(InputProblem(
                 "on_reject".into(),
-                "must be one of halt, skip".into(),
+                format!("must be one of halt, skip, got '{s}'"),
+            ));
+        }
+        Some(other) => {
+            return Err(InputProblem(
+                "on_reject".into(),
+                format!("expected string, got {}", json_type(other)),
             ));
         }
     };

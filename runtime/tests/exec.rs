@@ -1463,3 +1463,25 @@ fn map_paths_have_no_empty_segments() {
     );
     assert_eq!(r.data(), json!({"a": {"": {"b": 1}}}));
 }
+
+/// `filter.on_reject` of the wrong type says so in the spec's words.
+#[test]
+fn filter_on_reject_problems_are_precise() {
+    for (value, message) in [
+        (json!(null), "expected string, got null"),
+        (json!(5), "expected string, got integer"),
+        (json!("drop"), "must be one of halt, skip, got 'drop'"),
+    ] {
+        let compiled = compile_workflow(&wf(json!([task(
+            "f",
+            "filter",
+            json!({"condition": true, "on_reject": value})
+        )])))
+        .unwrap();
+        assert_eq!(
+            compiled.warnings[0].field,
+            "tasks[0].function.input.on_reject"
+        );
+        assert_eq!(compiled.warnings[0].message, message);
+    }
+}
