@@ -28,6 +28,9 @@ pub struct HttpConn {
     name: String,
     client: reqwest::Client,
     base: String,
+    /// The base URL parsed once (`keeps_base` compares every call's URL
+    /// with it); `None` when it does not parse (every call then fails).
+    base_url: Option<reqwest::Url>,
     headers: HeaderMap,
     timeout: Duration,
     guarded: bool,
@@ -128,6 +131,7 @@ impl HttpConn {
             name: name.to_owned(),
             client,
             base: cfg.url.trim_end_matches('/').to_owned(),
+            base_url: reqwest::Url::parse(cfg.url.trim_end_matches('/')).ok(),
             headers,
             timeout,
             guarded,
@@ -149,7 +153,7 @@ impl HttpConn {
     /// a computed path (`path_logic` over request data) must not reach the
     /// upstream's other endpoints.
     fn keeps_base(&self, url: &reqwest::Url) -> bool {
-        let Ok(base) = reqwest::Url::parse(&self.base) else {
+        let Some(base) = &self.base_url else {
             return true;
         };
         let base_path = base.path().trim_end_matches('/');
