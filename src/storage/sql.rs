@@ -6,7 +6,8 @@ use super::{Backend, Kind};
 
 /// Expands the dialect markers of a template and converts placeholders.
 ///
-/// Markers: `{json}` a JSON parameter (`CAST(? AS JSONB)` on PostgreSQL),
+/// Markers: `{json}` a JSON parameter (`CAST(? AS JSON)` on PostgreSQL: JSON,
+/// not JSONB, keeps the text as written),
 /// `{def}`/`{details}` a JSON column read back as text, `{for_update}` a row lock
 /// (nothing on SQLite, whose writers hold the database lock), `{tag}` the
 /// "tags array contains ?" test (two parameters: the tag, twice).
@@ -17,14 +18,14 @@ pub(super) fn build(backend: Backend, template: &str) -> String {
             "(? IS NULL OR EXISTS (SELECT 1 FROM json_each(definition, '$.tags') AS t WHERE t.value = ?))"
         }
         Backend::Postgres => {
-            "(? IS NULL OR definition -> 'tags' @> jsonb_build_array(CAST(? AS TEXT)))"
+            "(? IS NULL OR CAST(definition -> 'tags' AS JSONB) @> jsonb_build_array(CAST(? AS TEXT)))"
         }
         Backend::MySql => {
             "(? IS NULL OR JSON_CONTAINS(JSON_EXTRACT(definition, '$.tags'), JSON_QUOTE(?)))"
         }
     };
     let s = template
-        .replace("{json}", if pg { "CAST(? AS JSONB)" } else { "?" })
+        .replace("{json}", if pg { "CAST(? AS JSON)" } else { "?" })
         .replace(
             "{def}",
             if pg {
