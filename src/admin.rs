@@ -220,11 +220,11 @@ fn one_of_filter(req: &Req, name: &str, allowed: &[&str]) -> Result<Option<Strin
 }
 
 /// Checks a definition strictly; returns it with its identifier filled in.
-/// A definition the database can keep: MariaDB's JSON functions (its
-/// validity check on the definition columns, the tag filter) stop at 32
-/// levels, so there a deeper definition is refused with this message
-/// instead of failing in storage (a 500). Other databases keep whatever an
-/// admin body may hold (127 levels).
+/// A definition the database can keep: no NUL character, and no deeper
+/// than a JSON validity check on its columns accepts (`Store::json_depth`;
+/// every backend now keeps more than an admin body may hold, 127 levels,
+/// but a deeper definition would be refused here, not fail in storage with
+/// a 500, as MariaDB's 31 levels did before migration 0005).
 fn storable(app: &App, def: &Json) -> Result<(), ApiError> {
     fn within(v: &Json, levels: usize) -> bool {
         match v {

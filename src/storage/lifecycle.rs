@@ -58,6 +58,10 @@ pub(crate) struct Prepared {
     pub text: String,
     /// `super::digest(text)`, stored beside it.
     pub digest: String,
+    /// The `tags` member's JSON text when it is an array, stored beside the
+    /// definition for the list filter (JSON functions of MariaDB stop at 32
+    /// levels, so the filter cannot read deep definitions).
+    pub tags: Option<String>,
     pub name: String,
     pub channel_type: Option<String>,
     pub protocol: Option<String>,
@@ -85,6 +89,10 @@ pub(crate) fn prepare(kind: Kind, definition: &Json) -> Result<Prepared, Storage
         }
         Kind::Workflow => (None, None),
     };
+    let tags = clean
+        .get("tags")
+        .filter(|t| t.is_array())
+        .map(Json::to_string);
     let definition = Json::Object(clean);
     let text = definition.to_string();
     Ok(Prepared {
@@ -94,6 +102,7 @@ pub(crate) fn prepare(kind: Kind, definition: &Json) -> Result<Prepared, Storage
         name,
         channel_type,
         protocol,
+        tags,
     })
 }
 
@@ -619,7 +628,7 @@ impl Store {
                 return Err(conflict(format!("{} '{id}' already exists", kind.label())));
             }
             execute!(&mut *tx, &k.insert, id, 1_i64, Status::Draft.as_str(), 100_i64, &p.name,
-                     p.channel_type.as_deref(), p.protocol.as_deref(), &p.text, &p.digest, now, now)?;
+                     p.channel_type.as_deref(), p.protocol.as_deref(), &p.text, &p.digest, p.tags.as_deref(), now, now)?;
             insert_audit!(tx, s, audit, now)?;
             tx.commit().await.map_err(super::db_err)?;
         });
@@ -723,7 +732,7 @@ impl Store {
             if kind == Kind::Channel {
                 check_channel_name!(tx, s, k, id, &p.name);
             }
-            let n = execute!(&mut *tx, &k.update_definition, &p.text, &p.digest, &p.name, p.channel_type.as_deref(),
+            let n = execute!(&mut *tx, &k.update_definition, &p.text, &p.digest, p.tags.as_deref(), &p.name, p.channel_type.as_deref(),
                              p.protocol.as_deref(), now, id, latest.version)?;
             if n != 1 {
                 return Err(conflict(format!("only a draft can be updated; {} '{id}' changed concurrently", kind.label())));

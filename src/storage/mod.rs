@@ -515,9 +515,9 @@ struct Inner {
     /// empty database). Never logged: it may hold a password.
     url: Option<String>,
     /// How deep the JSON columns guarded by the database's own validity
-    /// check may nest (SQLite about 1,000 levels, MySQL 100, MariaDB 31);
-    /// `None` when nothing below [`JSON_DEPTH_PROBE`] is refused
-    /// (PostgreSQL stores the text as is). Measured at connect.
+    /// check may nest (SQLite about 1,000 levels); `None` when nothing below
+    /// [`JSON_DEPTH_PROBE`] is refused (PostgreSQL and MariaDB/MySQL keep
+    /// the text unchecked). Measured at connect.
     json_depth: Option<usize>,
 }
 
@@ -525,11 +525,12 @@ struct Inner {
 /// limit on a context.
 pub const JSON_DEPTH_PROBE: usize = 2048;
 
-/// The nesting the database's JSON validity check accepts, found by asking
-/// it (a binary search over nested arrays, a dozen queries at connect):
-/// versions differ (MariaDB's `JSON_VALID` refuses 32 levels, MySQL's 101,
-/// SQLite's about 1,001). PostgreSQL's trace columns are plain text: no
-/// limit. When the probe itself fails the known limits are assumed.
+/// The nesting SQLite's JSON validity check (the `CHECK (json_valid(..))`
+/// of its JSON columns) accepts, found by asking it (a binary search over
+/// nested arrays, a dozen queries at connect): about 1,000 levels, by
+/// version. PostgreSQL's and MariaDB/MySQL's columns are unchecked text
+/// (MariaDB's check refused 32 levels until migration 0005): no limit.
+/// When the probe itself fails the known limit is assumed.
 async fn json_depth_of(pools: &Pools) -> Option<usize> {
     async fn valid(pools: &Pools, depth: usize) -> Result<bool, sqlx::Error> {
         let text = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
@@ -541,20 +542,12 @@ async fn json_depth_of(pools: &Pools) -> Option<usize> {
                     .await?
                     == 1
             }
-            Pools::MySql(p) => {
-                sqlx::query_scalar::<_, i64>("SELECT CAST(COALESCE(JSON_VALID(?), 0) AS SIGNED)")
-                    .bind(text)
-                    .fetch_one(p)
-                    .await?
-                    == 1
-            }
-            Pools::Postgres(_) => true,
+            Pools::MySql(_) | Pools::Postgres(_) => true,
         })
     }
     let fallback = match pools {
         Pools::Sqlite(_) => Some(1000),
-        Pools::MySql(_) => Some(31),
-        Pools::Postgres(_) => return None,
+        Pools::MySql(_) | Pools::Postgres(_) => return None,
     };
     let search = async {
         if valid(pools, JSON_DEPTH_PROBE).await? {

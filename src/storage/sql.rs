@@ -15,14 +15,12 @@ pub(super) fn build(backend: Backend, template: &str) -> String {
     let pg = backend == Backend::Postgres;
     let tag = match backend {
         Backend::Sqlite => {
-            "(? IS NULL OR EXISTS (SELECT 1 FROM json_each(definition, '$.tags') AS t WHERE t.value = ?))"
+            "(? IS NULL OR EXISTS (SELECT 1 FROM json_each(tags) AS t WHERE t.value = ?))"
         }
         Backend::Postgres => {
-            "(? IS NULL OR CAST(definition -> 'tags' AS JSONB) @> jsonb_build_array(CAST(? AS TEXT)))"
+            "(? IS NULL OR CAST(tags AS JSONB) @> jsonb_build_array(CAST(? AS TEXT)))"
         }
-        Backend::MySql => {
-            "(? IS NULL OR JSON_CONTAINS(JSON_EXTRACT(definition, '$.tags'), JSON_QUOTE(?)))"
-        }
+        Backend::MySql => "(? IS NULL OR JSON_CONTAINS(tags, JSON_QUOTE(?)))",
     };
     let s = template
         .replace("{json}", if pg { "CAST(? AS JSON)" } else { "?" })
@@ -124,13 +122,13 @@ impl KindSql {
              WHERE (? IS NULL OR status = ?) AND {tag} AND (? IS NULL OR channel_type = ?) AND (? IS NULL OR protocol = ?)) ";
         KindSql {
             insert: f(
-                "INSERT INTO {t} (id, version, status, rollout_percentage, name, channel_type, protocol, definition, digest, created_at, updated_at) \
-                       VALUES (?, ?, ?, ?, ?, ?, ?, {json}, ?, ?, ?)",
+                "INSERT INTO {t} (id, version, status, rollout_percentage, name, channel_type, protocol, definition, digest, tags, created_at, updated_at) \
+                       VALUES (?, ?, ?, ?, ?, ?, ?, {json}, ?, ?, ?, ?)",
             ),
             // The new draft copies the stored definition row-to-row: no JSON round trip.
             copy_version: f(
-                "INSERT INTO {t} (id, version, status, rollout_percentage, name, channel_type, protocol, definition, digest, created_at, updated_at) \
-                             SELECT id, ?, 'draft', 100, name, channel_type, protocol, definition, digest, ?, ? FROM {t} WHERE id = ? AND version = ?",
+                "INSERT INTO {t} (id, version, status, rollout_percentage, name, channel_type, protocol, definition, digest, tags, created_at, updated_at) \
+                             SELECT id, ?, 'draft', 100, name, channel_type, protocol, definition, digest, tags, ?, ? FROM {t} WHERE id = ? AND version = ?",
             ),
             lock: (b != Backend::Sqlite)
                 .then(|| f("SELECT version FROM {t} WHERE id = ? ORDER BY version{for_update}")),
@@ -146,7 +144,7 @@ impl KindSql {
             )),
             list_count: f(&format!("{filtered}SELECT COUNT(*) FROM m WHERE rn = 1")),
             update_definition: f(
-                "UPDATE {t} SET definition = {json}, digest = ?, name = ?, channel_type = ?, protocol = ?, updated_at = ? \
+                "UPDATE {t} SET definition = {json}, digest = ?, tags = ?, name = ?, channel_type = ?, protocol = ?, updated_at = ? \
                                   WHERE id = ? AND version = ? AND status = 'draft'",
             ),
             set_state: f(

@@ -167,6 +167,7 @@ backend_tests!(
     reloads_build_at_background_priority_on_their_own_connection,
     channel_filters_see_effective_type_and_protocol,
     definitions_come_back_as_written,
+    deep_definitions_are_kept_and_found_by_tag,
 );
 
 fn admin(action: &str) -> Audit {
@@ -2117,4 +2118,62 @@ async fn definitions_come_back_as_written(s: Store, _: PathBuf) {
     s.audit(entry).await.unwrap();
     let (entries, _) = s.list_audit(Some("custom"), None, 10, 0).await.unwrap();
     assert_eq!(text(&entries[0]["details"]), r#"{"z":1,"a":-0.0}"#);
+}
+
+/// A definition nested 100 levels is kept on every backend (MariaDB's
+/// `JSON_VALID` check refused 32 until migration 0005), and the `tag`
+/// filter finds it through the `tags` column, which follows updates and is
+/// copied to new versions (MariaDB's `JSON_EXTRACT` on the definition
+/// stopped at 32 levels and missed it).
+async fn deep_definitions_are_kept_and_found_by_tag(s: Store, _: PathBuf) {
+    let w = Kind::Workflow;
+    let deep = |tags: &[&str]| {
+        let mut v = json!("x");
+        for _ in 0..100 {
+            v = json!([v]);
+        }
+        let mut def = wf("Deep", tags);
+        def["tasks"][0]["function"]["input"]["deep"] = v;
+        def
+    };
+    let ids = |tag: &str| {
+        let q = ListQuery {
+            tag: Some(tag.into()),
+            ..ListQuery::default()
+        };
+        let s = s.clone();
+        async move {
+            let (page, total) = s.list(w, &q).await.unwrap();
+            assert_eq!(total as usize, page.len());
+            page.into_iter().map(|r| r.id).collect::<Vec<_>>()
+        }
+    };
+    s.create(w, "d", &deep(&["deep", "x"]), admin("create"))
+        .await
+        .unwrap();
+    s.create(w, "flat", &wf("Flat", &["x"]), admin("create"))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.get(w, "d", None).await.unwrap().definition,
+        deep(&["deep", "x"])
+    );
+    assert_eq!(ids("deep").await, ["d"]);
+    assert_eq!(ids("x").await.len(), 2);
+    assert!(ids("none").await.is_empty());
+    s.update_draft(w, "d", &deep(&["other"]), admin("update"))
+        .await
+        .unwrap();
+    assert!(ids("deep").await.is_empty(), "the column follows an update");
+    assert_eq!(ids("other").await, ["d"]);
+    s.set_status(w, "d", Status::Active, None, None, admin("status"))
+        .await
+        .unwrap();
+    s.new_version(w, "d", admin("new_version")).await.unwrap();
+    assert_eq!(ids("other").await, ["d"], "copied to the new version");
+    // Tags that are not an array match nothing, and break nothing.
+    let mut odd = wf("Odd", &[]);
+    odd["tags"] = json!("deep");
+    s.create(w, "odd", &odd, admin("create")).await.unwrap();
+    assert!(ids("deep").await.is_empty());
 }
