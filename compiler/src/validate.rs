@@ -1393,7 +1393,8 @@ fn mask(v: &mut Json, headers_everywhere: bool) {
 }
 
 /// Where a definition holds the mask itself as a secret: a secret key's
-/// value, or a URL's password, that is exactly `******`. That happens when
+/// value, or a URL's password, that is or holds `******` (only an exact
+/// `******` is put back from the stored definition). That happens when
 /// a definition copied from an answer changed around a masked value (a URL
 /// whose path changed keeps its `******` password), which would otherwise
 /// be stored, and sent, literally.
@@ -1419,7 +1420,12 @@ pub fn masked_leftovers(v: &Json) -> Vec<Diagnostic> {
                     walk(item, &format!("{path}[{i}]"), secret, out);
                 }
             }
-            Json::String(text) if (secret && text == MASK) || url_password(text) == Some(MASK) => {
+            // Contains, not equals: `"Bearer ******"` (the scheme kept,
+            // the secret "kept" too) was stored and sent as it stood.
+            Json::String(text)
+                if (secret && text.contains(MASK))
+                    || url_password(text).is_some_and(|p| p.contains(MASK)) =>
+            {
                 out.push(Diagnostic::new(path, message));
             }
             _ => {}

@@ -8,6 +8,7 @@ use super::ssrf;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value as Json;
 use sluice_compiler::def::{HttpAuth, HttpConnector};
+use sluice_compiler::validate::is_secret_header;
 use sluice_runtime::connectors::{CallScope, ConnectorError, ConnectorErrorKind, HttpRequest};
 use std::sync::{Arc, Once};
 use std::time::Duration;
@@ -34,6 +35,12 @@ pub struct HttpConn {
     headers: HeaderMap,
     timeout: Duration,
     guarded: bool,
+    /// The connector's credentials as sent (token, password, key, the
+    /// values of credential headers, the URL's password and secret query
+    /// values; at least 4 characters, longest first): masked by value in
+    /// the upstream's error text an error message quotes, since an
+    /// upstream may echo what it was sent ("denied for Bearer …").
+    secrets: Vec<String>,
 }
 
 /// rustls needs one process-wide crypto provider; ring is the one sqlx
@@ -83,47 +90,67 @@ impl HttpConn {
             return Err(config_error(name, "url must be http:// or https://"));
         }
         let mut headers = HeaderMap::new();
+        let mut secrets: Vec<String> = Vec::new();
         for (k, v) in &cfg.headers {
             headers.insert(header_name(name, k)?, secret_value(name, k, v)?);
+            if is_secret_header(k) {
+                secrets.push(v.clone());
+                // `Bearer <token>`: the token alone too.
+                if let Some((_, last)) = v.rsplit_once(' ') {
+                    secrets.push(last.to_owned());
+                }
+            }
         }
         match &cfg.auth {
             None => {}
             Some(HttpAuth::Bearer { token }) => {
                 let v = secret_value(name, "authorization", &format!("Bearer {token}"))?;
                 headers.insert(reqwest::header::AUTHORIZATION, v);
+                secrets.push(token.clone());
             }
             Some(HttpAuth::Basic { username, password }) => {
-                let v = secret_value(
-                    name,
-                    "authorization",
-                    &format!(
-                        "Basic {}",
-                        base64(format!("{username}:{password}").as_bytes())
-                    ),
-                )?;
+                let encoded = base64(format!("{username}:{password}").as_bytes());
+                let v = secret_value(name, "authorization", &format!("Basic {encoded}"))?;
                 headers.insert(reqwest::header::AUTHORIZATION, v);
+                secrets.extend([password.clone(), encoded]);
             }
             Some(HttpAuth::ApiKey { header, key }) => {
                 headers.insert(header_name(name, header)?, secret_value(name, header, key)?);
+                secrets.push(key.clone());
             }
         }
+        if let Some(password) = url.password() {
+            secrets.push(password.to_owned());
+            secrets.push(crate::server::decode(password).into_owned());
+        }
+        for (k, v) in url.query_pairs() {
+            if is_secret_header(&k) {
+                secrets.push(v.into_owned());
+            }
+        }
+        // A connector with credentials follows redirects within its origin
+        // only (see `ssrf::redirect_policy`).
+        let keep_origin = !secrets.is_empty();
+        secrets.retain(|s| s.chars().count() >= 4);
+        secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        secrets.dedup();
         let timeout = cfg
             .timeout_ms
             .map_or(settings.default_timeout, Duration::from_millis);
         let guarded = !settings.allow_private_networks;
         // No proxy: a proxy would resolve the target itself, past the guard.
+        // No `Referer` on redirects: it would carry the base URL (and its
+        // query, which may hold a key) to the next host.
         let mut builder = reqwest::Client::builder()
             .no_proxy()
             .connect_timeout(timeout)
             .timeout(timeout)
+            .referer(false)
+            .redirect(ssrf::redirect_policy(guarded, keep_origin))
             .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")));
-        builder = if guarded {
-            builder
-                .dns_resolver(Arc::new(ssrf::GuardedResolver))
-                .redirect(ssrf::redirect_policy())
-        } else {
-            builder.redirect(reqwest::redirect::Policy::limited(10))
-        };
+        if guarded {
+            builder = builder.dns_resolver(Arc::new(ssrf::GuardedResolver));
+        }
         let client = builder
             .build()
             .map_err(|e| config_error(name, format!("cannot build an HTTP client ({e})")))?;
@@ -135,17 +162,55 @@ impl HttpConn {
             headers,
             timeout,
             guarded,
+            secrets,
         })
     }
 
-    /// The URL of a call: `path` appended to the base URL with exactly one
-    /// slash between them.
-    fn url(&self, path: Option<&str>) -> String {
-        match path {
-            None | Some("") => self.base.clone(),
-            Some(p) if p.starts_with('?') => format!("{}{p}", self.base),
-            Some(p) => format!("{}/{}", self.base, p.trim_start_matches('/')),
+    /// `text` with every credential of the connector replaced by `******`.
+    fn scrub(&self, text: String) -> String {
+        if !self.secrets.iter().any(|s| text.contains(s.as_str())) {
+            return text;
         }
+        let mut text = text;
+        for s in &self.secrets {
+            text = text.replace(s.as_str(), sluice_compiler::validate::MASK);
+        }
+        text
+    }
+
+    /// The URL of a call: `path` appended to the base URL's path with
+    /// exactly one slash between them; a query of the base URL (a key
+    /// passed as `?api_key=…`) stays a query, joined with the path's own
+    /// (before, the path was appended inside it: `/api?api_key=K/x`).
+    fn url(&self, path: Option<&str>) -> String {
+        let (base, base_query) = match self.base.split_once('?') {
+            Some((b, q)) => (b.trim_end_matches('/'), Some(q)),
+            None => (self.base.as_str(), None),
+        };
+        let (path, query) = match path {
+            None => ("", None),
+            Some(p) => match p.split_once('?') {
+                Some((p, q)) => (p, Some(q)),
+                None => (p, None),
+            },
+        };
+        let mut url = String::with_capacity(self.base.len() + path.len() + 16);
+        url.push_str(base);
+        if !path.is_empty() {
+            url.push('/');
+            url.push_str(path.trim_start_matches('/'));
+        }
+        let queries = [base_query, query];
+        for (i, q) in queries
+            .iter()
+            .flatten()
+            .filter(|q| !q.is_empty())
+            .enumerate()
+        {
+            url.push(if i == 0 { '?' } else { '&' });
+            url.push_str(q);
+        }
+        url
     }
 
     /// Whether `url` (parsed, so `..` and `%2E%2E` segments are resolved)
@@ -229,7 +294,7 @@ impl HttpConn {
         let retryable = status.is_server_error() || code == 429 || code == 408;
         Err(ConnectorError::new(
             ConnectorErrorKind::Upstream,
-            format!("{what} answered HTTP {code}{}", snippet(&bytes)),
+            format!("{what} answered HTTP {code}{}", self.scrub(snippet(&bytes))),
         )
         .retryable(retryable))
     }
@@ -452,6 +517,106 @@ mod tests {
         (format!("http://{addr}"), task)
     }
 
+    fn conn_with(config: serde_json::Value) -> HttpConn {
+        let cfg: HttpConnector = serde_json::from_value(config).unwrap();
+        HttpConn::build("api", &cfg, &settings(true)).unwrap()
+    }
+
+    /// An upstream that echoes the credentials it was sent in an error
+    /// body ("denied for Bearer …") does not get them into the task error,
+    /// which reaches data-plane callers and stored traces: each of the
+    /// connector's credentials is masked by value.
+    #[tokio::test]
+    async fn credentials_echoed_in_an_error_body_are_masked() {
+        let body = r#"{"error":"denied for Bearer TOKENzq81 with key KEYzq77 and pw P%40SSzq, P@SSzq, secret QKEYzq"}"#;
+        let reply: &'static str = Box::leak(
+            format!(
+                "HTTP/1.1 401 Unauthorized\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .into_boxed_str(),
+        );
+        let (base, server) = one_shot(reply).await;
+        let url = base.replace("http://", "http://user:P%40SSzq@") + "/v1?api_key=QKEYzq";
+        let c = conn_with(serde_json::json!({"url": url,
+            "auth": {"type": "bearer", "token": "TOKENzq81"},
+            "headers": {"X-Api-Key": "KEYzq77", "Accept": "application/json"}}));
+        let e = c.send(&CallScope::default(), &get("/x")).await.unwrap_err();
+        let sent = server.await.unwrap();
+        assert!(
+            sent.contains("TOKENzq81") && sent.contains("KEYzq77"),
+            "{sent}"
+        );
+        for secret in ["TOKENzq81", "KEYzq77", "P%40SSzq", "P@SSzq", "QKEYzq"] {
+            assert!(!e.message.contains(secret), "{secret}: {}", e.message);
+        }
+        assert!(
+            e.message
+                .contains("denied for Bearer ****** with key ******"),
+            "{}",
+            e.message
+        );
+    }
+
+    /// Listens on a port and reports the first request it receives (or
+    /// nothing within `wait`).
+    async fn recorder(wait: Duration) -> (u16, tokio::task::JoinHandle<Option<String>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            let (mut sock, _) = tokio::time::timeout(wait, listener.accept())
+                .await
+                .ok()?
+                .ok()?;
+            let mut buf = vec![0u8; 8192];
+            let n = sock.read(&mut buf).await.ok()?;
+            let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
+            let _ = sock.write_all(reply).await;
+            Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+        });
+        (port, task)
+    }
+
+    fn redirect_to(port: u16) -> &'static str {
+        Box::leak(
+            format!(
+                "HTTP/1.1 302 Found\r\nlocation: http://localhost:{port}/landed\r\ncontent-length: 0\r\n\r\n"
+            )
+            .into_boxed_str(),
+        )
+    }
+
+    /// A connector holding credentials does not follow a redirect to
+    /// another origin: reqwest drops `Authorization` there, but not an
+    /// `X-Api-Key` or a custom token header, which reached the new host.
+    /// One without credentials follows it, and no hop carries a `Referer`
+    /// (it would hand the base URL, query included, to the next host).
+    #[tokio::test]
+    async fn credentials_do_not_follow_a_redirect_to_another_origin() {
+        let (port, landed) = recorder(Duration::from_millis(500)).await;
+        let (base, _first) = one_shot(redirect_to(port)).await;
+        let c = conn_with(serde_json::json!({"url": base,
+            "auth": {"type": "api_key", "header": "X-Api-Key", "key": "KEYzq08"}}));
+        let e = c.send(&CallScope::default(), &get("/r")).await.unwrap_err();
+        assert!(
+            e.message.contains(&format!(
+                "redirected to another origin (http://localhost:{port}); the connector's credentials are not sent there"
+            )),
+            "{}",
+            e.message
+        );
+        assert!(!e.retryable);
+        assert_eq!(landed.await.unwrap(), None, "the other origin was called");
+
+        let (port, landed) = recorder(Duration::from_secs(5)).await;
+        let (base, _first) = one_shot(redirect_to(port)).await;
+        let c = conn_with(serde_json::json!({"url": format!("{base}/api?page=2")}));
+        c.send(&CallScope::default(), &get("/r")).await.unwrap();
+        let landed = landed.await.unwrap().expect("followed");
+        assert!(landed.starts_with("GET /landed "), "{landed}");
+        assert!(!landed.to_ascii_lowercase().contains("referer"), "{landed}");
+    }
+
     /// A path (computed from request data by `path_logic`) cannot climb out
     /// of the base URL with `..` segments, encoded or not: before,
     /// `../../../admin/users` reached `/admin/users` on the upstream.
@@ -531,6 +696,15 @@ mod tests {
         assert_eq!(c.url(Some("/x")), "http://example.com/api/x");
         assert_eq!(c.url(Some("x?a=1")), "http://example.com/api/x?a=1");
         assert_eq!(c.url(Some("?a=1")), "http://example.com/api?a=1");
+        // A base URL with a query keeps it a query.
+        let c = conn("http://example.com/api/?api_key=K", true);
+        assert_eq!(c.url(None), "http://example.com/api?api_key=K");
+        assert_eq!(c.url(Some("/x")), "http://example.com/api/x?api_key=K");
+        assert_eq!(
+            c.url(Some("x?a=1")),
+            "http://example.com/api/x?api_key=K&a=1"
+        );
+        assert_eq!(c.url(Some("?a=1")), "http://example.com/api?api_key=K&a=1");
     }
 
     #[test]
@@ -641,7 +815,7 @@ mod tests {
         let mut c = conn(&base, true);
         c.client = reqwest::Client::builder()
             .no_proxy()
-            .redirect(ssrf::redirect_policy())
+            .redirect(ssrf::redirect_policy(true, false))
             .build()
             .unwrap();
         let e = c.send(&CallScope::default(), &get("/r")).await.unwrap_err();

@@ -156,16 +156,30 @@ impl Resolve for GuardedResolver {
     }
 }
 
-/// The redirect policy under the guard: at most 10 hops, each checked.
-pub fn redirect_policy() -> reqwest::redirect::Policy {
-    reqwest::redirect::Policy::custom(|attempt| {
+/// The redirect policy of an HTTP connector: at most 10 hops; under the
+/// guard (`guarded`) each hop's address is checked; with `keep_origin` (a
+/// connector that holds credentials) a hop to another origin is refused.
+/// reqwest drops `Authorization` and cookies on such a hop, but not the
+/// connector's other credential headers (`X-Api-Key`, a custom token), so
+/// following it would hand them to whatever host the upstream names.
+pub fn redirect_policy(guarded: bool, keep_origin: bool) -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(move |attempt| {
         if attempt.previous().len() >= 10 {
             return attempt.error("too many redirects (more than 10)");
         }
-        match check_url(attempt.url()) {
-            Ok(()) => attempt.follow(),
-            Err(refused) => attempt.error(refused),
+        if keep_origin
+            && let Some(first) = attempt.previous().first()
+            && first.origin() != attempt.url().origin()
+        {
+            let to = attempt.url().origin().ascii_serialization();
+            return attempt.error(format!(
+                "redirected to another origin ({to}); the connector's credentials are not sent there"
+            ));
         }
+        if guarded && let Err(refused) = check_url(attempt.url()) {
+            return attempt.error(refused);
+        }
+        attempt.follow()
     })
 }
 

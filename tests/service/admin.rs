@@ -1255,6 +1255,31 @@ async fn a_mask_left_in_a_definition_is_refused() {
     let r = s.admin("POST", "/connectors", Some(copied)).await;
     r.error(400, "BAD_REQUEST");
     assert_eq!(r.detail_fields(), ["config.auth.token"]);
+
+    // A value that only holds the mask ("keep the scheme and the secret")
+    // cannot be put back either: it was stored and sent as `Bearer ******`.
+    let def = json!({"name": "hdr", "connector_type": "http",
+        "config": {"type": "http", "url": "https://x.example.com",
+                   "headers": {"Authorization": "Bearer REAL"}}});
+    s.admin("POST", "/connectors", Some(def)).await.ok(201);
+    let mut shown = s
+        .admin("GET", "/connectors/hdr", None)
+        .await
+        .ok(200)
+        .clone();
+    assert_eq!(shown["config"]["headers"]["Authorization"], "******");
+    shown["config"]["headers"]["Authorization"] = json!("Bearer ******");
+    let r = s.admin("PUT", "/connectors/hdr", Some(shown)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["config.headers.Authorization"]);
+    let stored = s.app.store.get_connector("hdr").await.unwrap().definition;
+    assert_eq!(stored["config"]["headers"]["Authorization"], "Bearer REAL");
+    let padded = json!({"name": "padded", "connector_type": "http",
+        "config": {"type": "http", "url": "http://u:x******@x.example.com",
+                   "auth": {"type": "bearer", "token": "****** "}}});
+    let r = s.admin("POST", "/connectors", Some(padded)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["config.url", "config.auth.token"]);
 }
 
 /// `?version=` is a positive integer on reads and test runs alike: a test
