@@ -260,7 +260,7 @@ fn with_config(
 }
 
 async fn migrate(config: config::Config) -> Result<(), String> {
-    sluice::open_store(&config).await?;
+    sluice::open_store(&config).await?.shutdown().await;
     sluice::outln!(
         "migrations applied ({})",
         config.storage.url.split("://").next().unwrap_or("storage")
@@ -277,7 +277,13 @@ async fn serve(config: config::Config) -> Result<(), String> {
     let addr = listener.local_addr().map_or(addr, |a| a.to_string());
     let app = sluice::start(config).await?;
     tracing::info!(%addr, version = app::VERSION, "sluice is serving");
-    server::run(listener, app, shutdown_signal()).await;
+    server::run(listener, app.clone(), shutdown_signal()).await;
+    // Leaves a SQLite database whole in its file (bounded: a connection
+    // some task still holds must not keep the process from exiting).
+    let closing = tokio::time::timeout(std::time::Duration::from_secs(5), app.store.shutdown());
+    if closing.await.is_err() {
+        tracing::warn!("storage connections not closed within 5 s");
+    }
     Ok(())
 }
 

@@ -45,7 +45,22 @@ impl Store {
                     .into(),
             ));
         }
-        std::fs::create_dir_all(dir)
+        if self.inner.url.is_none() {
+            // `VACUUM INTO` ran on a connection of its own, another (empty)
+            // in-memory database: the answer was 201 and the file empty.
+            return Err(StorageError::BadRequest(
+                "backups need a database file; this service keeps its storage in memory (sqlite::memory:)"
+                    .into(),
+            ));
+        }
+        // Directories created here are the owner's only, like the files
+        // (before, they followed the umask: others could replace a backup).
+        let mut mkdir = std::fs::DirBuilder::new();
+        mkdir.recursive(true);
+        #[cfg(unix)]
+        std::os::unix::fs::DirBuilderExt::mode(&mut mkdir, 0o700);
+        mkdir
+            .create(dir)
             .map_err(|e| io_err("cannot create the backup directory", e))?;
         // One backup at a time per store, so two callers cannot pick the same name.
         let _guard = self.inner.backup_lock.lock().await;

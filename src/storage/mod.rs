@@ -1003,6 +1003,23 @@ impl Store {
         dispatch!(self, pool => pool.close().await)
     }
 
+    /// Ends the process's use of storage: on SQLite, first moves everything
+    /// in the write-ahead log into the database file and empties the log
+    /// (`wal_checkpoint(TRUNCATE)`), so the stopped service leaves one
+    /// complete file. Before, the data stayed in `-wal` (the `.db` itself a
+    /// 4 KB stub), and a backup copied over the file was overlaid at the
+    /// next start by the old log: the restore silently did nothing.
+    pub async fn shutdown(&self) {
+        if let Pools::Sqlite(pool) = &self.inner.pools
+            && let Err(e) = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+                .execute(pool)
+                .await
+        {
+            tracing::warn!(error = %e, "could not checkpoint the SQLite write-ahead log at shutdown");
+        }
+        self.close().await;
+    }
+
     pub(crate) fn sql(&self) -> &Sql {
         &self.inner.sql
     }

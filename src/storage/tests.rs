@@ -1353,6 +1353,9 @@ async fn backups(s: Store, dir: PathBuf) {
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+        // So is the directory it created (others could replace a backup).
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "{mode:o}");
     }
     assert_ne!(
         name(&first),
@@ -1404,6 +1407,14 @@ async fn memory_sqlite_and_bad_urls() {
         .unwrap();
     // Still there through the (single) pooled connection.
     assert_eq!(s.get(Kind::Workflow, "m", None).await.unwrap().version, 1);
+    // A backup of memory would be another, empty database: refused, and no
+    // file is written (before: 201 and an empty file).
+    let dir = std::env::temp_dir().join(format!("sluice-mem-backup-{}", std::process::id()));
+    match s.backup(&dir).await {
+        Err(StorageError::BadRequest(m)) => assert!(m.contains("in memory"), "{m}"),
+        other => panic!("expected BadRequest, got {other:?}"),
+    }
+    assert!(!dir.exists());
     assert!(matches!(
         Store::connect("redis://127.0.0.1/", 1).await,
         Err(StorageError::BadRequest(_))
