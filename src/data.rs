@@ -95,7 +95,21 @@ pub async fn handle(
             method.as_str(),
         ));
     }
-    let (channel, params) = resolve(&snapshot, &req.method, req, parts)?;
+    let (channel, params) = match resolve(&snapshot, &req.method, req, parts) {
+        Ok(found) => found,
+        // A channel called by name with another method: its 405 carries
+        // the channel's CORS headers, like its other errors.
+        Err(e) if e.code == Code::MethodNotAllowed => {
+            let mut response = e.into_response();
+            if let [name] = parts
+                && let Some(channel) = snapshot.channels.get(*name)
+            {
+                governance::decorate(channel, &req.headers, &mut response);
+            }
+            return Ok(response);
+        }
+        Err(e) => return Err(e),
+    };
     let result = if is_async || channel.is_async {
         // Boxed, like every rare branch, so the sync path's future stays small.
         let result = Box::pin(crate::traces::submit(app, req, channel, &params)).await;
@@ -177,7 +191,12 @@ pub(crate) fn decorate_early(app: &App, parts: &http::request::Parts, response: 
     if !parts.headers.contains_key(header::ORIGIN) {
         return;
     }
-    let Some(rest) = parts.uri.path().strip_prefix("/api/v1/data/") else {
+    let Some(rest) = parts
+        .uri
+        .path()
+        .strip_prefix("/api/v1/data")
+        .filter(|rest| rest.is_empty() || rest.starts_with('/'))
+    else {
         return;
     };
     let decoded: SmallVec<[std::borrow::Cow<'_, str>; 8]> = rest

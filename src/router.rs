@@ -53,9 +53,8 @@ pub async fn route(app: &Arc<App>, req: Req) -> HttpResponse {
             Ok(who) => Box::pin(admin::dispatch(app, &req, &seg[3..], who)).await,
             Err(e) => Err(e),
         },
-        ["api", "v1", "data", ..] if seg.len() > 3 => {
-            Box::pin(data::handle(app, &req, &seg[3..])).await
-        }
+        // `/api/v1/data` itself is the root route's (`route_pattern: "/"`).
+        ["api", "v1", "data", ..] => Box::pin(data::handle(app, &req, &seg[3..])).await,
         _ => Err(ApiError::not_found(format!(
             "No route matches {} {}",
             req.method,

@@ -140,7 +140,10 @@ pub async fn read(app: &Arc<App>, req: &Req, rest: &[&str]) -> ApiResult {
         ));
     }
     if let [id] = rest {
-        return api::ok(&app.store.get_trace(id).await?.to_json());
+        // Trace ids are UUIDs, written lowercase; a UUID read back in
+        // uppercase names the same trace (RFC 9562).
+        let id = id.to_ascii_lowercase();
+        return api::ok(&app.store.get_trace(&id).await?.to_json());
     }
     let (limit, offset) = crate::admin::paging(req)?;
     let status = match req.query("status") {

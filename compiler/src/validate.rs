@@ -738,6 +738,17 @@ fn check_route_pattern(c: &mut Ctx, pattern: &str, at: &FieldPath) {
             );
             continue;
         }
+        if seg.contains('%') {
+            // Requests are matched after percent-decoding, so `/x%20y`
+            // was reached only by `/x%2520y`.
+            c.push(
+                at,
+                format!(
+                    "segment '{seg}' must not contain '%': requests are matched after percent-decoding; write the character itself"
+                ),
+            );
+            continue;
+        }
         if seg.contains(['?', '#']) || seg.chars().any(char::is_whitespace) {
             c.push(
                 at,

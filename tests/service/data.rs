@@ -627,3 +627,80 @@ async fn wait_in_flight(s: &TestServer) {
         "the slow request never reached the server"
     );
 }
+
+/// Session 17's audit of the HTTP layer:
+/// - a channel on `/` (the data plane's root) is reached at `/api/v1/data`
+///   and `/api/v1/data/` (every such request used to answer 404);
+/// - a route pattern holding `%` is refused (requests are matched after
+///   decoding, so `/x%20y` was reached only by `/x%2520y`);
+/// - a channel called by name with another method answers 405 with the
+///   channel's CORS headers, like its other errors;
+/// - a trace id read in uppercase names the same trace.
+#[tokio::test]
+async fn root_routes_percent_patterns_cors_on_405_and_trace_id_case() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        tagging_workflow("rooted", "root"),
+        rest_channel("root", "rooted", "/", &["POST", "GET"], 0),
+    )
+    .await;
+    for path in ["/api/v1/data", "/api/v1/data/"] {
+        let r = s.post(path, json!({"data": {}})).await;
+        assert_eq!(r.status, 200, "{path}: {}", r.text);
+        assert_eq!(r.body["data"]["by"], "root", "{path}");
+        let r = s.get(path).await;
+        assert_eq!(r.status, 200, "GET {path}: {}", r.text);
+    }
+
+    let bad = rest_channel("pct", "rooted", "/x%20y", &["POST"], 0);
+    let r = s.admin("POST", "/channels", Some(bad)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.body["error"]["details"][0]["field"], "route_pattern");
+    assert!(
+        r.body["error"]["details"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("must not contain '%'"),
+        "{}",
+        r.text
+    );
+
+    s.deploy(
+        tagging_workflow("corsy", "cors"),
+        json!({"channel_id": "corsy", "name": "corsy", "channel_type": "sync", "protocol": "http",
+               "workflow_id": "corsy",
+               "config_json": {"cors": {"allowed_origins": ["https://a.example"]}}}),
+    )
+    .await;
+    let r = s
+        .raw_with(
+            "GET",
+            "/api/v1/data/corsy",
+            vec![],
+            &[("origin", "https://a.example")],
+        )
+        .await;
+    assert_eq!(r.status, 405, "{}", r.text);
+    assert_eq!(r.headers["allow"], "POST");
+    assert_eq!(
+        r.headers["access-control-allow-origin"], "https://a.example",
+        "{:?}",
+        r.headers
+    );
+    assert_eq!(r.headers["vary"], "Origin");
+
+    s.deploy(
+        tagging_workflow("later", "later"),
+        json!({"channel_id": "later", "name": "later", "channel_type": "async", "protocol": "http",
+               "workflow_id": "later", "config_json": {}}),
+    )
+    .await;
+    let r = s.post("/api/v1/data/later", json!({"data": {}})).await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let id = r.body["trace_id"].as_str().unwrap().to_owned();
+    let upper = s
+        .get(&format!("/api/v1/data/traces/{}", id.to_ascii_uppercase()))
+        .await;
+    assert_eq!(upper.status, 200, "{}", upper.text);
+    assert_eq!(upper.body["data"]["trace_id"], id.as_str());
+}
