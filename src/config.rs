@@ -41,6 +41,11 @@ pub struct Server {
     /// How long a client may take to send a request's head (then the
     /// connection is closed) and, separately, its body (then 408).
     pub request_read_timeout_secs: u64,
+    /// The largest admin request body, in bytes (larger: 413). Apart from
+    /// `ingest.max_payload_size`, which is the data plane's: an import of
+    /// a large export, or a tight data-plane limit, must not lock the
+    /// admin plane out.
+    pub admin_max_payload_size: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -237,6 +242,7 @@ impl Default for Config {
                 shutdown_drain_secs: 30,
                 request_read_timeout_secs: 30,
                 max_in_flight: 10_000,
+                admin_max_payload_size: 32 << 20,
             },
             storage: Storage {
                 url: "sqlite://sluice.db".into(),
@@ -451,6 +457,9 @@ impl Config {
         }
         if self.ingest.max_payload_size == 0 {
             return fail("ingest.max_payload_size", "must be at least 1");
+        }
+        if self.server.admin_max_payload_size == 0 {
+            return fail("server.admin_max_payload_size", "must be at least 1");
         }
         // Settings where 0 would stop the feature without saying so (no
         // queue worker, a bucket that never admits, a breaker open from the

@@ -404,13 +404,18 @@ async fn read_and_route(
     // Credentials before anything about the body (the router checks them
     // again with the full request; this costs the data plane nothing).
     let path = parts.uri.path();
-    if (path.starts_with("/api/v1/admin/") || path == "/api/v1/admin" || path == "/metrics")
+    let admin = path.starts_with("/api/v1/admin/") || path == "/api/v1/admin";
+    if (admin || path == "/metrics")
         && let Err(e) =
             crate::auth::authenticate_head(&app.config.admin_auth, &parts.method, &parts.headers)
     {
         return e.into_response();
     }
-    let limit = app.config.ingest.max_payload_size as usize;
+    let limit = if admin {
+        app.config.server.admin_max_payload_size
+    } else {
+        app.config.ingest.max_payload_size
+    } as usize;
     if let Some(len) = parts
         .headers
         .get(header::CONTENT_LENGTH)

@@ -6,7 +6,7 @@ use serde_json::json;
 
 #[tokio::test]
 async fn bad_requests_get_the_envelope() {
-    let s = start_with(Db::Sqlite, |c| c.ingest.max_payload_size = 1024).await;
+    let s = start_with(Db::Sqlite, |c| c.server.admin_max_payload_size = 1024).await;
     let big = json!({"name": "x".repeat(2000)});
     s.admin("POST", "/workflows", Some(big))
         .await
@@ -710,4 +710,44 @@ async fn requests_the_http_layer_refuses_get_the_envelope() {
     }
     // The server goes on serving.
     assert_eq!(s.get("/healthz").await.status, 200);
+}
+
+/// The admin plane has its own body limit (`server.admin_max_payload_size`,
+/// 32 MiB): before, `ingest.max_payload_size` (the data plane's, 1 MiB)
+/// applied to it too, so an export over 1 MiB could not be imported back,
+/// and a tight data-plane limit refused every definition.
+#[tokio::test]
+async fn the_admin_plane_has_its_own_body_limit() {
+    let s = start_with(Db::Sqlite, |c| c.ingest.max_payload_size = 100).await;
+    let mut wf = workflow("big");
+    wf["description"] = json!("d".repeat(2_000));
+    s.admin("POST", "/workflows", Some(wf)).await.ok(201);
+    // An import over the data plane's default 1 MiB too.
+    let many: Vec<_> = (0..600)
+        .map(|i| {
+            let mut wf = workflow(&format!("imp{i}"));
+            wf["description"] = json!("d".repeat(2_000));
+            wf
+        })
+        .collect();
+    let r = s
+        .admin("POST", "/workflows/import?dry_run=true", Some(json!(many)))
+        .await;
+    assert_eq!(r.ok(200)["created"].as_array().map(Vec::len), Some(600));
+    s.deploy(
+        workflow("small"),
+        json!({"channel_id": "small", "name": "small",
+        "workflow_id": "small", "config_json": {}}),
+    )
+    .await;
+    let r = s
+        .post(
+            "/api/v1/data/small",
+            json!({"data": {"x": "y".repeat(200)}}),
+        )
+        .await;
+    assert_eq!(
+        r.error(413, "PAYLOAD_TOO_LARGE")["message"],
+        "request body exceeds the limit of 100 bytes"
+    );
 }
