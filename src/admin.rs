@@ -55,7 +55,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
             match *m {
                 Method::GET => list(app, req, kind).await,
                 Method::POST => create(app, req, kind, who).await,
-                _ => not_allowed("GET, POST"),
+                _ => not_allowed("GET, HEAD, POST"),
             }
         }
         [kind @ ("workflows" | "channels"), "import"] => {
@@ -71,7 +71,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
                 Method::GET => get(app, req, kind, id).await,
                 Method::PUT => update(app, req, kind, id, who).await,
                 Method::DELETE => delete(app, kind, id, who).await,
-                _ => not_allowed("GET, PUT, DELETE"),
+                _ => not_allowed("GET, HEAD, PUT, DELETE"),
             }
         }
         [kind @ ("workflows" | "channels"), id, "status"] => {
@@ -84,7 +84,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
             match *m {
                 Method::GET => versions(app, req, kind, id).await,
                 Method::POST => new_version(app, kind, id, who).await,
-                _ => not_allowed("GET, POST"),
+                _ => not_allowed("GET, HEAD, POST"),
             }
         }
         ["workflows", id, "rollout"] => only(Method::PATCH)?.then(rollout(app, req, id, who)).await,
@@ -92,7 +92,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
         ["connectors"] => match *m {
             Method::GET => list_connectors(app, req).await,
             Method::POST => create_connector(app, req, who).await,
-            _ => not_allowed("GET, POST"),
+            _ => not_allowed("GET, HEAD, POST"),
         },
         ["connectors", "import"] => {
             only(Method::POST)?
@@ -112,7 +112,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
             Method::GET => get_connector(app, id).await,
             Method::PUT => update_connector(app, req, id, who).await,
             Method::DELETE => delete_connector(app, id, who).await,
-            _ => not_allowed("GET, PUT, DELETE"),
+            _ => not_allowed("GET, HEAD, PUT, DELETE"),
         },
         ["engine", "status"] => only(Method::GET)?.then(engine_status(app)).await,
         ["engine", "reload"] => only(Method::POST)?.then(engine_reload(app, who)).await,
@@ -125,7 +125,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
         ["backups"] => match *m {
             Method::GET => list_backups(app, req),
             Method::POST => create_backup(app, who).await,
-            _ => not_allowed("GET, POST"),
+            _ => not_allowed("GET, HEAD, POST"),
         },
         _ => Err(ApiError::not_found(format!(
             "No admin endpoint at {}",
@@ -146,7 +146,7 @@ impl Allowed {
 /// The `Allow` header of a path that takes one method.
 fn allow_of(method: &Method) -> &'static str {
     match *method {
-        Method::GET => "GET",
+        Method::GET => "GET, HEAD",
         Method::POST => "POST",
         Method::PUT => "PUT",
         Method::PATCH => "PATCH",

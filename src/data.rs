@@ -89,10 +89,16 @@ pub async fn handle(
             }
             Err(e) => return Err(e),
         };
+        // Reached by name (no route took it): POST is all that path takes.
+        let routed = |m: &str| snapshot.routes.find(m, parts).is_some();
+        let by_name = matches!(parts, [_])
+            && !routed(method.as_str())
+            && !(method == Method::HEAD && routed("GET"));
         return Ok(governance::preflight(
             channel,
             req.header(header::ORIGIN),
             method.as_str(),
+            by_name,
         ));
     }
     let (channel, params) = match resolve(&snapshot, &req.method, req, parts) {
@@ -161,6 +167,13 @@ fn resolve<'s, 'p>(
     parts: &[&'p str],
 ) -> Result<(&'s Arc<Channel>, Params<'s, 'p>), ApiError> {
     if let Some(m) = snapshot.routes.find(method.as_str(), parts) {
+        return Ok((m.channel, m.params));
+    }
+    // HEAD where a route takes GET (RFC 9110 9.3.2): the GET is run and
+    // hyper leaves the body out.
+    if *method == Method::HEAD
+        && let Some(m) = snapshot.routes.find("GET", parts)
+    {
         return Ok((m.channel, m.params));
     }
     if let [name] = parts {

@@ -1019,7 +1019,12 @@ pub fn decorate(channel: &Channel, request: &http::HeaderMap, response: &mut Htt
 /// Answers a preflight (`OPTIONS` with `Access-Control-Request-Method`) for
 /// a resolved channel: 204 with the allowances, or 403 when the channel does
 /// not allow the origin or the method.
-pub fn preflight(channel: &Channel, origin: Option<&str>, method: &str) -> HttpResponse {
+pub fn preflight(
+    channel: &Channel,
+    origin: Option<&str>,
+    method: &str,
+    by_name: bool,
+) -> HttpResponse {
     let cors = channel.def.config_json.cors.as_ref();
     let (Some(cors), Some(origin)) = (cors, origin) else {
         return refuse_preflight(channel, "CORS is not enabled for this origin");
@@ -1028,6 +1033,14 @@ pub fn preflight(channel: &Channel, origin: Option<&str>, method: &str) -> HttpR
         return refuse_preflight(channel, "origin is not allowed");
     }
     let methods: Vec<String> = match &cors.allowed_methods {
+        // Called by name, a channel takes POST alone, whatever else its
+        // route (or its CORS settings) would allow.
+        Some(m) if by_name => m
+            .iter()
+            .filter(|m| m.eq_ignore_ascii_case("POST"))
+            .cloned()
+            .collect(),
+        _ if by_name => vec!["POST".to_owned()],
         Some(m) => m.clone(),
         None if channel.def.route_pattern.is_some() => channel
             .def

@@ -1124,15 +1124,20 @@ on_every_backend!(
     defaults_and_history
 );
 
-/// A 405 says which methods the path takes; HEAD reads like GET.
+/// A 405 says which methods the path takes, HEAD included wherever GET is
+/// (HEAD reads like GET; until session 17 `Allow` left it out).
 #[tokio::test]
 async fn method_not_allowed_names_the_allowed_methods() {
     let s = start(Db::Sqlite).await;
     for (method, path, allow) in [
-        ("DELETE", "/api/v1/admin/workflows", "GET, POST"),
-        ("PATCH", "/api/v1/admin/workflows/x", "GET, PUT, DELETE"),
+        ("DELETE", "/api/v1/admin/workflows", "GET, HEAD, POST"),
+        (
+            "PATCH",
+            "/api/v1/admin/workflows/x",
+            "GET, HEAD, PUT, DELETE",
+        ),
         ("GET", "/api/v1/admin/workflows/import", "POST"),
-        ("POST", "/api/v1/admin/engine/status", "GET"),
+        ("POST", "/api/v1/admin/engine/status", "GET, HEAD"),
         ("PUT", "/api/v1/data/traces", "GET, HEAD"),
     ] {
         let r = s.call(method, path, None).await;

@@ -635,7 +635,8 @@ async fn wait_in_flight(s: &TestServer) {
 ///   decoding, so `/x%20y` was reached only by `/x%2520y`);
 /// - a channel called by name with another method answers 405 with the
 ///   channel's CORS headers, like its other errors;
-/// - a trace id read in uppercase names the same trace.
+/// - a trace id read in uppercase names the same trace;
+/// - HEAD is served wherever a route takes GET (it was 404).
 #[tokio::test]
 async fn root_routes_percent_patterns_cors_on_405_and_trace_id_case() {
     let s = start(Db::Sqlite).await;
@@ -650,6 +651,16 @@ async fn root_routes_percent_patterns_cors_on_405_and_trace_id_case() {
         assert_eq!(r.body["data"]["by"], "root", "{path}");
         let r = s.get(path).await;
         assert_eq!(r.status, 200, "GET {path}: {}", r.text);
+        // HEAD where the route takes GET: the GET's head, without a body.
+        let r = s.raw("HEAD", path, vec![], None).await;
+        assert_eq!(r.status, 200, "HEAD {path}");
+        assert!(r.text.is_empty());
+        let length: usize = r.headers["content-length"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(length > 0);
     }
 
     let bad = rest_channel("pct", "rooted", "/x%20y", &["POST"], 0);
@@ -669,7 +680,8 @@ async fn root_routes_percent_patterns_cors_on_405_and_trace_id_case() {
         tagging_workflow("corsy", "cors"),
         json!({"channel_id": "corsy", "name": "corsy", "channel_type": "sync", "protocol": "http",
                "workflow_id": "corsy",
-               "config_json": {"cors": {"allowed_origins": ["https://a.example"]}}}),
+               "config_json": {"cors": {"allowed_origins": ["https://a.example"],
+                                        "allowed_methods": ["GET", "POST", "PUT"]}}}),
     )
     .await;
     let r = s
@@ -688,6 +700,21 @@ async fn root_routes_percent_patterns_cors_on_405_and_trace_id_case() {
         r.headers
     );
     assert_eq!(r.headers["vary"], "Origin");
+    // A preflight on the name path offers POST alone, what the path takes
+    // (it listed the channel's CORS methods).
+    let r = s
+        .raw_with(
+            "OPTIONS",
+            "/api/v1/data/corsy",
+            vec![],
+            &[
+                ("origin", "https://a.example"),
+                ("access-control-request-method", "POST"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text);
+    assert_eq!(r.headers["access-control-allow-methods"], "POST");
 
     s.deploy(
         tagging_workflow("later", "later"),
