@@ -454,6 +454,26 @@ async fn read_and_route(
                 .into_response();
         }
     };
+    // A body in a content coding is not decoded (RFC 9110 8.4.1: 415).
+    // Before, a gzip body failed as "not valid JSON" and a plain body
+    // labelled gzip was taken as it was.
+    if !body.is_empty()
+        && let Some(coding) = parts.headers.get(header::CONTENT_ENCODING)
+        && !coding
+            .as_bytes()
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"identity")
+    {
+        let refused = ApiError::new(
+            Code::UnsupportedMediaType,
+            format!(
+                "Content-Encoding '{}' is not supported: send the body uncompressed",
+                String::from_utf8_lossy(coding.as_bytes())
+            ),
+        )
+        .into_response();
+        return early(app, &parts, refused);
+    }
     if !body.is_empty() && !is_json(&parts.headers) {
         let refused = ApiError::new(
             Code::UnsupportedMediaType,
@@ -465,15 +485,42 @@ async fn read_and_route(
     // A NUL (`%00`) names nothing Sluice keeps, and PostgreSQL cannot even
     // compare text holding one (its lookups failed with a 500): refused
     // before routing, alike on every database.
-    if has_nul_escape(parts.uri.path()) || parts.uri.query().is_some_and(has_nul_escape) {
-        let refused =
-            ApiError::bad_request("the request target holds a NUL character (%00)").into_response();
-        return early(app, &parts, refused);
+    // A percent-escape that decodes to bytes that are not UTF-8 (`%FF`) is
+    // refused too: decoded leniently, `/items/%FF` and `/items/%C3` both
+    // named the id "\u{FFFD}".
+    if let Some(problem) =
+        escape_problem(parts.uri.path()).or_else(|| parts.uri.query().and_then(escape_problem))
+    {
+        return early(app, &parts, ApiError::bad_request(problem).into_response());
     }
     let query = parts.uri.query().map(parse_query).unwrap_or_default();
+    // HTTP/1.1 requires exactly one Host (RFC 9112 3.2: 400 otherwise);
+    // HTTP/2 carries `:authority` instead.
+    if parts.version == http::Version::HTTP_11 {
+        let hosts = parts.headers.get_all(header::HOST).iter().take(2).count();
+        if hosts != 1 {
+            let why = if hosts == 0 {
+                "an HTTP/1.1 request needs a Host header"
+            } else {
+                "the request has more than one Host header"
+            };
+            return ApiError::bad_request(why).into_response();
+        }
+    }
     let mut headers = parts.headers;
     if headers.len() != headers.keys_len() {
         combine_repeated(&mut headers);
+    }
+    // HTTP/2 names the host in `:authority`: `metadata.headers.host` holds
+    // it as on HTTP/1.1, so a workflow reads the same either way.
+    if parts.version == http::Version::HTTP_2
+        && !headers.contains_key(header::HOST)
+        && let Some(host) = parts
+            .uri
+            .authority()
+            .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
+    {
+        headers.insert(header::HOST, host);
     }
     let req = Req {
         method: parts.method,
@@ -565,9 +612,20 @@ fn is_json(headers: &HeaderMap) -> bool {
         || (sub.len() >= 5 && sub[sub.len() - 5..].eq_ignore_ascii_case(b"+json"))
 }
 
-/// Whether `s` holds a percent-encoded NUL (`%00`).
-fn has_nul_escape(s: &str) -> bool {
-    s.contains('%') && s.as_bytes().windows(3).any(|w| w == b"%00")
+/// What is wrong with the percent-escapes of a request target's path or
+/// query, if anything: a NUL (`%00`), or bytes that are not UTF-8.
+fn escape_problem(s: &str) -> Option<&'static str> {
+    if !s.contains('%') {
+        return None;
+    }
+    let bytes = decode_bytes(s, false);
+    if bytes.contains(&0) {
+        return Some("the request target holds a NUL character (%00)");
+    }
+    if std::str::from_utf8(&bytes).is_err() {
+        return Some("the request target holds a percent-escape that is not UTF-8 (such as %FF)");
+    }
+    None
 }
 
 /// Decodes `a=1&b=x%20y` (percent-decoding, `+` as space).
@@ -631,6 +689,14 @@ fn decode_with(s: &str, plus_is_space: bool) -> std::borrow::Cow<'_, str> {
     if !s.bytes().any(|b| b == b'%' || (plus_is_space && b == b'+')) {
         return std::borrow::Cow::Borrowed(s);
     }
+    std::borrow::Cow::Owned(match String::from_utf8(decode_bytes(s, plus_is_space)) {
+        Ok(text) => text,
+        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+    })
+}
+
+/// The bytes `%XX` escapes (and `+`, when `plus_is_space`) stand for.
+fn decode_bytes(s: &str, plus_is_space: bool) -> Vec<u8> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -649,10 +715,7 @@ fn decode_with(s: &str, plus_is_space: bool) -> std::borrow::Cow<'_, str> {
         }
         i += 1;
     }
-    std::borrow::Cow::Owned(
-        String::from_utf8(out)
-            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()),
-    )
+    out
 }
 
 fn hex(b: u8) -> Option<u8> {

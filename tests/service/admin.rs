@@ -1523,6 +1523,24 @@ async fn nul_characters_are_refused_alike_on_every_database() {
                 "{path}"
             );
         }
+        // Escapes that are not UTF-8 are refused too (decoded leniently,
+        // `%FF` and `%C3` both named "\u{FFFD}"); valid ones pass.
+        for path in [
+            "/api/v1/data/items/%FF",
+            "/api/v1/data/items/%C3",
+            "/api/v1/data/items/x?q=%FF",
+            "/api/v1/admin/workflows/%E2%82",
+        ] {
+            let r = s.get(path).await;
+            assert_eq!(
+                r.error(400, "BAD_REQUEST")["message"],
+                "the request target holds a percent-escape that is not UTF-8 (such as %FF)",
+                "{path}"
+            );
+        }
+        s.get("/api/v1/admin/workflows/caf%C3%A9%EF%BF%BD")
+            .await
+            .error(404, "NOT_FOUND");
         let mut wf = workflow("nul");
         wf["name"] = json!("a\u{0}b");
         let r = s.admin("POST", "/workflows", Some(wf)).await;

@@ -751,3 +751,93 @@ async fn the_admin_plane_has_its_own_body_limit() {
         "request body exceeds the limit of 100 bytes"
     );
 }
+
+/// Sends `request` on a new connection and returns the whole answer.
+async fn exchange(s: &TestServer, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    conn.write_all(request).await.unwrap();
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer).await.unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// Session 17's audit of the HTTP layer:
+/// - HTTP/1.1 without `Host`, or with two, is a 400 (RFC 9112 3.2; both
+///   were served);
+/// - a body in a content coding is a 415 (RFC 9110 8.4.1; a gzip body
+///   failed as "not JSON", a plain body labelled gzip was taken);
+/// - over HTTP/2, `metadata.headers.host` holds `:authority`, as over
+///   HTTP/1.1 (it was missing).
+#[tokio::test]
+async fn host_headers_content_codings_and_h2_hosts() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        json!({"workflow_id": "h", "name": "h", "tasks": [
+            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+                {"path": "host", "logic": {"var": "metadata.headers.host"}}]}}}]}),
+        json!({"channel_id": "h", "name": "h", "workflow_id": "h"}),
+    )
+    .await;
+    for (request, message) in [
+        (
+            "GET /health HTTP/1.1\r\nConnection: close\r\n\r\n",
+            "an HTTP/1.1 request needs a Host header",
+        ),
+        (
+            "GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\nConnection: close\r\n\r\n",
+            "the request has more than one Host header",
+        ),
+    ] {
+        let answer = exchange(&s, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+        assert!(answer.contains(message), "{answer}");
+    }
+    // HTTP/1.0 needs none.
+    let answer = exchange(&s, b"GET /health HTTP/1.0\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.0 200 "), "{answer}");
+
+    let r = s
+        .raw_with(
+            "POST",
+            "/api/v1/data/h",
+            br#"{"data":{}}"#.to_vec(),
+            &[
+                ("content-type", "application/json"),
+                ("content-encoding", "gzip"),
+            ],
+        )
+        .await;
+    assert_eq!(
+        r.error(415, "UNSUPPORTED_MEDIA_TYPE")["message"],
+        "Content-Encoding 'gzip' is not supported: send the body uncompressed"
+    );
+    let r = s
+        .raw_with(
+            "POST",
+            "/api/v1/data/h",
+            br#"{"data":{}}"#.to_vec(),
+            &[
+                ("content-type", "application/json"),
+                ("content-encoding", "identity"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let r = h2
+        .post(format!("{}/api/v1/data/h", s.base))
+        .json(&json!({"data": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    let body: serde_json::Value = r.json().await.unwrap();
+    let authority = s.base.trim_start_matches("http://");
+    assert_eq!(body["data"]["host"], authority, "{body}");
+}
