@@ -622,6 +622,15 @@ impl Config {
                 "admin_auth.enabled is true but no key is set",
             );
         }
+        // One key for both roles would make the read-only key an admin key.
+        if !self.admin_auth.api_key.is_empty()
+            && self.admin_auth.api_key == self.admin_auth.read_only_api_key
+        {
+            return fail(
+                "admin_auth.read_only_api_key",
+                "is the same as admin_auth.api_key; give each role its own key",
+            );
+        }
         if http::HeaderName::from_bytes(self.admin_auth.api_key_header.as_bytes()).is_err() {
             return fail("admin_auth.api_key_header", "is not a valid header name");
         }
@@ -890,6 +899,7 @@ mod tests {
             "SERVICE_ENGINE__RELOAD_TIMEOUT_SECS",
             "SERVICE_SERVER__REQUEST_READ_TIMEOUT_SECS",
             "SERVICE_SERVER__MAX_IN_FLIGHT",
+            "SERVICE_SERVER__ADMIN_MAX_PAYLOAD_SIZE",
         ] {
             let e = load(None, &[(var, "0")]).unwrap_err().0;
             let key = var["SERVICE_".len()..]
@@ -902,6 +912,37 @@ mod tests {
             );
             assert!(load(None, &[(var, "1")]).is_ok(), "{var}");
         }
+    }
+
+    /// One key for both admin roles is refused: the read-only key would
+    /// then be an admin key. The message does not quote it.
+    #[test]
+    fn the_two_admin_keys_differ() {
+        let e = load(
+            None,
+            &[
+                ("SERVICE_ADMIN_AUTH__ENABLED", "true"),
+                ("SERVICE_ADMIN_AUTH__API_KEY", "SAMEKEY12345"),
+                ("SERVICE_ADMIN_AUTH__READ_ONLY_API_KEY", "SAMEKEY12345"),
+            ],
+        )
+        .unwrap_err()
+        .0;
+        assert_eq!(
+            e,
+            "invalid value for 'admin_auth.read_only_api_key': is the same as admin_auth.api_key; give each role its own key"
+        );
+        assert!(
+            load(
+                None,
+                &[
+                    ("SERVICE_ADMIN_AUTH__ENABLED", "true"),
+                    ("SERVICE_ADMIN_AUTH__API_KEY", "ADMINKEY1234"),
+                    ("SERVICE_ADMIN_AUTH__READ_ONLY_API_KEY", "READKEY12345"),
+                ],
+            )
+            .is_ok()
+        );
     }
 
     /// Errors about a secret's value name the key and the reason, never the

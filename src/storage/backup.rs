@@ -64,6 +64,7 @@ impl Store {
             .map_err(|e| io_err("cannot create the backup directory", e))?;
         // One backup at a time per store, so two callers cannot pick the same name.
         let _guard = self.inner.backup_lock.lock().await;
+        let mut waited = 0;
         let (filename, path, created_at) = loop {
             let now = time::OffsetDateTime::now_utc();
             let stamp = now
@@ -77,6 +78,14 @@ impl Store {
             let path = dir.join(&filename);
             if !path.exists() {
                 break (filename, path, stamp_to_rfc3339(&stamp).unwrap_or_default());
+            }
+            // Files named for the coming seconds (copied in, or left by a
+            // clock set back): give up after a few rather than wait on.
+            waited += 1;
+            if waited > 5 {
+                return Err(StorageError::Conflict(format!(
+                    "backup files named for this and the next 5 seconds already exist in the backup directory (last tried: {filename})"
+                )));
             }
             // Sleep to just past the next whole second.
             let nanos = u64::from(now.nanosecond());

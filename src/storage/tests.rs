@@ -1396,6 +1396,25 @@ async fn backups(s: Store, dir: PathBuf) {
         "B"
     );
     copy.close().await;
+
+    // Files already named for every coming second: a 409 after a few
+    // seconds, not a wait without end.
+    let taken = dir.join("taken");
+    std::fs::create_dir_all(&taken).unwrap();
+    let now = time::OffsetDateTime::now_utc();
+    for ahead in 0..30 {
+        let at = now + time::Duration::seconds(ahead);
+        let stamp = at
+            .format(time::macros::format_description!(
+                "[year][month][day]T[hour][minute][second]Z"
+            ))
+            .unwrap();
+        std::fs::write(taken.join(format!("sluice_backup_{stamp}.db")), "").unwrap();
+    }
+    match s.backup(&taken).await {
+        Err(StorageError::Conflict(m)) => assert!(m.contains("already exist"), "{m}"),
+        other => panic!("expected Conflict, got {other:?}"),
+    }
 }
 
 #[tokio::test]
