@@ -455,6 +455,16 @@ impl Config {
         if !(0.0..=1.0).contains(&self.tracing.sample_rate) {
             return fail("tracing.sample_rate", "must be between 0.0 and 1.0");
         }
+        // Checked whether or not tracing is on, like every key.
+        if !self.tracing.otlp_endpoint.starts_with("http://") {
+            return fail(
+                "tracing.otlp_endpoint",
+                "must be an http:// URL (OTLP over gRPC without TLS; send to a local collector or agent that forwards over TLS)",
+            );
+        }
+        if self.tracing.service_name.trim().is_empty() {
+            return fail("tracing.service_name", "must not be empty");
+        }
         if self.ingest.max_payload_size == 0 {
             return fail("ingest.max_payload_size", "must be at least 1");
         }
@@ -912,6 +922,33 @@ mod tests {
             );
             assert!(load(None, &[(var, "1")]).is_ok(), "{var}");
         }
+    }
+
+    /// The OTLP endpoint is plain http:// (the exporter is built without
+    /// TLS: an https:// one failed at start with advice about build
+    /// features), and spans need a service name.
+    #[test]
+    fn tracing_endpoint_and_service_name_are_checked() {
+        let e = load(
+            None,
+            &[(
+                "SERVICE_TRACING__OTLP_ENDPOINT",
+                "https://otel.example.com:4317",
+            )],
+        )
+        .unwrap_err()
+        .0;
+        assert!(
+            e.starts_with("invalid value for 'tracing.otlp_endpoint': must be an http:// URL"),
+            "{e}"
+        );
+        let e = load(None, &[("SERVICE_TRACING__SERVICE_NAME", " ")])
+            .unwrap_err()
+            .0;
+        assert_eq!(
+            e,
+            "invalid value for 'tracing.service_name': must not be empty"
+        );
     }
 
     /// One key for both admin roles is refused: the read-only key would

@@ -117,8 +117,23 @@ pub async fn handle(
         Err(e) => return Err(e),
     };
     let result = if is_async || channel.is_async {
+        // The submission's own server span (accepted or refused); the run
+        // has its `<channel> process` span later.
+        let traced = app.otel.as_ref().and_then(|o| {
+            o.begin(
+                format!("{} {}", req.method, channel.name),
+                opentelemetry::trace::SpanKind::Server,
+                req.header("traceparent"),
+                req.header("tracestate"),
+            )
+            .map(|span| (o, span))
+        });
         // Boxed, like every rare branch, so the sync path's future stays small.
         let result = Box::pin(crate::traces::submit(app, req, channel, &params)).await;
+        if let Some(traced) = traced {
+            let answer = result.as_ref().map(|_| StatusCode::ACCEPTED);
+            end_span(traced, req, channel, &[], answer);
+        }
         // An accepted submission is counted when its trace runs; a refused
         // one now.
         if let Err(e) = &result {
@@ -312,7 +327,7 @@ async fn run_sync(
     if let Some(hit) = &admitted.hit {
         if let Some((otel, mut span)) = traced {
             span.attribute("sluice.cache", "hit");
-            end_span((otel, span), req, channel, &[], Ok(()));
+            end_span((otel, span), req, channel, &[], Ok(StatusCode::OK));
         }
         let mut response = bytes_response(StatusCode::OK, hit.clone());
         response
@@ -409,7 +424,13 @@ async fn run_sync(
                 .map(|e| e.tasks.clone())
                 .unwrap_or_default();
             let answer = execution.and_then(|e| respond(channel, e, engine_lock_ms));
-            end_span(traced, req, channel, &tasks, answer.as_ref().map(|_| ()));
+            end_span(
+                traced,
+                req,
+                channel,
+                &tasks,
+                answer.as_ref().map(|_| StatusCode::OK),
+            );
             answer?
         }
     };
@@ -433,11 +454,11 @@ fn end_span(
     req: &Req,
     channel: &Channel,
     tasks: &[exec::TaskRecord],
-    answer: Result<(), &ApiError>,
+    answer: Result<StatusCode, &ApiError>,
 ) {
     span.attribute("sluice.channel", channel.name.clone());
     span.attribute("sluice.request_id", req.request_id.as_str().to_owned());
-    let status = answer.map_or_else(|e| e.code.status(), |()| StatusCode::OK);
+    let status = answer.unwrap_or_else(|e| e.code.status());
     span.attribute("http.response.status_code", i64::from(status.as_u16()));
     if let Err(e) = answer {
         span.attribute("sluice.error_code", e.code.as_str());

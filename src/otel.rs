@@ -36,6 +36,49 @@ use std::str::FromStr as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+/// The OTLP exporter, with its failures made visible: a warning at most
+/// every 30 s (saying how many were left out) and `errors_total{type=
+/// "OTEL_EXPORT"}` per failed batch. The SDK reports them nowhere without
+/// its own logging feature, so a collector that was down or refused the
+/// spans lost them without a word.
+#[derive(Debug)]
+struct Reporting<E> {
+    inner: E,
+    log: crate::connectors::kafka::QuietLog,
+}
+
+impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanExporter
+    for Reporting<E>
+{
+    async fn export(
+        &self,
+        batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        let spans = batch.len();
+        let result = self.inner.export(batch).await;
+        if let Err(e) = &result {
+            metrics::counter!(crate::telemetry::names::ERRORS_TOTAL, "type" => "OTEL_EXPORT")
+                .increment(1);
+            if let Some(left_out) = self.log.admit() {
+                tracing::warn!(spans, left_out, error = %e, "could not export spans to tracing.otlp_endpoint");
+            }
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        self.inner.set_resource(resource);
+    }
+}
+
 /// The exporter pipeline; one per process.
 pub struct Otel {
     provider: SdkTracerProvider,
@@ -68,6 +111,10 @@ impl Otel {
         let batch = opentelemetry_sdk::trace::BatchConfigBuilder::default()
             .with_scheduled_delay(Duration::from_millis(500))
             .build();
+        let exporter = Reporting {
+            inner: exporter,
+            log: crate::connectors::kafka::QuietLog::new("tracing.otlp_endpoint"),
+        };
         let processor =
             opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor::builder(
                 exporter,

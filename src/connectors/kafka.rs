@@ -35,7 +35,8 @@ pub struct KafkaProducer {
 /// every [`QuietLog::EVERY`], the next one saying how many were left out.
 /// A broker that stays down makes librdkafka report it about ten times a
 /// second for as long as the client lives; before, every report was a log
-/// line.
+/// line. Also used for the OpenTelemetry exporter's failures.
+#[derive(Debug)]
 pub struct QuietLog {
     /// Who the lines are about (a connector, a consumed topic).
     about: String,
@@ -65,7 +66,7 @@ impl QuietLog {
     }
 
     /// `Some(lines left out since the last one)` when a line may be written.
-    fn admit(&self) -> Option<u64> {
+    pub(crate) fn admit(&self) -> Option<u64> {
         let now = self.started.elapsed().as_millis() as u64 + 1;
         let last = self.last.load(Ordering::Relaxed);
         let due = last == 0 || now.saturating_sub(last) >= self.every.as_millis() as u64;

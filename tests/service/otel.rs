@@ -505,3 +505,85 @@ async fn unsampled_requests_tell_upstreams_not_sampled() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(receiver.spans.lock().unwrap().is_empty());
 }
+
+/// Spans that cannot be exported (no collector at `tracing.otlp_endpoint`)
+/// are counted in `errors_total{type="OTEL_EXPORT"}` and logged at most
+/// every 30 s. Before, the SDK dropped them without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_exports_are_counted() {
+    let closed = crate::support::free_port();
+    let s = traced_service(format!("http://127.0.0.1:{closed}")).await;
+    s.deploy(
+        json!({"workflow_id": "lost", "name": "lost", "tasks": [
+            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+                {"path": "x", "logic": 1}]}}}]}),
+        json!({"channel_id": "lost", "name": "lost", "workflow_id": "lost"}),
+    )
+    .await;
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = s.post("/api/v1/data/lost", json!({"data": {}})).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let metrics = s.get("/metrics").await.text;
+        if metrics
+            .lines()
+            .any(|l| l.starts_with("errors_total{type=\"OTEL_EXPORT\"}"))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "no export failure counted:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// An async submission has its own server span, accepted (202) or refused
+/// (400 by the channel's validation), under the inbound `traceparent`; the
+/// run's `<channel> process` span follows in the same trace. Before, a
+/// submission had no span, and a refused one left no trace at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_submissions_have_their_span() {
+    let (endpoint, receiver) = start_receiver().await;
+    let s = traced_service(endpoint).await;
+    s.deploy(
+        json!({"workflow_id": "later", "name": "later", "tasks": [
+            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+                {"path": "x", "logic": 1}]}}}]}),
+        json!({"channel_id": "later", "name": "later", "channel_type": "async", "protocol": "http",
+               "workflow_id": "later",
+               "validation_logic": {"==": [{"var": "data.ok"}, true]}}),
+    )
+    .await;
+    let parent = "00f067aa0ba902b7";
+    for (trace, ok, status) in [
+        ("6bf92f3577b34da6a3ce929d0e0e4738", true, 202),
+        ("7bf92f3577b34da6a3ce929d0e0e4739", false, 400),
+    ] {
+        let r = s
+            .send(
+                "POST",
+                "/api/v1/data/later",
+                Some(json!({"data": {"ok": ok}})),
+                &[("traceparent", &format!("00-{trace}-{parent}-01"))],
+            )
+            .await;
+        assert_eq!(r.status, status, "{}", r.text);
+        let spans = wait_spans(&receiver, trace, if ok { 2 } else { 1 }).await;
+        let root = named(&spans, "POST later");
+        assert_eq!(hex(&root.parent_span_id), parent);
+        assert_eq!(
+            attr(root, "http.response.status_code"),
+            Some(AnyValue::IntValue(i64::from(status)))
+        );
+        if ok {
+            named(&spans, "later process");
+        } else {
+            assert_eq!(
+                attr(root, "sluice.error_code"),
+                Some(AnyValue::StringValue("BAD_REQUEST".into()))
+            );
+        }
+    }
+}
