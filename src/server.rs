@@ -56,18 +56,27 @@ pub struct RequestId(HeaderValue);
 
 impl RequestId {
     /// The caller's id if it is a UUID (`Some(.., true)`), else a new one.
+    /// Another spelling of a UUID (`{…}`, `urn:uuid:…`, no hyphens) is
+    /// passed on in the hyphenated form, which consumers of the 36-character
+    /// form expect (before, it was passed on as sent).
     pub fn of(headers: &HeaderMap) -> (RequestId, bool) {
-        match headers.get(X_REQUEST_ID) {
-            Some(v) if v.to_str().is_ok_and(|s| uuid::Uuid::parse_str(s).is_ok()) => {
-                (RequestId(v.clone()), true)
-            }
+        let Some(v) = headers.get(X_REQUEST_ID) else {
+            return (RequestId::generate(), false);
+        };
+        match v.to_str().ok().map(|s| (s.len(), uuid::Uuid::parse_str(s))) {
+            Some((uuid::fmt::Hyphenated::LENGTH, Ok(_))) => (RequestId(v.clone()), true),
+            Some((_, Ok(id))) => (RequestId::hyphenated(id), true),
             _ => (RequestId::generate(), false),
         }
     }
 
     pub fn generate() -> RequestId {
+        RequestId::hyphenated(uuid::Uuid::new_v4())
+    }
+
+    fn hyphenated(id: uuid::Uuid) -> RequestId {
         let mut buf = [0u8; uuid::fmt::Hyphenated::LENGTH];
-        let text = uuid::Uuid::new_v4().hyphenated().encode_lower(&mut buf);
+        let text = id.hyphenated().encode_lower(&mut buf);
         RequestId(HeaderValue::from_str(text).expect("a UUID is a valid header value"))
     }
 
@@ -777,6 +786,17 @@ mod tests {
         assert_eq!(id.as_str(), "0b6c3f0e-8d8e-4c5e-9a57-2f1f6d1f7c11");
         h.insert(X_REQUEST_ID, HeaderValue::from_static("not-a-uuid"));
         assert!(!RequestId::of(&h).1);
+        // Other spellings of a UUID go on hyphenated.
+        for other in [
+            "{0B6C3F0E-8D8E-4C5E-9A57-2F1F6D1F7C11}",
+            "urn:uuid:0b6c3f0e-8d8e-4c5e-9a57-2f1f6d1f7c11",
+            "0b6c3f0e8d8e4c5e9a572f1f6d1f7c11",
+        ] {
+            h.insert(X_REQUEST_ID, HeaderValue::from_static(other));
+            let (id, caller) = RequestId::of(&h);
+            assert!(caller, "{other}");
+            assert_eq!(id.as_str(), "0b6c3f0e-8d8e-4c5e-9a57-2f1f6d1f7c11");
+        }
     }
 
     #[test]

@@ -69,10 +69,16 @@ fn v6_refusal(ip: Ipv6Addr) -> Option<&'static str> {
     if let Some(v4) = ip.to_ipv4() {
         return v4_refusal(v4);
     }
-    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-        let [_, _, _, _, _, _, hi, lo] = s;
-        let v4 = Ipv4Addr::from((u32::from(hi) << 16) | u32::from(lo));
-        return v4_refusal(v4);
+    // So are the IPv4-translated form (::ffff:0:a.b.c.d, RFC 2765) and
+    // 6to4 (2002:AABB:CCDD::/48, the IPv4 address in segments 1 and 2).
+    let embedded = |hi: u16, lo: u16| Ipv4Addr::from((u32::from(hi) << 16) | u32::from(lo));
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || s[..6] == [0, 0, 0, 0, 0xffff, 0] {
+        return v4_refusal(embedded(s[6], s[7]));
+    }
+    if s[0] == 0x2002
+        && let Some(why) = v4_refusal(embedded(s[1], s[2]))
+    {
+        return Some(why);
     }
     Some(if (s[0] & 0xffc0) == 0xfe80 {
         "link-local"
@@ -242,6 +248,12 @@ mod tests {
             ("::127.0.0.1", "loopback"),
             ("64:ff9b::7f00:1", "loopback"),
             ("64:ff9b::a00:1", "private (RFC 1918)"),
+            // IPv4-translated and 6to4 (session 17's audit reached the
+            // network with these).
+            ("::ffff:0:127.0.0.1", "loopback"),
+            ("::ffff:0:a00:1", "private (RFC 1918)"),
+            ("2002:7f00:1::", "loopback"),
+            ("2002:a9fe:a9fe::1", "link-local"),
         ] {
             assert_eq!(why(ip), Some(reason), "{ip}");
         }
@@ -259,6 +271,8 @@ mod tests {
             "2001:4860:4860::8888",
             "::ffff:8.8.8.8",
             "64:ff9b::808:808",
+            "::ffff:0:808:808",
+            "2002:808:808::1",
         ] {
             assert_eq!(why(ip), None, "{ip}");
         }
