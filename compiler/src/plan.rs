@@ -718,6 +718,18 @@ impl Cx {
                             .collect()
                     })
                     .unwrap_or_default();
+                // Workflows are shown unmasked (they are meant to hold no
+                // credentials); a credential header here is worth a warning.
+                let headers: Vec<(Box<str>, Box<str>)> = headers;
+                for (name, _) in &headers {
+                    let name: &str = name;
+                    if crate::validate::is_secret_header(name) {
+                        self.warnings.push(Diagnostic {
+                            field: join(field, &format!("headers.{name}")),
+                            message: "looks like a credential: workflows are shown unmasked to every admin reader; put it in the connector's headers or auth, which are masked".into(),
+                        });
+                    }
+                }
                 FunctionPlan::HttpCall(HttpCallPlan {
                     connector,
                     method,

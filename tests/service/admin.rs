@@ -285,6 +285,25 @@ async fn validation_errors(db: Db) {
         w.ok(200)["warnings"][0]["field"],
         "tasks[1].function.input.mappings"
     );
+    // A credential header in an http_call is worth a warning: workflows
+    // are shown unmasked (session 17).
+    let mut creds = workflow("creds");
+    creds["tasks"][1] = json!({"id": "call", "name": "call", "function": {"name": "http_call",
+        "input": {"connector": "api", "path": "/x",
+                  "headers": {"Authorization": "Bearer T0KEN", "Accept": "application/json"}}}});
+    let w = s.admin("POST", "/workflows/validate", Some(creds)).await;
+    let warnings = w.ok(200)["warnings"].as_array().unwrap().clone();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(
+        warnings[0]["field"],
+        "tasks[1].function.input.headers.Authorization"
+    );
+    assert!(
+        warnings[0]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("looks like a credential")
+    );
 
     // A JSONLogic error in a condition is a validation error with its path.
     let mut cond = workflow("cond");
