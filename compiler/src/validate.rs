@@ -1395,7 +1395,7 @@ fn mask(v: &mut Json, headers_everywhere: bool) {
         }
         Json::Array(items) => items.iter_mut().for_each(|i| mask(i, headers_everywhere)),
         Json::String(text) => {
-            if let Some(masked) = mask_url_password(text) {
+            if let Some(masked) = mask_url_credentials(text) {
                 *text = masked;
             }
         }
@@ -1435,7 +1435,10 @@ pub fn masked_leftovers(v: &Json) -> Vec<Diagnostic> {
             // the secret "kept" too) was stored and sent as it stood.
             Json::String(text)
                 if (secret && text.contains(MASK))
-                    || url_password(text).is_some_and(|p| p.contains(MASK)) =>
+                    || url_password(text).is_some_and(|p| p.contains(MASK))
+                    || url_query_secrets(text)
+                        .into_iter()
+                        .any(|r| text[r].contains(MASK)) =>
             {
                 out.push(Diagnostic::new(path, message));
             }
@@ -1474,6 +1477,57 @@ pub fn mask_url_password(text: &str) -> Option<String> {
         &rest[..=colon],
         &rest[at..]
     ))
+}
+
+/// The values of a URL's query parameters whose names say credential
+/// (`?api_key=…`, `&token=…`, `access_token`, `password`), with their
+/// byte ranges in `text`.
+fn url_query_secrets(text: &str) -> Vec<std::ops::Range<usize>> {
+    let Some(scheme_end) = text.find("://") else {
+        return Vec::new();
+    };
+    let Some(q) = text[scheme_end..].find('?').map(|i| scheme_end + i + 1) else {
+        return Vec::new();
+    };
+    let end = text[q..].find('#').map_or(text.len(), |i| q + i);
+    let mut out = Vec::new();
+    let mut at = q;
+    for pair in text[q..end].split('&') {
+        if let Some((name, value)) = pair.split_once('=')
+            && !value.is_empty()
+            && (is_secret_key(name) || is_secret_header(name))
+        {
+            let start = at + name.len() + 1;
+            out.push(start..start + value.len());
+        }
+        at += pair.len() + 1;
+    }
+    out
+}
+
+/// A URL with its credentials masked: the password of
+/// `scheme://user:password@host` and the values of query parameters whose
+/// names say credential (`?api_key=…`); `None` when there are none.
+pub fn mask_url_credentials(text: &str) -> Option<String> {
+    let masked = mask_url_password(text);
+    let base = masked.as_deref().unwrap_or(text);
+    let ranges = url_query_secrets(base);
+    let ranges: Vec<_> = ranges
+        .into_iter()
+        .filter(|r| &base[r.clone()] != MASK)
+        .collect();
+    if ranges.is_empty() {
+        return masked;
+    }
+    let mut out = String::with_capacity(base.len());
+    let mut last = 0;
+    for r in ranges {
+        out.push_str(&base[last..r.start]);
+        out.push_str(MASK);
+        last = r.end;
+    }
+    out.push_str(&base[last..]);
+    Some(out)
 }
 
 #[cfg(test)]

@@ -1304,6 +1304,30 @@ async fn a_mask_left_in_a_definition_is_refused() {
     let r = s.admin("POST", "/connectors", Some(padded)).await;
     r.error(400, "BAD_REQUEST");
     assert_eq!(r.detail_fields(), ["config.url", "config.auth.token"]);
+
+    // A key in the URL's query is masked like its password: GET shows
+    // `******`, PUT of the answer keeps the key, a changed URL around the
+    // mask is refused (session 17: `?api_key=…` was shown in clear).
+    let def = json!({"name": "qk", "connector_type": "http",
+        "config": {"type": "http", "url": "https://x.example.com/v1?api_key=QKEY99&page=2"}});
+    s.admin("POST", "/connectors", Some(def)).await.ok(201);
+    let mut shown = s.admin("GET", "/connectors/qk", None).await.ok(200).clone();
+    assert_eq!(
+        shown["config"]["url"],
+        "https://x.example.com/v1?api_key=******&page=2"
+    );
+    s.admin("PUT", "/connectors/qk", Some(shown.clone()))
+        .await
+        .ok(200);
+    let stored = s.app.store.get_connector("qk").await.unwrap().definition;
+    assert_eq!(
+        stored["config"]["url"],
+        "https://x.example.com/v1?api_key=QKEY99&page=2"
+    );
+    shown["config"]["url"] = json!("https://x.example.com/v2?api_key=******&page=2");
+    let r = s.admin("PUT", "/connectors/qk", Some(shown)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["config.url"]);
 }
 
 /// `?version=` is a positive integer on reads and test runs alike: a test

@@ -1749,3 +1749,36 @@ fn server_urls_are_checked_at_create() {
         check(validate_connector(&connector(ty, config.clone())), &[]);
     }
 }
+
+/// Query parameters whose names say credential are masked in URLs, like
+/// a URL's password (session 17: `?api_key=…` was shown in clear), and a
+/// mask left in one is a leftover.
+#[test]
+fn url_query_credentials_are_masked() {
+    assert_eq!(
+        mask_url_credentials("https://api.example.com/v1?api_key=QK1&page=2&access_token=T0K#frag")
+            .as_deref(),
+        Some("https://api.example.com/v1?api_key=******&page=2&access_token=******#frag")
+    );
+    assert_eq!(
+        mask_url_credentials("redis://u:pw@h:6379/0?token=abc").as_deref(),
+        Some("redis://u:******@h:6379/0?token=******")
+    );
+    assert_eq!(
+        mask_url_credentials("https://api.example.com/v1?page=2&key="),
+        None
+    );
+    assert_eq!(mask_url_credentials("not a url?token=x"), None);
+    assert_eq!(
+        mask_url_credentials("https://x.example.com/?api_key=******"),
+        None
+    );
+    let mut v = json!({"config": {"url": "https://x.example.com/?apikey=K&q=1"}});
+    mask_secrets(&mut v);
+    assert_eq!(
+        v["config"]["url"],
+        "https://x.example.com/?apikey=******&q=1"
+    );
+    let left = json!({"config": {"url": "https://x.example.com/v2?apikey=******"}});
+    assert_eq!(masked_leftovers(&left).len(), 1);
+}
