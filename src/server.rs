@@ -425,13 +425,19 @@ async fn read_and_route(
     } else {
         app.config.ingest.max_payload_size
     } as usize;
-    if let Some(len) = parts
+    let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-        && len > limit as u64
-    {
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
         return early(app, &parts, too_large(limit));
+    }
+    // A body announced by its length is judged by its headers before it is
+    // read: a client that waits for `100 Continue` is refused without
+    // sending it (hyper sends the 100 when the body is first read).
+    let announced = declared.is_some_and(|len| len > 0);
+    if announced && let Some(refused) = unsupported_body(&parts.headers) {
+        return early(app, &parts, refused.into_response());
     }
     // A body that came with its head (nearly all) is read in the first
     // poll, and no timer is made for it; otherwise the rest must arrive
@@ -463,33 +469,12 @@ async fn read_and_route(
                 .into_response();
         }
     };
-    // A body in a content coding is not decoded (RFC 9110 8.4.1: 415).
-    // Before, a gzip body failed as "not valid JSON" and a plain body
-    // labelled gzip was taken as it was.
-    if !body.is_empty()
-        && let Some(coding) = parts.headers.get(header::CONTENT_ENCODING)
-        && !coding
-            .as_bytes()
-            .trim_ascii()
-            .eq_ignore_ascii_case(b"identity")
+    // A body without a length (chunked) is judged once read.
+    if !announced
+        && !body.is_empty()
+        && let Some(refused) = unsupported_body(&parts.headers)
     {
-        let refused = ApiError::new(
-            Code::UnsupportedMediaType,
-            format!(
-                "Content-Encoding '{}' is not supported: send the body uncompressed",
-                String::from_utf8_lossy(coding.as_bytes())
-            ),
-        )
-        .into_response();
-        return early(app, &parts, refused);
-    }
-    if !body.is_empty() && !is_json(&parts.headers) {
-        let refused = ApiError::new(
-            Code::UnsupportedMediaType,
-            "request body must be JSON (Content-Type: application/json)",
-        )
-        .into_response();
-        return early(app, &parts, refused);
+        return early(app, &parts, refused.into_response());
     }
     // A NUL (`%00`) names nothing Sluice keeps, and PostgreSQL cannot even
     // compare text holding one (its lookups failed with a 500): refused
@@ -595,6 +580,33 @@ fn too_large(limit: usize) -> HttpResponse {
         format!("request body exceeds the limit of {limit} bytes"),
     )
     .into_response()
+}
+
+/// Why a request body with these headers is refused (415), if it is: a
+/// content coding (none is decoded, RFC 9110 8.4.1; before, a gzip body
+/// failed as "not valid JSON" and a plain one labelled gzip was taken), or
+/// a content type other than JSON.
+fn unsupported_body(headers: &HeaderMap) -> Option<ApiError> {
+    if let Some(coding) = headers.get(header::CONTENT_ENCODING)
+        && !coding
+            .as_bytes()
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"identity")
+    {
+        return Some(ApiError::new(
+            Code::UnsupportedMediaType,
+            format!(
+                "Content-Encoding '{}' is not supported: send the body uncompressed",
+                String::from_utf8_lossy(coding.as_bytes())
+            ),
+        ));
+    }
+    (!is_json(headers)).then(|| {
+        ApiError::new(
+            Code::UnsupportedMediaType,
+            "request body must be JSON (Content-Type: application/json)",
+        )
+    })
 }
 
 fn is_json(headers: &HeaderMap) -> bool {

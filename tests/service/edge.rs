@@ -769,7 +769,9 @@ async fn exchange(s: &TestServer, request: &[u8]) -> String {
 /// - a body in a content coding is a 415 (RFC 9110 8.4.1; a gzip body
 ///   failed as "not JSON", a plain body labelled gzip was taken);
 /// - over HTTP/2, `metadata.headers.host` holds `:authority`, as over
-///   HTTP/1.1 (it was missing).
+///   HTTP/1.1 (it was missing);
+/// - a body announced by its length is judged by its headers before it is
+///   read, so `Expect: 100-continue` gets the 415 instead of the 100.
 #[tokio::test]
 async fn host_headers_content_codings_and_h2_hosts() {
     let s = start(Db::Sqlite).await;
@@ -797,6 +799,15 @@ async fn host_headers_content_codings_and_h2_hosts() {
     // HTTP/1.0 needs none.
     let answer = exchange(&s, b"GET /health HTTP/1.0\r\n\r\n").await;
     assert!(answer.starts_with("HTTP/1.0 200 "), "{answer}");
+
+    // A client waiting for `100 Continue` with a body that would be refused
+    // is refused at once, without the 100 (it then uploaded for nothing).
+    let answer = exchange(
+        &s,
+        b"POST /api/v1/data/h HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: text/plain\r\nContent-Length: 11\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 415 "), "{answer}");
 
     let r = s
         .raw_with(
