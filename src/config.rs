@@ -455,14 +455,21 @@ impl Config {
         if !(0.0..=1.0).contains(&self.tracing.sample_rate) {
             return fail("tracing.sample_rate", "must be between 0.0 and 1.0");
         }
-        // Checked whether or not tracing is on, like every key.
-        if !self.tracing.otlp_endpoint.starts_with("http://") {
+        // Only when tracing is on: a shared environment may name an
+        // endpoint that a service with tracing off never uses.
+        if self.tracing.enabled
+            && !self
+                .tracing
+                .otlp_endpoint
+                .get(..7)
+                .is_some_and(|s| s.eq_ignore_ascii_case("http://"))
+        {
             return fail(
                 "tracing.otlp_endpoint",
                 "must be an http:// URL (OTLP over gRPC without TLS; send to a local collector or agent that forwards over TLS)",
             );
         }
-        if self.tracing.service_name.trim().is_empty() {
+        if self.tracing.enabled && self.tracing.service_name.trim().is_empty() {
             return fail("tracing.service_name", "must not be empty");
         }
         if self.ingest.max_payload_size == 0 {
@@ -929,20 +936,26 @@ mod tests {
     /// features), and spans need a service name.
     #[test]
     fn tracing_endpoint_and_service_name_are_checked() {
-        let e = load(
-            None,
-            &[(
-                "SERVICE_TRACING__OTLP_ENDPOINT",
-                "https://otel.example.com:4317",
-            )],
-        )
-        .unwrap_err()
-        .0;
+        let https = (
+            "SERVICE_TRACING__OTLP_ENDPOINT",
+            "https://otel.example.com:4317",
+        );
+        let on = ("SERVICE_TRACING__ENABLED", "true");
+        // Not used with tracing off: not refused either.
+        assert!(load(None, &[https]).is_ok());
+        assert!(
+            load(
+                None,
+                &[on, ("SERVICE_TRACING__OTLP_ENDPOINT", "HTTP://c:4317")]
+            )
+            .is_ok()
+        );
+        let e = load(None, &[on, https]).unwrap_err().0;
         assert!(
             e.starts_with("invalid value for 'tracing.otlp_endpoint': must be an http:// URL"),
             "{e}"
         );
-        let e = load(None, &[("SERVICE_TRACING__SERVICE_NAME", " ")])
+        let e = load(None, &[on, ("SERVICE_TRACING__SERVICE_NAME", " ")])
             .unwrap_err()
             .0;
         assert_eq!(

@@ -588,16 +588,15 @@ fn too_large(limit: usize) -> HttpResponse {
 /// a content type other than JSON.
 fn unsupported_body(headers: &HeaderMap) -> Option<ApiError> {
     if let Some(coding) = headers.get(header::CONTENT_ENCODING)
-        && !coding
-            .as_bytes()
-            .trim_ascii()
-            .eq_ignore_ascii_case(b"identity")
+        && let coding = coding.as_bytes().trim_ascii()
+        && !coding.is_empty()
+        && !coding.eq_ignore_ascii_case(b"identity")
     {
         return Some(ApiError::new(
             Code::UnsupportedMediaType,
             format!(
                 "Content-Encoding '{}' is not supported: send the body uncompressed",
-                String::from_utf8_lossy(coding.as_bytes())
+                String::from_utf8_lossy(coding)
             ),
         ));
     }

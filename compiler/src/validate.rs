@@ -1339,7 +1339,7 @@ const SECRET_SUFFIXES: &[&str] = &[
 /// covers `Cookie` and `Set-Cookie`: a session cookie is a credential).
 const SECRET_HEADER_PARTS: &[&str] = &["authorization", "token", "secret", "key", "cookie"];
 
-fn is_secret_key(k: &str) -> bool {
+pub fn is_secret_key(k: &str) -> bool {
     let k = k.to_ascii_lowercase();
     SECRET_KEYS.contains(&k.as_str()) || SECRET_SUFFIXES.iter().any(|s| k.ends_with(s))
 }
@@ -1479,9 +1479,10 @@ pub fn mask_url_password(text: &str) -> Option<String> {
     ))
 }
 
-/// The values of a URL's query parameters whose names say credential
-/// (`?api_key=…`, `&token=…`, `access_token`, `password`), with their
-/// byte ranges in `text`.
+/// The values of a URL's query parameters whose names say credential by
+/// the key rule (`?api_key=…`, `&token=…`, `access_token`, `password`; not
+/// the header rule's substrings, which took `?keyword=` for a key), with
+/// their byte ranges in `text`.
 fn url_query_secrets(text: &str) -> Vec<std::ops::Range<usize>> {
     let Some(scheme_end) = text.find("://") else {
         return Vec::new();
@@ -1495,7 +1496,7 @@ fn url_query_secrets(text: &str) -> Vec<std::ops::Range<usize>> {
     for pair in text[q..end].split('&') {
         if let Some((name, value)) = pair.split_once('=')
             && !value.is_empty()
-            && (is_secret_key(name) || is_secret_header(name))
+            && is_secret_key(name)
         {
             let start = at + name.len() + 1;
             out.push(start..start + value.len());

@@ -8,7 +8,7 @@ use super::ssrf;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value as Json;
 use sluice_compiler::def::{HttpAuth, HttpConnector};
-use sluice_compiler::validate::is_secret_header;
+use sluice_compiler::validate::{is_secret_header, is_secret_key};
 use sluice_runtime::connectors::{CallScope, ConnectorError, ConnectorErrorKind, HttpRequest};
 use std::sync::{Arc, Once};
 use std::time::Duration;
@@ -41,6 +41,10 @@ pub struct HttpConn {
     /// the upstream's error text an error message quotes, since an
     /// upstream may echo what it was sent ("denied for Bearer …").
     secrets: Vec<String>,
+    /// The client that follows redirects within the origin only: `client`
+    /// itself for a connector with credentials; used too for a call whose
+    /// task adds a credential header.
+    strict: reqwest::Client,
 }
 
 /// rustls needs one process-wide crypto provider; ring is the one sqlx
@@ -124,16 +128,15 @@ impl HttpConn {
             secrets.push(crate::server::decode(password).into_owned());
         }
         for (k, v) in url.query_pairs() {
-            if is_secret_header(&k) {
+            if is_secret_key(&k) {
                 secrets.push(v.into_owned());
             }
         }
         // A connector with credentials follows redirects within its origin
-        // only (see `ssrf::redirect_policy`).
+        // only (see `ssrf::redirect_policy`); so does a call whose task
+        // adds a credential header (`strict`).
         let keep_origin = !secrets.is_empty();
-        secrets.retain(|s| s.chars().count() >= 4);
-        secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
-        secrets.dedup();
+        let secrets = usable_secrets(secrets);
         let timeout = cfg
             .timeout_ms
             .map_or(settings.default_timeout, Duration::from_millis);
@@ -141,19 +144,27 @@ impl HttpConn {
         // No proxy: a proxy would resolve the target itself, past the guard.
         // No `Referer` on redirects: it would carry the base URL (and its
         // query, which may hold a key) to the next host.
-        let mut builder = reqwest::Client::builder()
-            .no_proxy()
-            .connect_timeout(timeout)
-            .timeout(timeout)
-            .referer(false)
-            .redirect(ssrf::redirect_policy(guarded, keep_origin))
-            .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")));
-        if guarded {
-            builder = builder.dns_resolver(Arc::new(ssrf::GuardedResolver));
-        }
-        let client = builder
-            .build()
-            .map_err(|e| config_error(name, format!("cannot build an HTTP client ({e})")))?;
+        let build = |keep_origin: bool| {
+            let mut builder = reqwest::Client::builder()
+                .no_proxy()
+                .connect_timeout(timeout)
+                .timeout(timeout)
+                .referer(false)
+                .redirect(ssrf::redirect_policy(guarded, keep_origin))
+                .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")));
+            if guarded {
+                builder = builder.dns_resolver(Arc::new(ssrf::GuardedResolver));
+            }
+            builder
+                .build()
+                .map_err(|e| config_error(name, format!("cannot build an HTTP client ({e})")))
+        };
+        let strict = build(true)?;
+        let client = if keep_origin {
+            strict.clone()
+        } else {
+            build(false)?
+        };
         Ok(HttpConn {
             name: name.to_owned(),
             client,
@@ -163,17 +174,18 @@ impl HttpConn {
             timeout,
             guarded,
             secrets,
+            strict,
         })
     }
 
-    /// `text` with every credential of the connector replaced by `******`.
-    fn scrub(&self, text: String) -> String {
-        if !self.secrets.iter().any(|s| text.contains(s.as_str())) {
-            return text;
-        }
+    /// `text` with every credential of the connector (and `more`, the
+    /// task's own credential header values) replaced by `******`.
+    fn scrub(&self, text: String, more: &[String]) -> String {
         let mut text = text;
-        for s in &self.secrets {
-            text = text.replace(s.as_str(), sluice_compiler::validate::MASK);
+        for s in self.secrets.iter().chain(more) {
+            if text.contains(s.as_str()) {
+                text = text.replace(s.as_str(), sluice_compiler::validate::MASK);
+            }
         }
         text
     }
@@ -184,7 +196,7 @@ impl HttpConn {
     /// (before, the path was appended inside it: `/api?api_key=K/x`).
     fn url(&self, path: Option<&str>) -> String {
         let (base, base_query) = match self.base.split_once('?') {
-            Some((b, q)) => (b.trim_end_matches('/'), Some(q)),
+            Some((b, q)) => (b, Some(q)),
             None => (self.base.as_str(), None),
         };
         let (path, query) = match path {
@@ -195,8 +207,11 @@ impl HttpConn {
             },
         };
         let mut url = String::with_capacity(self.base.len() + path.len() + 16);
-        url.push_str(base);
-        if !path.is_empty() {
+        if path.is_empty() {
+            // The base as configured (`/hook/` and `/hook` may differ).
+            url.push_str(base);
+        } else {
+            url.push_str(base.trim_end_matches('/'));
             url.push('/');
             url.push_str(path.trim_start_matches('/'));
         }
@@ -270,8 +285,26 @@ impl HttpConn {
             .min(Duration::from_millis(req.timeout_ms.max(1)));
         let method = reqwest::Method::from_bytes(method.as_bytes())
             .map_err(|_| ConnectorError::other(format!("{what}: invalid method")))?;
-        let mut builder = self
-            .client
+        // A credential header the task adds: kept to the origin too, and
+        // masked in error text like the connector's own.
+        let task_secrets = usable_secrets(
+            req.headers
+                .iter()
+                .filter(|(k, _)| is_secret_header(k))
+                .flat_map(|(_, v)| {
+                    [
+                        v.clone(),
+                        v.rsplit(' ').next().unwrap_or_default().to_owned(),
+                    ]
+                })
+                .collect(),
+        );
+        let client = if task_secrets.is_empty() {
+            &self.client
+        } else {
+            &self.strict
+        };
+        let mut builder = client
             .request(method, url)
             .headers(headers)
             .timeout(timeout);
@@ -294,7 +327,11 @@ impl HttpConn {
         let retryable = status.is_server_error() || code == 429 || code == 408;
         Err(ConnectorError::new(
             ConnectorErrorKind::Upstream,
-            format!("{what} answered HTTP {code}{}", self.scrub(snippet(&bytes))),
+            format!(
+                "{what} answered HTTP {code}{}",
+                // Masked whole, then cut: a secret across the cut is masked.
+                snippet(&self.scrub(String::from_utf8_lossy(&bytes).into_owned(), &task_secrets))
+            ),
         )
         .retryable(retryable))
     }
@@ -372,10 +409,19 @@ fn parse_body(bytes: &[u8]) -> Json {
         .unwrap_or_else(|_| Json::String(String::from_utf8_lossy(bytes).into_owned()))
 }
 
+/// Secrets worth masking by value: at least 6 characters (shorter ones
+/// match ordinary words: a `X-Idempotency-Key: json` masked "invalid json"),
+/// longest first, each once.
+fn usable_secrets(mut secrets: Vec<String>) -> Vec<String> {
+    secrets.retain(|s| s.chars().count() >= 6);
+    secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    secrets.dedup();
+    secrets
+}
+
 /// The start of an error body, for the task error message.
-fn snippet(bytes: &[u8]) -> String {
+fn snippet(text: &str) -> String {
     const MAX: usize = 200;
-    let text = String::from_utf8_lossy(bytes);
     let text = text.trim();
     if text.is_empty() {
         return String::new();
@@ -617,6 +663,50 @@ mod tests {
         assert!(!landed.to_ascii_lowercase().contains("referer"), "{landed}");
     }
 
+    /// A credential header the task adds keeps the call to the origin too
+    /// (the connector itself holds none), and its value is masked in the
+    /// error text; a secret across the 200-character cut is masked whole;
+    /// values under 6 characters are left alone (they match ordinary words).
+    #[tokio::test]
+    async fn task_credentials_stay_with_the_origin_and_are_masked() {
+        let (port, landed) = recorder(Duration::from_millis(500)).await;
+        let (base, _first) = one_shot(redirect_to(port)).await;
+        let c = conn_with(serde_json::json!({"url": base}));
+        let mut req = get("/r");
+        req.headers = vec![("X-Api-Key".into(), "TASKKEYzq1".into())];
+        let e = c.send(&CallScope::default(), &req).await.unwrap_err();
+        assert!(
+            e.message.contains("redirected to another origin"),
+            "{}",
+            e.message
+        );
+        assert_eq!(landed.await.unwrap(), None);
+
+        let body = format!(
+            r#"{{"pad":"{}","token":"TASKKEYzq1 LONGTOKENzq2","idem":"json"}}"#,
+            "p".repeat(170)
+        );
+        let reply: &'static str = Box::leak(
+            format!(
+                "HTTP/1.1 400 Bad Request\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .into_boxed_str(),
+        );
+        let (base, _server) = one_shot(reply).await;
+        let c = conn_with(serde_json::json!({"url": base,
+            "auth": {"type": "bearer", "token": "LONGTOKENzq2"}}));
+        let mut req = get("/x");
+        req.headers = vec![
+            ("X-Api-Key".into(), "TASKKEYzq1".into()),
+            ("X-Idempotency-Key".into(), "json".into()),
+        ];
+        let e = c.send(&CallScope::default(), &req).await.unwrap_err();
+        assert!(!e.message.contains("TASKKEY"), "{}", e.message);
+        assert!(!e.message.contains("LONGTOK"), "{}", e.message);
+        assert!(e.message.contains(r#""token":"******"#), "{}", e.message);
+    }
+
     /// A path (computed from request data by `path_logic`) cannot climb out
     /// of the base URL with `..` segments, encoded or not: before,
     /// `../../../admin/users` reached `/admin/users` on the upstream.
@@ -698,13 +788,14 @@ mod tests {
         assert_eq!(c.url(Some("?a=1")), "http://example.com/api?a=1");
         // A base URL with a query keeps it a query.
         let c = conn("http://example.com/api/?api_key=K", true);
-        assert_eq!(c.url(None), "http://example.com/api?api_key=K");
+        assert_eq!(c.url(None), "http://example.com/api/?api_key=K");
+        assert_eq!(c.url(Some("")), "http://example.com/api/?api_key=K");
         assert_eq!(c.url(Some("/x")), "http://example.com/api/x?api_key=K");
         assert_eq!(
             c.url(Some("x?a=1")),
             "http://example.com/api/x?api_key=K&a=1"
         );
-        assert_eq!(c.url(Some("?a=1")), "http://example.com/api?api_key=K&a=1");
+        assert_eq!(c.url(Some("?a=1")), "http://example.com/api/?api_key=K&a=1");
     }
 
     #[test]

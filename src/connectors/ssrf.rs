@@ -176,6 +176,7 @@ pub fn redirect_policy(guarded: bool, keep_origin: bool) -> reqwest::redirect::P
         if keep_origin
             && let Some(first) = attempt.previous().first()
             && first.origin() != attempt.url().origin()
+            && !upgrade(first, attempt.url())
         {
             let to = attempt.url().origin().ascii_serialization();
             return attempt.error(format!(
@@ -187,6 +188,16 @@ pub fn redirect_policy(guarded: bool, keep_origin: bool) -> reqwest::redirect::P
         }
         attempt.follow()
     })
+}
+
+/// Whether `to` is `from` moved from http to https on the same host (a
+/// 301 to TLS keeps the credentials with the same server).
+fn upgrade(from: &reqwest::Url, to: &reqwest::Url) -> bool {
+    from.scheme() == "http"
+        && to.scheme() == "https"
+        && from.host_str() == to.host_str()
+        && from.port().is_none()
+        && to.port().is_none()
 }
 
 /// The [`Refused`] error somewhere in `e`'s source chain, if the guard is
@@ -208,6 +219,27 @@ mod tests {
 
     fn why(s: &str) -> Option<&'static str> {
         refusal(s.parse().unwrap())
+    }
+
+    #[test]
+    fn an_upgrade_to_tls_on_the_same_host_keeps_the_origin() {
+        let u = |s: &str| Url::parse(s).unwrap();
+        assert!(upgrade(
+            &u("http://api.example.com/a"),
+            &u("https://api.example.com/a")
+        ));
+        assert!(!upgrade(
+            &u("http://api.example.com/a"),
+            &u("https://evil.example.com/a")
+        ));
+        assert!(!upgrade(
+            &u("https://api.example.com/"),
+            &u("http://api.example.com/")
+        ));
+        assert!(!upgrade(
+            &u("http://api.example.com:8080/"),
+            &u("https://api.example.com/")
+        ));
     }
 
     #[test]

@@ -525,12 +525,12 @@ struct Inner {
 /// limit on a context.
 pub const JSON_DEPTH_PROBE: usize = 2048;
 
-/// The nesting SQLite's JSON validity check (the `CHECK (json_valid(..))`
-/// of its JSON columns) accepts, found by asking it (a binary search over
-/// nested arrays, a dozen queries at connect): about 1,000 levels, by
-/// version. PostgreSQL's and MariaDB/MySQL's columns are unchecked text
-/// (MariaDB's check refused 32 levels until migration 0005): no limit.
-/// When the probe itself fails the known limit is assumed.
+/// The nesting the JSON validity checks of the trace columns accept, found
+/// by asking the database (a binary search over nested arrays, a dozen
+/// queries at connect): SQLite's `json_valid` about 1,000 levels, MySQL's
+/// 100. PostgreSQL's and MariaDB's columns are unchecked text (MariaDB's
+/// check refused 32 levels until migration 0005): no limit. When the probe
+/// itself fails the known limit is assumed.
 async fn json_depth_of(pools: &Pools) -> Option<usize> {
     async fn valid(pools: &Pools, depth: usize) -> Result<bool, sqlx::Error> {
         let text = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
@@ -542,12 +542,32 @@ async fn json_depth_of(pools: &Pools) -> Option<usize> {
                     .await?
                     == 1
             }
-            Pools::MySql(_) | Pools::Postgres(_) => true,
+            Pools::MySql(p) => {
+                sqlx::query_scalar::<_, i64>("SELECT CAST(COALESCE(JSON_VALID(?), 0) AS SIGNED)")
+                    .bind(text)
+                    .fetch_one(p)
+                    .await?
+                    == 1
+            }
+            Pools::Postgres(_) => true,
         })
     }
     let fallback = match pools {
         Pools::Sqlite(_) => Some(1000),
-        Pools::MySql(_) | Pools::Postgres(_) => return None,
+        // MariaDB's checks went with migration 0005 (`MODIFY` drops a
+        // column's CHECK there); MySQL 8 keeps them as table constraints,
+        // so its limit (100 levels) still holds.
+        Pools::MySql(p) => {
+            let version: Option<String> = sqlx::query_scalar("SELECT VERSION()")
+                .fetch_one(p)
+                .await
+                .ok();
+            if version.is_none_or(|v| v.contains("MariaDB")) {
+                return None;
+            }
+            Some(100)
+        }
+        Pools::Postgres(_) => return None,
     };
     let search = async {
         if valid(pools, JSON_DEPTH_PROBE).await? {
@@ -1009,15 +1029,33 @@ impl Store {
     /// complete file. Before, the data stayed in `-wal` (the `.db` itself a
     /// 4 KB stub), and a backup copied over the file was overlaid at the
     /// next start by the old log: the restore silently did nothing.
+    ///
+    /// The pool is closed first (no write can follow), then the checkpoint
+    /// runs on a connection of its own; a checkpoint that could not finish
+    /// (another process still reading) is logged.
     pub async fn shutdown(&self) {
-        if let Pools::Sqlite(pool) = &self.inner.pools
-            && let Err(e) = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
-                .execute(pool)
-                .await
-        {
-            tracing::warn!(error = %e, "could not checkpoint the SQLite write-ahead log at shutdown");
-        }
         self.close().await;
+        let (Pools::Sqlite(_), Some(url)) = (&self.inner.pools, &self.inner.url) else {
+            return;
+        };
+        use sqlx::Connection as _;
+        let done = async {
+            let mut conn = sqlx::SqliteConnection::connect(url).await?;
+            let (busy, _, _): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(TRUNCATE)")
+                .fetch_one(&mut conn)
+                .await?;
+            conn.close().await?;
+            Ok::<_, sqlx::Error>(busy == 0)
+        };
+        match done.await {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                "the SQLite write-ahead log could not be emptied at shutdown (the database is in use)"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not checkpoint the SQLite write-ahead log at shutdown");
+            }
+        }
     }
 
     pub(crate) fn sql(&self) -> &Sql {

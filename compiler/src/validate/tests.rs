@@ -1773,12 +1773,20 @@ fn url_query_credentials_are_masked() {
         mask_url_credentials("https://x.example.com/?api_key=******"),
         None
     );
-    let mut v = json!({"config": {"url": "https://x.example.com/?apikey=K&q=1"}});
+    let mut v = json!({"config": {"url": "https://x.example.com/?api_key=K&q=1"}});
     mask_secrets(&mut v);
     assert_eq!(
         v["config"]["url"],
-        "https://x.example.com/?apikey=******&q=1"
+        "https://x.example.com/?api_key=******&q=1"
     );
-    let left = json!({"config": {"url": "https://x.example.com/v2?apikey=******"}});
+    let left = json!({"config": {"url": "https://x.example.com/v2?api_key=******"}});
     assert_eq!(masked_leftovers(&left).len(), 1);
+    // Names that only contain "key" or "token" are ordinary (a search
+    // link in a result stays whole).
+    for plain in [
+        "https://shop.example.com/search?keyword=boots&page=2",
+        "https://api.example.com/items?monkey=1&tokens_left=3",
+    ] {
+        assert_eq!(mask_url_credentials(plain), None, "{plain}");
+    }
 }
