@@ -381,17 +381,10 @@ async fn consumes_records_and_dead_letters() {
 /// cannot be recorded as it is: the message is refused with a failed trace
 /// that keeps its value as text, and the partition goes on. Before, storing
 /// its trace was retried forever and held the partition. Run on worker
-/// stacks as large as the service's own (an unoptimised build's frames are
-/// much larger than a release build's).
+/// stacks as large as the service's own.
 #[test]
 fn a_payload_the_store_cannot_keep_is_refused_not_retried() {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_stack_size(sluice::engine::THREAD_STACK_BYTES)
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(a_payload_the_store_cannot_keep_body());
+    crate::support::on_service_stacks(a_payload_the_store_cannot_keep_body());
 }
 
 async fn a_payload_the_store_cannot_keep_body() {

@@ -694,3 +694,16 @@ pub async fn recording_upstream(delay: std::time::Duration) -> (String, Arc<Reco
     });
     (format!("http://{addr}"), recorded)
 }
+
+/// Runs `body` on worker stacks as large as the service's own: deep values
+/// need them (an unoptimised build's frames are about 40 times larger than
+/// a release build's).
+pub fn on_service_stacks(body: impl std::future::Future<Output = ()>) {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_stack_size(sluice::engine::THREAD_STACK_BYTES)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(body);
+}

@@ -526,6 +526,28 @@ async fn deep_traces_within_the_store_body(db: Db) {
         )
         .into_bytes()
     };
+    // Submits a payload nested `levels` deep and returns its finished trace.
+    let finished = |levels: usize| {
+        let s = &s;
+        async move {
+            let r = s
+                .raw(
+                    "POST",
+                    "/api/v1/data/deeper/1",
+                    nested(levels),
+                    Some("application/json"),
+                )
+                .await;
+            assert_eq!(r.status, 202, "{}", r.text);
+            let id = r.body["trace_id"].as_str().unwrap().to_owned();
+            let trace = poll(s, &id, |t| {
+                t["status"] == "completed" || t["status"] == "failed"
+            })
+            .await;
+            assert_eq!(trace["status"], "completed", "{trace}");
+            trace
+        }
+    };
     let limit = s.app.store.json_depth();
     let Some(limit) = limit else {
         assert!(
@@ -533,21 +555,7 @@ async fn deep_traces_within_the_store_body(db: Db) {
             "{db:?} has a JSON depth limit"
         );
         // 100 levels: well past MariaDB's old 31, in payload and result.
-        let r = s
-            .raw(
-                "POST",
-                "/api/v1/data/deeper/1",
-                nested(100),
-                Some("application/json"),
-            )
-            .await;
-        assert_eq!(r.status, 202, "{}", r.text);
-        let id = r.body["trace_id"].as_str().unwrap().to_owned();
-        let trace = poll(&s, &id, |t| {
-            t["status"] == "completed" || t["status"] == "failed"
-        })
-        .await;
-        assert_eq!(trace["status"], "completed", "{trace}");
+        let trace = finished(100).await;
         let mut v = &trace["data"]["a"]["b"];
         for _ in 0..100 {
             v = &v[0];
@@ -573,21 +581,7 @@ async fn deep_traces_within_the_store_body(db: Db) {
         "{e}"
     );
     // At the limit: stored; its result (two levels more) is not.
-    let r = s
-        .raw(
-            "POST",
-            "/api/v1/data/deeper/1",
-            nested(limit),
-            Some("application/json"),
-        )
-        .await;
-    assert_eq!(r.status, 202, "{}", r.text);
-    let id = r.body["trace_id"].as_str().unwrap().to_owned();
-    let trace = poll(&s, &id, |t| {
-        t["status"] == "completed" || t["status"] == "failed"
-    })
-    .await;
-    assert_eq!(trace["status"], "completed", "{trace}");
+    let trace = finished(limit).await;
     assert_eq!(trace["data"], Json::Null);
     assert!(
         trace["errors"][0]["message"]
@@ -598,16 +592,8 @@ async fn deep_traces_within_the_store_body(db: Db) {
     );
 }
 
-/// Deep values need the service's own worker stacks (an unoptimised build's
-/// frames are about 40 times larger than a release build's).
 fn with_service_stacks(db: Db) {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_stack_size(sluice::engine::THREAD_STACK_BYTES)
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(deep_traces_within_the_store_body(db));
+    crate::support::on_service_stacks(deep_traces_within_the_store_body(db));
 }
 
 #[test]
