@@ -567,7 +567,6 @@ async fn slow_clients_are_cut_off() {
 /// a status change of the wrong shape says precisely what is wrong.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn utf8_headers_and_status_bodies() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let s = start(Db::Sqlite).await;
     s.deploy(
         json!({"workflow_id": "hdr", "name": "hdr", "tasks": [
@@ -576,18 +575,12 @@ async fn utf8_headers_and_status_bodies() {
         json!({"channel_id": "hdr", "name": "hdr", "workflow_id": "hdr"}),
     )
     .await;
-    let addr = s.base.trim_start_matches("http://").to_owned();
-    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let body = r#"{"data":{}}"#;
-    let head = format!(
-        "POST /api/v1/data/hdr HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nX-Name: caf\u{e9}\r\nContent-Length: {}\r\n\r\n",
+    let request = format!(
+        "POST /api/v1/data/hdr HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nX-Name: caf\u{e9}\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    conn.write_all(head.as_bytes()).await.unwrap();
-    conn.write_all(body.as_bytes()).await.unwrap();
-    let mut answer = Vec::new();
-    conn.read_to_end(&mut answer).await.unwrap();
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = exchange(&s, request.as_bytes()).await;
     assert!(answer.contains(r#""name":"café""#), "{answer}");
 
     for (body, field_message) in [
