@@ -217,17 +217,26 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
         tracing::warn!("drain period ended with requests still in flight");
     }
     // Export the spans still buffered (bounded: a dead collector must not
-    // hold the exit).
+    // hold the exit). On a thread of its own, not the runtime's blocking
+    // pool: the SDK's shutdown blocks until the exporter task on this
+    // runtime answers, and a runtime being dropped waits for its blocking
+    // tasks, so a flush still pending then held the drop forever (seen in
+    // the test suite).
     if app.otel.is_some() {
         let flushing = app.clone();
-        let flush = tokio::task::spawn_blocking(move || {
-            if let Some(otel) = &flushing.otel {
-                otel.shutdown();
-            }
-        });
-        if tokio::time::timeout(Duration::from_secs(5), flush)
-            .await
-            .is_err()
+        let (done, flushed) = tokio::sync::oneshot::channel();
+        let spawned = std::thread::Builder::new()
+            .name("sluice-otel-flush".into())
+            .spawn(move || {
+                if let Some(otel) = &flushing.otel {
+                    otel.shutdown();
+                }
+                let _ = done.send(());
+            });
+        if spawned.is_err()
+            || tokio::time::timeout(Duration::from_secs(5), flushed)
+                .await
+                .is_err()
         {
             tracing::warn!("OpenTelemetry spans not flushed within 5 s");
         }
