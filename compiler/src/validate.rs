@@ -1316,32 +1316,48 @@ fn parse<T: serde::de::DeserializeOwned>(
 /// What a masked value shows.
 pub const MASK: &str = "******";
 
-/// Keys whose values are secrets at any depth (compared case-insensitively).
+/// Keys whose values are secrets at any depth. Compared after
+/// [`key_words`]: case-insensitively, and without `_` and `-`, so `apiKey`,
+/// `api-key` and `API_KEY` are all `api_key`.
 const SECRET_KEYS: &[&str] = &[
     "token",
     "password",
     "key",
     "secret",
-    "api_key",
-    "connection_string",
+    "apikey",
+    "connectionstring",
+    "passwd",
 ];
 /// Also secrets: the object-storage credentials and the common spellings of
-/// the listed names with a prefix (`client_secret`, `refresh_token`, ...).
+/// the listed names with a prefix (`client_secret`, `refreshToken`,
+/// `x-api-key`, ...), compared the same way.
 const SECRET_SUFFIXES: &[&str] = &[
-    "_token",
-    "_password",
-    "_secret",
-    "secret_key",
-    "access_key",
-    "private_key",
+    "token",
+    "password",
+    "passwd",
+    "passphrase",
+    "secret",
+    "secretkey",
+    "accesskey",
+    "privatekey",
+    "apikey",
 ];
 /// A header value is masked when its name contains one of these (`cookie`
 /// covers `Cookie` and `Set-Cookie`: a session cookie is a credential).
 const SECRET_HEADER_PARTS: &[&str] = &["authorization", "token", "secret", "key", "cookie"];
 
 pub fn is_secret_key(k: &str) -> bool {
-    let k = k.to_ascii_lowercase();
+    let k = key_words(k);
     SECRET_KEYS.contains(&k.as_str()) || SECRET_SUFFIXES.iter().any(|s| k.ends_with(s))
+}
+
+/// A key as the secret rule compares it: lowercase, without the `_` and `-`
+/// that separate its words.
+fn key_words(k: &str) -> String {
+    k.bytes()
+        .filter(|b| !matches!(b, b'_' | b'-'))
+        .map(|b| char::from(b.to_ascii_lowercase()))
+        .collect()
 }
 
 /// Whether a header of this name carries a credential (its value is

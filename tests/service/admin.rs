@@ -424,6 +424,15 @@ async fn connectors(db: Db) {
     // Masked anyway (the field is secret-named); never the resolved value.
     assert_eq!(got.ok(201)["config"]["connection_string"], "******");
 
+    // Query credentials in any word spelling (`apiKey`, `access-token`).
+    let maps = json!({"name": "maps", "connector_type": "http",
+        "config": {"type": "http", "url": "https://maps.example.com/v1?apiKey=q-4567&region=eu&access-token=t-8910"}});
+    let got = s.admin("POST", "/connectors", Some(maps)).await;
+    assert_eq!(
+        got.ok(201)["config"]["url"],
+        "https://maps.example.com/v1?apiKey=******&region=eu&access-token=******"
+    );
+
     let mut updated = def.clone();
     updated["config"]["url"] = json!("https://billing2.example.com");
     let u = s.admin("PUT", "/connectors/billing", Some(updated)).await;

@@ -1413,6 +1413,27 @@ fn masks_secret_keys_at_any_depth() {
 }
 
 #[test]
+fn masks_secret_keys_in_any_word_spelling() {
+    let mut v = json!({
+        "apiKey": "a", "API-KEY": "b", "x-api-key": "c", "clientSecret": "d",
+        "accessToken": "e", "refresh-token": "f", "connectionString": "g",
+        "privateKey": "h", "passwd": "i", "ssl_passphrase": "j", "secretAccessKey": "k",
+        "partitionKey": "kept", "tokenUrl": "kept", "max_tokens": 5, "keyspace": "kept"
+    });
+    mask_secrets(&mut v);
+    assert_eq!(
+        v,
+        json!({
+            "apiKey": "******", "API-KEY": "******", "x-api-key": "******", "clientSecret": "******",
+            "accessToken": "******", "refresh-token": "******", "connectionString": "******",
+            "privateKey": "******", "passwd": "******", "ssl_passphrase": "******",
+            "secretAccessKey": "******",
+            "partitionKey": "kept", "tokenUrl": "kept", "max_tokens": 5, "keyspace": "kept"
+        })
+    );
+}
+
+#[test]
 fn masks_sensitive_header_values() {
     let mut v = json!({
         "headers": {"Authorization": "Bearer x", "x-api-key": "k", "X-Auth-Token": "t",
