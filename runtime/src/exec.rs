@@ -607,13 +607,15 @@ impl<'a> Machine<'a> {
         may_outgrow: bool,
     ) -> Result<(), TaskError> {
         // `data` is what a sync request answers, `{status, data: <object>,
-        // errors}`: replaced whole, it stays an object.
+        // errors}`: replaced whole, it stays a document. An array is one
+        // (`db_read` and `mongo_read` write their rows to `data` by default);
+        // a scalar or `null` is not.
         if target.path.segments().is_empty()
             && target.area == sluice_compiler::plan::Area::Data
-            && !matches!(value, Value::Object(_))
+            && !matches!(value, Value::Object(_) | Value::Array(_))
         {
             return Err(TaskError::task(format!(
-                "cannot write '{}': data is an object, and the value is {}",
+                "cannot write '{}': data is an object or an array, and the value is {}",
                 target.text,
                 sluice_compiler::value::type_name(value)
             )));

@@ -1394,9 +1394,9 @@ fn an_execution_cannot_grow_its_data_past_the_arena_limit() {
 }
 
 /// `data` is what a sync request answers as `{status, data: <object>,
-/// errors}`: a task may replace it whole only with an object. Before, a
-/// mapping to `data` (or `""`) of a scalar made the answer's `data` that
-/// scalar.
+/// errors}`: a task may replace it whole only with an object or an array
+/// (the rows `db_read` writes to `data` by default). Before, a mapping to
+/// `data` (or `""`) of a scalar made the answer's `data` that scalar.
 #[test]
 fn data_replaced_whole_stays_an_object() {
     for path in ["data", ""] {
@@ -1411,7 +1411,7 @@ fn data_replaced_whole_stays_an_object() {
         assert!(
             r.exec.errors[0]
                 .message
-                .contains("data is an object, and the value is number"),
+                .contains("data is an object or an array, and the value is number"),
             "{:?}",
             r.exec.errors[0]
         );
@@ -1425,6 +1425,15 @@ fn data_replaced_whole_stays_an_object() {
     )]));
     let r = run(&plan(w), json!({}));
     assert!(r.exec.errors.is_empty(), "{:?}", r.exec.errors);
+    // So may an array.
+    let w = wf(json!([task(
+        "m",
+        "map",
+        json!({"mappings": [{"path": "data", "logic": {"preserve": [{"id": 1}]}}]})
+    )]));
+    let r = run(&plan(w), json!({}));
+    assert!(r.exec.errors.is_empty(), "{:?}", r.exec.errors);
+    assert_eq!(r.data(), json!([{"id": 1}]));
 }
 
 /// A map path with an empty segment (`a..b`, `.a`, `a.`) is an input

@@ -125,6 +125,18 @@ async fn sql_write_then_read_on_mariadb_and_sqlite() {
             json!([{"id": 7, "label": "bolt", "qty": null, "price": 2.5}]),
             "{backend:?}"
         );
+        // Without `output`, the rows replace `data` (its default), so the
+        // answer's `data` is the row array.
+        deploy(
+            &s,
+            "labels",
+            json!([task("read", "db_read", json!({"connector": "db",
+                "query": "SELECT label FROM items WHERE id = ?", "params": [{"var": "metadata.path.id"}]}))]),
+        )
+        .await;
+        let r = s.post("/api/v1/data/labels/7", json!({"data": {}})).await;
+        assert_eq!(r.status, 200, "{backend:?}: {}", r.text);
+        assert_eq!(r.body["data"], json!([{"label": "bolt"}]), "{backend:?}");
         // The same id again violates the primary key: an upstream error naming it.
         let r = s
             .post(
