@@ -50,18 +50,27 @@ pub fn authenticate_head(
         return Ok(Principal::Anonymous);
     }
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let bearer = header("authorization")
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
-        .map(str::trim);
+    let authorization = header("authorization");
+    // The scheme is case-insensitive (RFC 9110 §11.1).
+    let bearer = authorization
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, key)| key.trim());
     let header_key = header(&config.api_key_header.to_ascii_lowercase());
     let Some(key) = bearer.or(header_key) else {
-        return Err(ApiError::new(
-            Code::Unauthorized,
-            "missing credentials: send Authorization: Bearer <key>",
-        ));
+        let message = if authorization.is_some() {
+            format!(
+                "unsupported credentials: Authorization must use the Bearer scheme \
+                 (Authorization: Bearer <key>), or send the key in {}",
+                config.api_key_header
+            )
+        } else {
+            format!(
+                "missing credentials: send Authorization: Bearer <key>, or the key in {}",
+                config.api_key_header
+            )
+        };
+        return Err(ApiError::new(Code::Unauthorized, message));
     };
     let principal = if same(key, &config.api_key) {
         Principal::Admin

@@ -106,10 +106,15 @@ pub async fn handle(
         // A channel called by name with another method: its 405 carries
         // the channel's CORS headers, like its other errors.
         Err(e) if e.code == Code::MethodNotAllowed => {
+            let channel = match parts {
+                [name] => snapshot.channels.get(*name),
+                _ => None,
+            };
+            if let Some(channel) = channel {
+                count_refusal(channel, &e);
+            }
             let mut response = e.into_response();
-            if let [name] = parts
-                && let Some(channel) = snapshot.channels.get(*name)
-            {
+            if let Some(channel) = channel {
                 governance::decorate(channel, &req.headers, &mut response);
             }
             return Ok(response);
@@ -210,15 +215,13 @@ fn resolve<'s, 'p>(
     )))
 }
 
-/// CORS headers for a data-plane answer given before the request reached
-/// its channel (413 for a body over the limit, 415 for one that is not
-/// JSON): the channel is looked up from the path as routing would, so a
-/// browser on an allowed origin can read these errors like any other. Only
-/// done for a request with an `Origin` header.
+/// A data-plane answer given before the request reached its channel (413
+/// for a body over the limit, 415 for one that is not JSON, 400 for a bad
+/// request line): the channel is looked up from the path as routing would,
+/// so the refusal counts in its `messages_total` (`rejected`), and a
+/// browser on an allowed origin can read these errors like any other (its
+/// CORS headers, for a request with an `Origin` header).
 pub(crate) fn decorate_early(app: &App, parts: &http::request::Parts, response: &mut HttpResponse) {
-    if !parts.headers.contains_key(header::ORIGIN) {
-        return;
-    }
     let Some(rest) = parts
         .uri
         .path()
@@ -245,7 +248,14 @@ pub(crate) fn decorate_early(app: &App, parts: &http::request::Parts, response: 
         },
     };
     if let Some(channel) = channel {
-        governance::decorate(channel, &parts.headers, response);
+        if response.status().is_client_error() {
+            channel.metrics.rejected.increment(1);
+        } else {
+            channel.metrics.failed.increment(1);
+        }
+        if parts.headers.contains_key(header::ORIGIN) {
+            governance::decorate(channel, &parts.headers, response);
+        }
     }
 }
 

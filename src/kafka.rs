@@ -721,7 +721,7 @@ async fn handle(
                                 false
                             }
                         };
-                        crate::queue::count_run(channel, ok, started);
+                        crate::queue::count_run(channel, &outcome, ok, started);
                         ok
                     }
                 };

@@ -377,7 +377,11 @@ fn fixed_schemas() -> Json {
 }
 
 /// The OpenAPI document.
-pub fn document() -> Json {
+/// The document, with the credentials the admin plane asks for under
+/// `auth`: when it is enabled, every admin operation and `/metrics` require
+/// a key (`Authorization: Bearer` or the configured header); when it is
+/// not, none does, and no scheme is declared.
+pub fn document(auth: &crate::config::AdminAuth) -> Json {
     use sluice_compiler::def::{ChannelDef, ConnectorDef, WorkflowDef};
     let mut generator = schemars::generate::SchemaSettings::openapi3().into_generator();
     generator.subschema_for::<WorkflowDef>();
@@ -416,12 +420,28 @@ pub fn document() -> Json {
         if !params.is_empty() {
             op["parameters"] = Json::Array(params);
         }
+        if auth.enabled && (path.starts_with("/api/v1/admin/") || *path == "/metrics") {
+            op["security"] = json!([{"bearer": []}, {"apiKey": []}]);
+            op["responses"]["401"] = json!({"description": "Missing or invalid credentials",
+                "content": {"application/json": {"schema": schema_ref("Error")}}});
+            if *method != "get" {
+                op["responses"]["403"] = json!({"description": "A read-only key on an operation that changes state",
+                    "content": {"application/json": {"schema": schema_ref("Error")}}});
+            }
+        }
         if let Some(request) = request {
             op["requestBody"] =
                 json!({"required": true, "content": {"application/json": {"schema": request}}});
         }
         let entry = paths.entry(path.to_string()).or_insert_with(|| json!({}));
         entry[*method] = op;
+    }
+    let mut components = json!({"schemas": schemas});
+    if auth.enabled {
+        components["securitySchemes"] = json!({
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": auth.api_key_header},
+        });
     }
     json!({
         "openapi": "3.0.3",
@@ -432,13 +452,7 @@ pub fn document() -> Json {
         },
         "servers": [{"url": "/"}],
         "paths": paths,
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {
-                "bearer": {"type": "http", "scheme": "bearer"},
-                "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
-            },
-        },
+        "components": components,
     })
 }
 

@@ -244,15 +244,36 @@ fn push_error(errors: &mut Json, code: &str, message: &str) {
     }
 }
 
-/// Counts a finished run in its channel's metrics.
-pub(crate) fn count_run(channel: &crate::engine::Channel, ok: bool, started: Instant) {
+/// Counts a finished run in its channel's metrics, and a failed one in
+/// `errors_total` by the code that failed it (an async run has no error
+/// answer, which is what counts a sync failure there).
+pub(crate) fn count_run(
+    channel: &crate::engine::Channel,
+    outcome: &Outcome,
+    ok: bool,
+    started: Instant,
+) {
     let m = &channel.metrics;
     if ok {
         m.ok.increment(1)
     } else {
-        m.failed.increment(1)
+        m.failed.increment(1);
+        count_failure(outcome);
     }
     m.duration.record(started.elapsed().as_secs_f64());
+}
+
+/// `errors_total{type}` for a failed run: the code of its last error, the
+/// one that ended it (earlier ones were collected and passed over).
+pub(crate) fn count_failure(outcome: &Outcome) {
+    let code = outcome
+        .errors
+        .as_array()
+        .and_then(|items| items.last())
+        .and_then(|item| item["code"].as_str())
+        .unwrap_or(Code::InternalError.as_str());
+    metrics::counter!(crate::telemetry::names::ERRORS_TOTAL, "type" => code.to_owned())
+        .increment(1);
 }
 
 /// A result nested deeper than the database's JSON check accepts is not
@@ -303,11 +324,12 @@ async fn run(app: &App, c: Claimed) {
                 "",
                 &format!("Channel '{}' not found", c.channel)
             )]);
+            count_failure(&outcome);
             false
         }
         Some(channel) => {
             let ok = execute(app, channel, &c, &mut outcome).await;
-            count_run(channel, ok, started);
+            count_run(channel, &outcome, ok, started);
             ok
         }
     };
@@ -607,4 +629,39 @@ pub async fn delete_expired(
         tracing::info!(deleted = n, "old traces deleted");
     }
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A failed async run counts in `errors_total` by the code that ended it.
+    #[test]
+    fn a_failed_run_counts_its_last_code() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let outcome = |errors: Json| Outcome {
+            trace_id: "t".into(),
+            attempt: 1,
+            workflow_id: None,
+            workflow_version: None,
+            data: None,
+            errors,
+            duration_ms: 0.0,
+        };
+        metrics::with_local_recorder(&recorder, || {
+            count_failure(&outcome(json!([
+                {"code": "VALIDATION_ERROR", "task_id": "a", "message": "x"},
+                {"code": "TIMEOUT", "task_id": "b", "message": "y"}
+            ])));
+            count_failure(&outcome(json!([])));
+        });
+        let text = handle.render();
+        assert!(text.contains("errors_total{type=\"TIMEOUT\"} 1"), "{text}");
+        assert!(
+            text.contains("errors_total{type=\"INTERNAL_ERROR\"} 1"),
+            "{text}"
+        );
+        assert!(!text.contains("VALIDATION_ERROR"), "{text}");
+    }
 }

@@ -37,9 +37,9 @@ pub async fn route(app: &Arc<App>, req: Req) -> HttpResponse {
             Ok(_) => get_only(&req).and(ops::metrics(app)),
             Err(e) => Err(e),
         },
-        ["api", "v1", "openapi.json"] => {
-            get_only(&req).and(crate::api::ok_raw(&crate::openapi::document()))
-        }
+        ["api", "v1", "openapi.json"] => get_only(&req).and(crate::api::ok_raw(
+            &crate::openapi::document(&app.config.admin_auth),
+        )),
         ["api", "v1", "schemas", file] => get_only(&req).and(definition_schema(file)),
         ["docs"] => get_only(&req).and(Ok(crate::api::static_asset(
             crate::openapi::DOCS_HTML,
@@ -111,9 +111,11 @@ pub fn route_label(path: &str) -> Cow<'static, str> {
         ["docs", ..] => "/docs".into(),
         ["api", "v1", "openapi.json"] => "/api/v1/openapi.json".into(),
         ["api", "v1", "schemas", ..] => "/api/v1/schemas".into(),
-        ["api", "v1", "data", "traces", ..] => "/api/v1/data/traces".into(),
+        ["api", "v1", "data", "traces"] => "/api/v1/data/traces".into(),
+        ["api", "v1", "data", "traces", _] => "/api/v1/data/traces/{id}".into(),
+        ["api", "v1", "data", "traces", ..] => "unmatched".into(),
         ["api", "v1", "data", ..] => DATA_PLANE_ROUTE.into(),
-        ["api", "v1", "admin", rest @ ..] => {
+        ["api", "v1", "admin", first, rest @ ..] if ADMIN_RESOURCES.contains(first) => {
             const WORDS: &[&str] = &[
                 "workflows",
                 "channels",
@@ -132,7 +134,7 @@ pub fn route_label(path: &str) -> Cow<'static, str> {
                 "audit-logs",
                 "backups",
             ];
-            let mut out = String::from("/api/v1/admin");
+            let mut out = format!("/api/v1/admin/{first}");
             for s in rest {
                 out.push('/');
                 out.push_str(if WORDS.contains(s) { s } else { "{id}" });
@@ -142,6 +144,18 @@ pub fn route_label(path: &str) -> Cow<'static, str> {
         _ => "unmatched".into(),
     }
 }
+
+/// The first segments of the admin plane's routes: an admin path starting
+/// otherwise matches no route and is labelled `unmatched`.
+const ADMIN_RESOURCES: &[&str] = &[
+    "workflows",
+    "channels",
+    "connectors",
+    "engine",
+    "functions",
+    "audit-logs",
+    "backups",
+];
 
 /// The one route label of every data-plane request.
 pub const DATA_PLANE_ROUTE: &str = "/api/v1/data/{path}";
@@ -162,7 +176,18 @@ mod tests {
         );
         assert_eq!(route_label("/api/v1/data/orders/7"), "/api/v1/data/{path}");
         assert_eq!(route_label("/api/v1/data//orders"), "/api/v1/data/{path}");
-        assert_eq!(route_label("/api/v1/data/traces/x"), "/api/v1/data/traces");
+        assert_eq!(route_label("/api/v1/data/traces"), "/api/v1/data/traces");
+        assert_eq!(
+            route_label("/api/v1/data/traces/x"),
+            "/api/v1/data/traces/{id}"
+        );
+        assert_eq!(route_label("/api/v1/data/traces/x/y"), "unmatched");
+        assert_eq!(route_label("/api/v1/admin/nope/123"), "unmatched");
+        assert_eq!(route_label("/api/v1/admin"), "unmatched");
+        assert_eq!(
+            route_label("/api/v1/admin/connectors/circuit-breakers/a:b"),
+            "/api/v1/admin/connectors/circuit-breakers/{id}"
+        );
         assert_eq!(route_label("/api/v1/data/tracesx"), "/api/v1/data/{path}");
         assert_eq!(route_label("/api/v1/data"), "/api/v1/data/{path}");
         assert_eq!(route_label("/health"), "/health");

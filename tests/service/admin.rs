@@ -749,6 +749,43 @@ async fn admin_auth_keys_and_roles() {
     )
     .await
     .ok(200);
+    // The scheme is case-insensitive; another scheme is named as the problem.
+    s.send(
+        "GET",
+        "/api/v1/admin/workflows",
+        None,
+        &[("authorization", "BEARER ro-key")],
+    )
+    .await
+    .ok(200);
+    let basic = s
+        .send(
+            "GET",
+            "/api/v1/admin/workflows",
+            None,
+            &[("authorization", "Basic full-key")],
+        )
+        .await;
+    assert!(
+        basic.error(401, "UNAUTHORIZED")["message"]
+            .as_str()
+            .unwrap()
+            .contains("must use the Bearer scheme"),
+        "{}",
+        basic.text
+    );
+    // The OpenAPI document (public) says which operations want a key.
+    let spec = s.get("/api/v1/openapi.json").await.body;
+    assert_eq!(
+        spec["paths"]["/api/v1/admin/workflows"]["post"]["security"],
+        json!([{"bearer": []}, {"apiKey": []}])
+    );
+    assert!(spec["paths"]["/metrics"]["get"]["security"].is_array());
+    assert!(spec["paths"]["/health"]["get"].get("security").is_none());
+    assert_eq!(
+        spec["components"]["securitySchemes"]["apiKey"]["name"],
+        "X-API-Key"
+    );
     s.send(
         "POST",
         "/api/v1/admin/workflows",

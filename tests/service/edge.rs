@@ -314,6 +314,9 @@ async fn openapi_and_docs_are_served_offline() {
     );
     assert_eq!(names("/api/v1/admin/workflows/import", "post"), ["dry_run"]);
     assert_eq!(names("/api/v1/data/{channel}", "post"), ["profile"]);
+    // Without admin auth no operation asks for credentials.
+    assert!(spec.body["components"].get("securitySchemes").is_none());
+    assert!(!spec.text.contains("\"security\""));
     let docs = s.get("/docs").await;
     assert_eq!(docs.status, 200);
     assert!(docs.text.contains("/docs/app.js") && docs.text.contains("openapi.json"));

@@ -248,10 +248,31 @@ async fn refused_messages_count_as_rejected() {
     post_with(&s, "counted-async", json!({}), &[])
         .await
         .error(429, "RATE_LIMITED");
+    // Refusals before the channel's checks count too (session 18: a 405, a
+    // 413 or a 415 for a known channel were in no `messages_total`).
+    s.send("GET", "/api/v1/data/counted-sync", None, &[])
+        .await
+        .error(405, "METHOD_NOT_ALLOWED");
+    s.raw(
+        "POST",
+        "/api/v1/data/counted-sync",
+        vec![b' '; (1 << 20) + 1],
+        Some("application/json"),
+    )
+    .await
+    .error(413, "PAYLOAD_TOO_LARGE");
+    s.raw(
+        "POST",
+        "/api/v1/data/counted-sync",
+        b"{}".to_vec(),
+        Some("text/plain"),
+    )
+    .await
+    .error(415, "UNSUPPORTED_MEDIA_TYPE");
     let metrics = s.get("/metrics").await.text;
     for line in [
         "messages_total{channel=\"counted-sync\",status=\"ok\"} 1",
-        "messages_total{channel=\"counted-sync\",status=\"rejected\"} 1",
+        "messages_total{channel=\"counted-sync\",status=\"rejected\"} 4",
         "messages_total{channel=\"counted-async\",status=\"rejected\"} 1",
     ] {
         assert!(metrics.contains(line), "missing {line} in\n{metrics}");

@@ -324,10 +324,21 @@ async fn dead_letter_retries_run_out() {
         rest_channel("doomed", "doomed", "sync"),
     )
     .await;
+    // The process's metrics are shared by the tests running beside this one:
+    // the count only grows, by at least this trace's two failed runs.
+    let task_errors = |text: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix("errors_total{type=\"TASK_ERROR\"} "))
+            .map_or(0, |n| n.trim().parse().unwrap())
+    };
+    let before = task_errors(&s.get("/metrics").await.text);
     let id = submit(&s, "/api/v1/data/doomed/async", json!({"data": {}}), &[]).await;
     poll(&s, &id, |t| t["status"] == "failed" && t["attempts"] == 2).await;
     // One retry was allowed: nothing more happens after it.
     tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Each failed run counts in `errors_total` (session 18: async failures
+    // had no error answer, and counted nowhere there).
+    assert!(task_errors(&s.get("/metrics").await.text) >= before + 2);
     let t = s
         .get(&format!("/api/v1/data/traces/{id}"))
         .await
