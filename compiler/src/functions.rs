@@ -400,7 +400,28 @@ pub fn catalogue_json() -> serde_json::Value {
             fields: input_schema(f),
         })
         .collect();
-    serde_json::to_value(entries).expect("the catalogue is plain data and always serializes")
+    let mut out =
+        serde_json::to_value(entries).expect("the catalogue is plain data and always serializes");
+    // Defaults in the field's own JSON type (`30000`, `false`, `{}`), where
+    // they are values; the spec's words (`"from config"`) stay text.
+    for field in out
+        .as_array_mut()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["fields"].as_array_mut())
+        .flatten()
+    {
+        let typed = match (field["type"].as_str(), field["default"].as_str()) {
+            (Some("number" | "integer"), Some(d)) => d.parse::<u64>().ok().map(Into::into),
+            (Some("boolean"), Some(d)) => d.parse::<bool>().ok().map(Into::into),
+            (Some("object"), Some("{}")) => Some(serde_json::json!({})),
+            _ => None,
+        };
+        if let Some(typed) = typed {
+            field["default"] = typed;
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -514,6 +535,19 @@ mod tests {
             json!({"one_of": ["GET", "POST", "PUT", "PATCH", "DELETE"]})
         );
         assert_eq!(http["fields"][4]["constraint"], "string_map");
+        // Defaults in their field's type; words stay words.
+        assert_eq!(http["fields"][4]["default"], json!({}));
+        let field = |entry: &serde_json::Value, name: &str| {
+            entry["fields"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|f| f["name"] == name)
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(field(http, "timeout_ms")["default"], 30000);
+        assert_eq!(field(&cat[7], "timeout_ms")["default"], "from config");
         assert_eq!(cat[7]["kind"], "composition");
     }
 }

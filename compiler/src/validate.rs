@@ -587,8 +587,11 @@ fn check_field(c: &mut Ctx, field: &FieldSchema, v: &Json, at: &FieldPath) {
         return;
     }
     // A required string names something (a connector, a query, a key);
-    // an empty one can never work.
-    if field.required && v.as_str().is_some_and(|s| s.trim().is_empty()) {
+    // an empty one can never work. So does `channel_call.channel`, which is
+    // optional only because `channel_logic` may stand in for it.
+    if (field.required || field.name == "channel")
+        && v.as_str().is_some_and(|s| s.trim().is_empty())
+    {
         c.push(at, "must not be empty");
     }
     match field.constraint {
@@ -660,20 +663,25 @@ pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {
     if let Some(pattern) = c.string(obj, "route_pattern", &root, rest) {
         check_route_pattern(&mut c, pattern, &root.key("route_pattern"));
     }
-    if let Some(methods) = c.string_array(obj, "methods", &root, rest) {
-        let at = root.key("methods");
-        if methods.is_empty() {
-            c.push(&at, "must not be empty");
-        }
-        if let Some(Json::Array(items)) = obj.get("methods") {
+    // Each item's type and name are judged together, so the problems come
+    // in the items' order.
+    let at = root.key("methods");
+    match obj.get("methods") {
+        None if rest => c.required(&at),
+        None => {}
+        Some(Json::Array(items)) => {
+            if items.is_empty() {
+                c.push(&at, "must not be empty");
+            }
             for (i, m) in items.iter().enumerate() {
-                if let Some(s) = m.as_str()
-                    && !HttpMethod::NAMES.contains(&s)
-                {
-                    c.push(&at.index(i), one_of_message(HttpMethod::NAMES));
+                match m {
+                    Json::String(s) if HttpMethod::NAMES.contains(&s.as_str()) => {}
+                    Json::String(_) => c.push(&at.index(i), one_of_message(HttpMethod::NAMES)),
+                    other => c.mismatch(&at.index(i), "string", other),
                 }
             }
         }
+        Some(other) => c.mismatch(&at, "array", other),
     }
     if protocol == Some("kafka") && channel_type == Some("sync") {
         c.push(

@@ -660,6 +660,10 @@ fn channel_call_input() {
         &[(at, "exactly one of channel, channel_logic is required")],
     );
     check(
+        workflow_with(task("t", "channel_call", json!({"channel": " "}))),
+        &[("tasks[0].function.input.channel", "must not be empty")],
+    );
+    check(
         workflow_with(task(
             "t",
             "channel_call",
@@ -790,11 +794,11 @@ fn rest_channels_need_route_and_methods() {
             json!({"route_pattern": "/a", "methods": ["get", 1, "TRACE"]}),
         )),
         &[
-            ("methods[1]", "expected string, got integer"),
             (
                 "methods[0]",
                 "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS",
             ),
+            ("methods[1]", "expected string, got integer"),
             (
                 "methods[2]",
                 "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS",
