@@ -499,6 +499,16 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
     };
     let rollout = if kind == Kind::Workflow {
         percentage(&body, "rollout_percentage", false)?
+    } else if body.get("rollout_percentage").is_some() {
+        // A channel's versions do not split traffic: the share would be
+        // ignored while the answer said 200.
+        return Err(ApiError::invalid(
+            "request",
+            vec![Diagnostic {
+                field: "rollout_percentage".into(),
+                message: "channels have no rollout: only workflow versions split traffic".into(),
+            }],
+        ));
     } else {
         None
     };
@@ -973,7 +983,7 @@ async fn connectors_changed(app: &App) {
 }
 
 async fn reset_breaker(app: &App, key: &str, who: Principal) -> ApiResult {
-    let Some(breaker) = app.connectors.policy.breakers.reset(key) else {
+    let Some((before, breaker)) = app.connectors.policy.breakers.reset(key) else {
         return Err(ApiError::not_found(format!(
             "Circuit breaker with key '{key}' not found"
         )));
@@ -981,6 +991,12 @@ async fn reset_breaker(app: &App, key: &str, who: Principal) -> ApiResult {
     let mut entry = audit(who, "breaker_reset");
     entry.resource_type = "circuit_breaker".into();
     entry.resource_id = key.to_owned();
+    // What the reset undid: the state, the failure count, when it opened.
+    let mut previous = before;
+    if let Some(fields) = previous.as_object_mut() {
+        fields.retain(|k, _| matches!(k.as_str(), "state" | "consecutive_failures" | "opened_at"));
+    }
+    entry.details = json!({"previous": previous});
     app.store.audit(entry).await?;
     api::ok(&breaker)
 }

@@ -200,13 +200,15 @@ impl Breakers {
         }
     }
 
-    /// Resets one breaker to closed; its admin view, or `None` for an unknown key.
-    pub fn reset(&self, key: &str) -> Option<Json> {
+    /// Resets one breaker to closed: its admin view before and after, or
+    /// `None` for an unknown key.
+    pub fn reset(&self, key: &str) -> Option<(Json, Json)> {
         let b = self.map.get(key)?;
+        let before = b.to_json(self.state_now(&b));
         b.failures.store(0, Ordering::Relaxed);
         b.opened_wall_ms.store(0, Ordering::Relaxed);
         b.state.store(CLOSED, Ordering::Release);
-        Some(b.to_json(CLOSED))
+        Some((before, b.to_json(CLOSED)))
     }
 
     /// Admits a call, or rejects it (counted) while the breaker is open or
@@ -571,7 +573,11 @@ mod tests {
         // Still cooling down: listed as open.
         assert_eq!(policy.breakers.list()[0]["state"], "open");
         assert_eq!(policy.breakers.reset("nope:c"), None);
-        assert_eq!(policy.breakers.reset("ch:c").unwrap()["state"], "closed");
+        let (before, after) = policy.breakers.reset("ch:c").unwrap();
+        assert_eq!(
+            (before["state"].as_str(), after["state"].as_str()),
+            (Some("open"), Some("closed"))
+        );
         policy
             .call(&scope(), "c", &NO_RETRY, || async { Ok(()) })
             .await

@@ -370,6 +370,18 @@ async fn channels(db: Db) {
         "{fields:?}"
     );
 
+    // A channel takes no rollout share: refused, not ignored.
+    let shared = s
+        .admin(
+            "PATCH",
+            "/channels/orders/status",
+            Some(json!({"status": "active", "rollout_percentage": 50})),
+        )
+        .await;
+    assert_eq!(
+        shared.error(400, "BAD_REQUEST")["details"][0]["field"],
+        "rollout_percentage"
+    );
     s.admin(
         "PATCH",
         "/channels/orders/status",

@@ -656,6 +656,10 @@ async fn circuit_breaker_opens_probes_and_closes() {
         .admin("GET", "/audit-logs?action=breaker_reset", None)
         .await;
     assert_eq!(r.body["data"][0]["resource_id"], "brk:up", "{}", r.text);
+    // The entry says what the reset undid.
+    let previous = &r.body["data"][0]["details"]["previous"];
+    assert_eq!(previous["state"], "open", "{}", r.text);
+    assert!(previous["opened_at"].is_string(), "{}", r.text);
 
     // The breaker survives an engine reload and a connector reload.
     s.admin("POST", "/engine/reload", None).await.ok(200);
