@@ -508,6 +508,46 @@ struct Cx {
 /// An input problem in a data function: a warning now, a failure at run time.
 struct InputProblem(String, String);
 
+/// Every input problem of one data function, so a definition's warnings
+/// name them all at once rather than the first of each task.
+#[derive(Default)]
+struct Problems(Vec<InputProblem>);
+
+impl Problems {
+    /// The value, or `None` with its problem kept.
+    fn take<T>(&mut self, r: Result<T, InputProblem>) -> Option<T> {
+        self.within("", r)
+    }
+
+    /// [`take`](Self::take) for a field under `at` (`mappings[0]`).
+    fn within<T>(&mut self, at: &str, r: Result<T, InputProblem>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(InputProblem(k, m)) => {
+                let field = if at.is_empty() {
+                    k
+                } else {
+                    format!("{at}.{k}")
+                };
+                self.0.push(InputProblem(field, m));
+                None
+            }
+        }
+    }
+
+    fn push(&mut self, field: impl Into<String>, message: impl Into<String>) {
+        self.0.push(InputProblem(field.into(), message.into()));
+    }
+
+    /// `Ok(plan)` when nothing was wrong (then every `take` gave a value).
+    fn finish<T>(self, plan: impl FnOnce() -> Option<T>) -> Result<T, Vec<InputProblem>> {
+        if !self.0.is_empty() {
+            return Err(self.0);
+        }
+        plan().ok_or_else(|| vec![InputProblem(String::new(), "is invalid".into())])
+    }
+}
+
 impl Cx {
     fn error(&mut self, field: impl Into<String>, message: impl Into<String>) {
         self.errors.push(Diagnostic {
@@ -621,68 +661,85 @@ impl Cx {
     ) -> Option<FunctionPlan> {
         let function = Function::from_name(name)?;
         let data_result = match function {
-            Function::ParseJson | Function::ParseXml => parse_fn(input).map(|(source, target)| {
-                if function == Function::ParseJson {
-                    FunctionPlan::ParseJson { source, target }
-                } else {
-                    FunctionPlan::ParseXml { source, target }
-                }
-            }),
+            Function::ParseJson | Function::ParseXml => {
+                let mut p = Problems::default();
+                let paths = parse_fn(input, &mut p);
+                p.finish(|| {
+                    let (source, target) = paths?;
+                    Some(if function == Function::ParseJson {
+                        FunctionPlan::ParseJson { source, target }
+                    } else {
+                        FunctionPlan::ParseXml { source, target }
+                    })
+                })
+            }
             Function::Map => map_fn(input),
             Function::Filter => filter_fn(input),
             Function::Validation => validation_fn(input),
             Function::Log => log_fn(input),
-            Function::PublishJson => publish_fn(input).and_then(|(source, target)| {
-                let pretty = match input.get("pretty") {
-                    None => false,
-                    Some(Json::Bool(b)) => *b,
-                    Some(other) => {
-                        return Err(InputProblem(
-                            "pretty".into(),
-                            format!("expected boolean, got {}", json_type(other)),
-                        ));
-                    }
-                };
-                Ok(FunctionPlan::PublishJson {
-                    source,
-                    target,
-                    pretty,
+            Function::PublishJson => {
+                let mut p = Problems::default();
+                let paths = publish_fn(input, &mut p);
+                let pretty = p.take(match input.get("pretty") {
+                    None => Ok(false),
+                    Some(Json::Bool(b)) => Ok(*b),
+                    Some(other) => Err(InputProblem(
+                        "pretty".into(),
+                        format!("expected boolean, got {}", json_type(other)),
+                    )),
+                });
+                p.finish(|| {
+                    let (source, target) = paths?;
+                    Some(FunctionPlan::PublishJson {
+                        source,
+                        target,
+                        pretty: pretty?,
+                    })
                 })
-            }),
-            Function::PublishXml => publish_fn(input).and_then(|(source, target)| {
-                let root = match input.get("root_element") {
-                    None => "root",
-                    Some(Json::String(s)) if !s.is_empty() => s.as_str(),
-                    Some(_) => {
-                        return Err(InputProblem(
-                            "root_element".into(),
-                            "expected non-empty string".into(),
-                        ));
-                    }
-                };
-                Ok(FunctionPlan::PublishXml {
-                    source,
-                    target,
-                    root: root.into(),
+            }
+            Function::PublishXml => {
+                let mut p = Problems::default();
+                let paths = publish_fn(input, &mut p);
+                let root = p.take(match input.get("root_element") {
+                    None => Ok("root"),
+                    Some(Json::String(s)) if !s.is_empty() => Ok(s.as_str()),
+                    Some(_) => Err(InputProblem(
+                        "root_element".into(),
+                        "expected non-empty string".into(),
+                    )),
+                });
+                p.finish(|| {
+                    let (source, target) = paths?;
+                    Some(FunctionPlan::PublishXml {
+                        source,
+                        target,
+                        root: root?.into(),
+                    })
                 })
-            }),
+            }
             _ => return self.io_function(function, input, field),
         };
         Some(match data_result {
             Ok(plan) => plan,
-            Err(InputProblem(sub, message)) => {
-                let at = if sub.is_empty() {
-                    field.to_owned()
-                } else {
-                    join(field, &sub)
+            Err(problems) => {
+                let at = |sub: &str| {
+                    if sub.is_empty() {
+                        field.to_owned()
+                    } else {
+                        join(field, sub)
+                    }
                 };
-                self.warnings.push(Diagnostic {
-                    field: at.clone(),
-                    message: message.clone(),
-                });
+                for InputProblem(sub, message) in &problems {
+                    self.warnings.push(Diagnostic {
+                        field: at(sub),
+                        message: message.clone(),
+                    });
+                }
+                // At run time the task fails on the first.
+                let InputProblem(sub, message) = &problems[0];
                 FunctionPlan::Invalid {
                     function: function.name(),
-                    message: format!("invalid input at {at}: {message}").into(),
+                    message: format!("invalid input at {}: {message}", at(sub)).into(),
                 }
             }
         })
@@ -882,44 +939,45 @@ pub fn json_type(v: &Json) -> &'static str {
     crate::diag::type_name(v)
 }
 
-fn parse_fn(input: &Map<String, Json>) -> Result<(ReadPath, WritePath), InputProblem> {
-    let source = required_str(input, "source")?;
-    let target = required_str(input, "target")?;
-    Ok((ReadPath::parse(source), WritePath::in_data(target)))
+fn parse_fn(input: &Map<String, Json>, p: &mut Problems) -> Option<(ReadPath, WritePath)> {
+    let source = p.take(required_str(input, "source"));
+    let target = p.take(required_str(input, "target"));
+    Some((ReadPath::parse(source?), WritePath::in_data(target?)))
 }
 
-fn publish_fn(input: &Map<String, Json>) -> Result<(ReadPath, WritePath), InputProblem> {
-    let source = required_str(input, "source")?;
-    let target = required_str(input, "target")?;
-    Ok((ReadPath::in_data(source), WritePath::in_data(target)))
+fn publish_fn(input: &Map<String, Json>, p: &mut Problems) -> Option<(ReadPath, WritePath)> {
+    let source = p.take(required_str(input, "source"));
+    let target = p.take(required_str(input, "target"));
+    Some((ReadPath::in_data(source?), WritePath::in_data(target?)))
 }
 
 /// The most segments a `map` path may have (far deeper than any document
 /// a request brings: bodies nest at most 1,024 levels).
 pub const MAX_PATH_SEGMENTS: usize = 512;
 
-fn map_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
-    let items = required_array(input, "mappings")?;
+fn map_fn(input: &Map<String, Json>) -> Result<FunctionPlan, Vec<InputProblem>> {
+    let mut p = Problems::default();
+    let items = p
+        .take(required_array(input, "mappings"))
+        .unwrap_or_default();
     let mut mappings = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         let at = format!("mappings[{i}]");
-        let obj = item.as_object().ok_or_else(|| {
-            InputProblem(
-                at.clone(),
-                format!("expected object, got {}", json_type(item)),
-            )
-        })?;
-        let path = required_str(obj, "path")
-            .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
-        let logic = required_logic(obj, "logic")
-            .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
+        let Some(obj) = item.as_object() else {
+            p.push(at, format!("expected object, got {}", json_type(item)));
+            continue;
+        };
+        let path = p.within(&at, required_str(obj, "path"));
+        let logic = p.within(&at, required_logic(obj, "logic"));
+        let Some(path) = path else { continue };
         // `a..b`, `.a` and `a.` name an empty key by accident (a typo);
         // `#` names it on purpose (`a.#.b`).
         if !path.is_empty() && path.split('.').any(str::is_empty) {
-            return Err(InputProblem(
+            p.push(
                 format!("{at}.path"),
                 format!("'{path}' has an empty segment (write '#' for an empty key)"),
-            ));
+            );
+            continue;
         }
         let path = WritePath::parse(path);
         // Runs of mappings become a tree of their paths (`PathSet`), built
@@ -927,12 +985,18 @@ fn map_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
         // nesting of the data it writes into.
         let segments = path.path.segments().len();
         if segments > MAX_PATH_SEGMENTS {
-            return Err(InputProblem(
+            p.push(
                 format!("{at}.path"),
                 format!("has {segments} segments; a path has at most {MAX_PATH_SEGMENTS}"),
-            ));
+            );
+            continue;
         }
-        mappings.push((path, logic));
+        if let Some(logic) = logic {
+            mappings.push((path, logic));
+        }
+    }
+    if !p.0.is_empty() {
+        return Err(p.0);
     }
     let runs = batches(&mappings)
         .into_iter()
@@ -1040,85 +1104,84 @@ fn ttl(secs: f64) -> std::time::Duration {
     std::time::Duration::from_millis(ms as u64)
 }
 
-fn filter_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
-    let condition = required_logic(input, "condition")?;
-    let skip = match input.get("on_reject") {
-        None => false,
-        Some(Json::String(s)) if s == "halt" => false,
-        Some(Json::String(s)) if s == "skip" => true,
-        Some(Json::String(s)) => {
-            return Err(InputProblem(
-                "on_reject".into(),
-                format!("must be one of halt, skip, got '{s}'"),
-            ));
-        }
-        Some(other) => {
-            return Err(InputProblem(
-                "on_reject".into(),
-                format!("expected string, got {}", json_type(other)),
-            ));
-        }
-    };
-    Ok(FunctionPlan::Filter { condition, skip })
+fn filter_fn(input: &Map<String, Json>) -> Result<FunctionPlan, Vec<InputProblem>> {
+    let mut p = Problems::default();
+    let condition = p.take(required_logic(input, "condition"));
+    let skip = p.take(match input.get("on_reject") {
+        None => Ok(false),
+        Some(Json::String(s)) if s == "halt" => Ok(false),
+        Some(Json::String(s)) if s == "skip" => Ok(true),
+        Some(Json::String(s)) => Err(InputProblem(
+            "on_reject".into(),
+            format!("must be one of halt, skip, got '{s}'"),
+        )),
+        Some(other) => Err(InputProblem(
+            "on_reject".into(),
+            format!("expected string, got {}", json_type(other)),
+        )),
+    });
+    p.finish(|| {
+        Some(FunctionPlan::Filter {
+            condition: condition?,
+            skip: skip?,
+        })
+    })
 }
 
-fn validation_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
-    let items = required_array(input, "rules")?;
+fn validation_fn(input: &Map<String, Json>) -> Result<FunctionPlan, Vec<InputProblem>> {
+    let mut p = Problems::default();
+    let items = p.take(required_array(input, "rules")).unwrap_or_default();
     let mut rules = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         let at = format!("rules[{i}]");
-        let obj = item.as_object().ok_or_else(|| {
-            InputProblem(
-                at.clone(),
-                format!("expected object, got {}", json_type(item)),
-            )
-        })?;
-        let logic = required_logic(obj, "logic")
-            .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
-        let message = required_str(obj, "message")
-            .map_err(|InputProblem(k, m)| InputProblem(format!("{at}.{k}"), m))?;
-        rules.push((logic, message.into()));
+        let Some(obj) = item.as_object() else {
+            p.push(at, format!("expected object, got {}", json_type(item)));
+            continue;
+        };
+        let logic = p.within(&at, required_logic(obj, "logic"));
+        let message = p.within(&at, required_str(obj, "message"));
+        if let (Some(logic), Some(message)) = (logic, message) {
+            rules.push((logic, message.into()));
+        }
     }
-    Ok(FunctionPlan::Validation { rules })
+    p.finish(|| Some(FunctionPlan::Validation { rules }))
 }
 
-fn log_fn(input: &Map<String, Json>) -> Result<FunctionPlan, InputProblem> {
-    let message = required_logic(input, "message")?;
-    let level = match input.get("level").map(|l| l.as_str()) {
-        None | Some(Some("info")) => LogLevel::Info,
-        Some(Some("trace")) => LogLevel::Trace,
-        Some(Some("debug")) => LogLevel::Debug,
-        Some(Some("warn")) => LogLevel::Warn,
-        Some(Some("error")) => LogLevel::Error,
-        Some(_) => {
-            return Err(InputProblem(
-                "level".into(),
-                "must be one of trace, debug, info, warn, error".into(),
-            ));
-        }
-    };
+fn log_fn(input: &Map<String, Json>) -> Result<FunctionPlan, Vec<InputProblem>> {
+    let mut p = Problems::default();
+    let message = p.take(required_logic(input, "message"));
+    let level = p.take(match input.get("level").map(|l| l.as_str()) {
+        None | Some(Some("info")) => Ok(LogLevel::Info),
+        Some(Some("trace")) => Ok(LogLevel::Trace),
+        Some(Some("debug")) => Ok(LogLevel::Debug),
+        Some(Some("warn")) => Ok(LogLevel::Warn),
+        Some(Some("error")) => Ok(LogLevel::Error),
+        Some(_) => Err(InputProblem(
+            "level".into(),
+            "must be one of trace, debug, info, warn, error".into(),
+        )),
+    });
     let mut fields = Vec::new();
     match input.get("fields") {
         None => {}
         Some(Json::Object(map)) => {
             for (name, rule) in map {
-                fields.push((
-                    name.as_str().into(),
-                    compile_rule(rule, &format!("fields.{name}"))?,
-                ));
+                if let Some(rule) = p.take(compile_rule(rule, &format!("fields.{name}"))) {
+                    fields.push((name.as_str().into(), rule));
+                }
             }
         }
-        Some(other) => {
-            return Err(InputProblem(
-                "fields".into(),
-                format!("expected object, got {}", json_type(other)),
-            ));
-        }
+        Some(other) => p.push(
+            "fields",
+            format!("expected object, got {}", json_type(other)),
+        ),
     }
-    Ok(FunctionPlan::Log {
-        message,
-        level,
-        fields,
+    p.finish(|| {
+        Some(FunctionPlan::Log {
+            message: message?,
+            level: level?,
+            fields,
+        })
     })
 }
 

@@ -429,6 +429,59 @@ fn data_function_input_problems_show_at_execution() {
     }
 }
 
+/// Every input problem of a data function is a warning, not only the first
+/// (session 18: `parse_json {}` warned about `source` alone); the run fails
+/// on the first.
+#[test]
+fn every_input_problem_of_a_data_function_is_a_warning() {
+    for (function, input, fields) in [
+        ("parse_json", json!({}), vec!["source", "target"]),
+        (
+            "map",
+            json!({"mappings": [{"path": "a"}, {"logic": 1}, 5, {"path": "a..b", "logic": 1}]}),
+            vec![
+                "mappings[0].logic",
+                "mappings[1].path",
+                "mappings[2]",
+                "mappings[3].path",
+            ],
+        ),
+        (
+            "validation",
+            json!({"rules": [{"logic": true}, {"message": "x"}]}),
+            vec!["rules[0].message", "rules[1].logic"],
+        ),
+        (
+            "filter",
+            json!({"on_reject": "drop"}),
+            vec!["condition", "on_reject"],
+        ),
+        (
+            "log",
+            json!({"level": "loud", "fields": {"a": {"nope": 1}}}),
+            vec!["message", "level", "fields.a"],
+        ),
+        (
+            "publish_xml",
+            json!({"root_element": ""}),
+            vec!["source", "target", "root_element"],
+        ),
+    ] {
+        let compiled = compile_workflow(&wf(json!([task("t", function, input)]))).unwrap();
+        let got: Vec<&str> = compiled
+            .warnings
+            .iter()
+            .map(|w| w.field.trim_start_matches("tasks[0].function.input."))
+            .collect();
+        assert_eq!(got, fields, "{function}");
+        let r = run(&compiled.plan, json!({}));
+        let Status::Failed(f) = &r.exec.status else {
+            panic!("{function}: {:?}", r.exec.status)
+        };
+        assert!(f.message.contains(fields[0]), "{function}: {}", f.message);
+    }
+}
+
 #[test]
 fn conditions_skip_tasks_and_groups_evaluate_once() {
     let p = plan(wf(json!([
