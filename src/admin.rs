@@ -543,6 +543,16 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
         .store
         .set_status(kind, id, target, version, rollout, audit(who, action))
         .await?;
+    if kind == Kind::Channel
+        && target == Status::Active
+        && !app.config.kafka.enabled
+        && record.definition.get("protocol").and_then(Json::as_str) == Some("kafka")
+    {
+        tracing::warn!(
+            channel = %id,
+            "a Kafka channel was activated but kafka.enabled is false: nothing is consumed until Kafka is enabled"
+        );
+    }
     reload_after_change(app, who).await;
     api::ok(&record.to_json(kind))
 }

@@ -7,9 +7,9 @@
 use crate::app::App;
 use crate::governance::{Stage, View};
 use async_trait::async_trait;
-use serde_json::Value as Json;
 use sluice_runtime::connectors::{
-    CallScope, ChannelInvoker, ConnectorError, ConnectorErrorKind, InvokeRequest,
+    CallScope, CalleeError, ChannelInvoker, ConnectorError, ConnectorErrorKind, InvokeRequest,
+    Invoked,
 };
 use sluice_runtime::exec::{self, FailureKind, Input, Meta, Options, PayloadFrom, Status};
 use std::sync::{OnceLock, Weak};
@@ -49,7 +49,11 @@ fn task_error(message: String) -> ConnectorError {
 
 #[async_trait]
 impl ChannelInvoker for Invoker {
-    async fn invoke(&self, scope: &CallScope, req: InvokeRequest) -> Result<Json, ConnectorError> {
+    async fn invoke(
+        &self,
+        scope: &CallScope,
+        req: InvokeRequest,
+    ) -> Result<Invoked, ConnectorError> {
         let app = self
             .app
             .get()
@@ -125,8 +129,12 @@ impl ChannelInvoker for Invoker {
             .await
             .map_err(refused)?;
         if let Some(hit) = &admitted.hit {
-            return serde_json::from_slice(hit)
-                .map_err(|e| task_error(format!("bad cached response: {e}")));
+            let data = serde_json::from_slice(hit)
+                .map_err(|e| task_error(format!("bad cached response: {e}")))?;
+            return Ok(Invoked {
+                data,
+                errors: Vec::new(),
+            });
         }
         let timeout = req
             .timeout_ms
@@ -213,10 +221,25 @@ impl ChannelInvoker for Invoker {
                 ),
             ));
         }
-        app.governance
-            .store(&admitted, bytes::Bytes::from(execution.data.clone()))
-            .await;
-        serde_json::from_slice(&execution.data)
-            .map_err(|e| task_error(format!("the callee's data is not JSON: {e}")))
+        // Only an answer without errors is cached: a hit carries no errors.
+        if execution.errors.is_empty() {
+            app.governance
+                .store(&admitted, bytes::Bytes::from(execution.data.clone()))
+                .await;
+        }
+        let data = serde_json::from_slice(&execution.data)
+            .map_err(|e| task_error(format!("the callee's data is not JSON: {e}")))?;
+        Ok(Invoked {
+            data,
+            errors: execution
+                .errors
+                .into_iter()
+                .map(|e| CalleeError {
+                    code: e.code.to_owned(),
+                    task_id: e.task_id,
+                    message: e.message,
+                })
+                .collect(),
+        })
     }
 }

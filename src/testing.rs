@@ -13,8 +13,8 @@ use serde_json::{Map, Value as Json, json};
 use sluice_compiler::plan::{Compiled, compile_workflow};
 use sluice_runtime::connectors::{
     Cache, CallScope, ChannelInvoker, ConnectorError, ConnectorErrorKind, DocumentStore,
-    FindRequest, HttpClient, HttpRequest, InvokeRequest, PublishRequest, Publisher, Services,
-    SqlClient, SqlRequest,
+    FindRequest, HttpClient, HttpRequest, InvokeRequest, Invoked, PublishRequest, Publisher,
+    Services, SqlClient, SqlRequest,
 };
 use sluice_runtime::exec::{self, Input, Meta, Options, PayloadFrom};
 use std::collections::{BTreeMap, HashMap};
@@ -270,9 +270,13 @@ impl Publisher for Stubs {
 
 #[async_trait::async_trait]
 impl ChannelInvoker for Stubs {
-    async fn invoke(&self, _: &CallScope, req: InvokeRequest) -> Result<Json, ConnectorError> {
+    async fn invoke(&self, _: &CallScope, req: InvokeRequest) -> Result<Invoked, ConnectorError> {
         let call = json!({"channel": req.channel, "data": req.data});
-        self.read(&req.channel, call)
+        let data = self.read(&req.channel, call)?;
+        Ok(Invoked {
+            data,
+            errors: Vec::new(),
+        })
     }
 }
 

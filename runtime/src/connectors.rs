@@ -168,10 +168,31 @@ pub trait Publisher: Send + Sync {
     async fn publish(&self, scope: &CallScope, req: PublishRequest) -> Result<(), ConnectorError>;
 }
 
+/// What a called channel answered: its `data`, and the errors its run
+/// collected without failing (failed validation rules, tasks passed over
+/// under `continue_on_error`), which the caller reports as its own.
+#[derive(Debug, Clone, Default)]
+pub struct Invoked {
+    pub data: Json,
+    pub errors: Vec<CalleeError>,
+}
+
+/// One of the errors a called channel's answer carried.
+#[derive(Debug, Clone)]
+pub struct CalleeError {
+    pub code: String,
+    pub task_id: String,
+    pub message: String,
+}
+
 #[async_trait]
 pub trait ChannelInvoker: Send + Sync {
-    /// Runs another channel's workflow in-process and returns its `data`.
-    async fn invoke(&self, scope: &CallScope, req: InvokeRequest) -> Result<Json, ConnectorError>;
+    /// Runs another channel's workflow in-process and returns its answer.
+    async fn invoke(
+        &self,
+        scope: &CallScope,
+        req: InvokeRequest,
+    ) -> Result<Invoked, ConnectorError>;
 }
 
 /// The connector implementations a runtime may use. A function whose service
@@ -221,8 +242,25 @@ pub enum IoRequest {
     Invoke(InvokeRequest),
 }
 
-/// What a connector call produced, as the value to store (if any).
-pub type IoResult = Result<Option<Json>, ConnectorError>;
+/// What a connector call produced: the value to store (if any), and for a
+/// `channel_call` the errors the called channel's answer carried (named
+/// after the channel).
+#[derive(Debug, Default)]
+pub struct IoOutput {
+    pub value: Option<Json>,
+    pub callee: Option<(String, Vec<CalleeError>)>,
+}
+
+impl From<Option<Json>> for IoOutput {
+    fn from(value: Option<Json>) -> Self {
+        IoOutput {
+            value,
+            callee: None,
+        }
+    }
+}
+
+pub type IoResult = Result<IoOutput, ConnectorError>;
 
 fn missing(what: &str) -> ConnectorError {
     ConnectorError::other(format!("no {what} is configured in this process"))
@@ -231,6 +269,26 @@ fn missing(what: &str) -> ConnectorError {
 impl Services {
     /// Performs one connector call.
     pub async fn perform(&self, scope: &CallScope, io: IoRequest) -> IoResult {
+        if let IoRequest::Invoke(req) = io {
+            let channels = self
+                .channels
+                .as_ref()
+                .ok_or_else(|| missing("channel invoker"))?;
+            let channel = req.channel.clone();
+            let answer = channels.invoke(scope, req).await?;
+            return Ok(IoOutput {
+                value: Some(answer.data),
+                callee: Some((channel, answer.errors)),
+            });
+        }
+        self.perform_value(scope, io).await.map(IoOutput::from)
+    }
+
+    async fn perform_value(
+        &self,
+        scope: &CallScope,
+        io: IoRequest,
+    ) -> Result<Option<Json>, ConnectorError> {
         match io {
             IoRequest::Http(req) => {
                 let client = self.http.as_ref().ok_or_else(|| missing("HTTP client"))?;
@@ -282,13 +340,7 @@ impl Services {
                 publisher.publish(scope, req).await?;
                 Ok(None)
             }
-            IoRequest::Invoke(req) => {
-                let channels = self
-                    .channels
-                    .as_ref()
-                    .ok_or_else(|| missing("channel invoker"))?;
-                channels.invoke(scope, req).await.map(Some)
-            }
+            IoRequest::Invoke(_) => Err(ConnectorError::other("a channel call is performed above")),
         }
     }
 }

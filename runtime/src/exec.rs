@@ -10,8 +10,8 @@
 //! future stays `Send`).
 
 use crate::connectors::{
-    CallScope, ConnectorErrorKind, FindRequest, HttpRequest, InvokeRequest, IoRequest, IoResult,
-    PublishRequest, Services, SqlRequest,
+    CallScope, CalleeError, ConnectorErrorKind, FindRequest, HttpRequest, InvokeRequest, IoRequest,
+    IoResult, PublishRequest, Services, SqlRequest,
 };
 use crate::{json, xml};
 use bumpalo::Bump;
@@ -942,7 +942,12 @@ impl<'a> Machine<'a> {
         };
         self.task_started = started;
         let outcome = match result {
-            Ok(value) => self.store_io_result(task, value, arena),
+            Ok(out) => {
+                if let Some((channel, errors)) = out.callee {
+                    self.callee_errors(task, &channel, errors);
+                }
+                self.store_io_result(task, out.value, arena)
+            }
             Err(e) => Err(TaskError {
                 kind: match e.kind {
                     ConnectorErrorKind::Timeout => FailureKind::Timeout,
@@ -964,6 +969,22 @@ impl<'a> Machine<'a> {
                 let flow = self.task_failed(task, e);
                 self.apply(flow);
             }
+        }
+    }
+
+    /// The errors a called channel's answer carried become the caller's,
+    /// on the `channel_call` task, naming the channel and its task.
+    fn callee_errors(&mut self, task: &Task, channel: &str, errors: Vec<CalleeError>) {
+        for e in errors {
+            self.errors.push(ErrorItem {
+                code: if e.code == "VALIDATION_ERROR" {
+                    "VALIDATION_ERROR"
+                } else {
+                    "TASK_ERROR"
+                },
+                task_id: task.id.to_string(),
+                message: format!("channel '{channel}', task '{}': {}", e.task_id, e.message),
+            });
         }
     }
 

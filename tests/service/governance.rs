@@ -1184,6 +1184,40 @@ async fn channel_call_runs_the_callee_in_process() {
     let r = post_with(&s, "fixed", json!({}), &[]).await;
     assert_eq!(r.body["data"]["total"], 20, "{}", r.text);
 
+    // The errors the callee's answer carried are the caller's too, on the
+    // calling task, naming the channel and its task (session 18: dropped).
+    s.deploy(
+        json!({"workflow_id": "strict", "name": "strict", "tasks": [
+            {"id": "check", "name": "check", "function": {"name": "validation", "input": {"rules": [
+                {"logic": {">": [{"var": "payload.qty"}, 0]}, "message": "qty must be positive"}
+            ]}}}
+        ]}),
+        named("strict", "strict", json!({})),
+    )
+    .await;
+    s.deploy(
+        caller(
+            "checked",
+            json!([call_task(
+                "call",
+                json!({"channel": "strict", "response_path": "r"})
+            )]),
+        ),
+        named("checked", "checked", json!({})),
+    )
+    .await;
+    let r = post_with(&s, "checked", json!({"qty": 0}), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(
+        r.body["errors"],
+        json!([{"code": "VALIDATION_ERROR", "task_id": "call",
+                "message": "channel 'strict', task 'check': qty must be positive"}]),
+        "{}",
+        r.text
+    );
+    let r = post_with(&s, "checked", json!({"qty": 2}), &[]).await;
+    assert_eq!(r.body["errors"], json!([]), "{}", r.text);
+
     // An unknown callee is a task error naming it.
     s.deploy(
         caller(
