@@ -213,10 +213,17 @@ impl ChannelInvoker for Invoker {
                 FailureKind::Upstream => ConnectorErrorKind::Upstream,
                 FailureKind::Task | FailureKind::Validation => ConnectorErrorKind::Other,
             };
+            // A failure from further down the chain already names the
+            // whole chain, which holds this one: not repeated at each level.
+            let chain = if f.message.contains(&named) {
+                String::new()
+            } else {
+                format!(" ({named})")
+            };
             return Err(ConnectorError::new(
                 kind,
                 format!(
-                    "channel '{callee}': task '{}' failed: {} ({named})",
+                    "channel '{callee}': task '{}' failed: {}{chain}",
                     f.task_id, f.message
                 ),
             ));
