@@ -441,7 +441,22 @@ impl Config {
                     }
                     ConfigError(format!("invalid value for '{key}': {kept}"))
                 } else {
-                    ConfigError(format!("invalid value for '{key}': {}", e.inner()))
+                    // toml appends where it was (`in `server``) on lines
+                    // of its own; the key already says it.
+                    let reason = e.inner().to_string();
+                    let reason = reason.lines().next().unwrap_or_default();
+                    match reason.strip_prefix("unknown field `") {
+                        Some(rest) => {
+                            let expected = rest
+                                .split_once("expected ")
+                                .map(|(_, e)| e.replace('`', ""))
+                                .unwrap_or_default();
+                            ConfigError(format!(
+                                "unknown configuration key '{key}' (expected {expected})"
+                            ))
+                        }
+                        None => ConfigError(format!("invalid value for '{key}': {reason}")),
+                    }
                 }
             })?;
         config.check()?;
@@ -471,6 +486,12 @@ impl Config {
         }
         if self.tracing.enabled && self.tracing.service_name.trim().is_empty() {
             return fail("tracing.service_name", "must not be empty");
+        }
+        if let Err(why) = check_host(&self.server.host) {
+            return fail("server.host", &why);
+        }
+        if let Err(why) = check_storage_scheme(&self.storage.url) {
+            return fail("storage.url", &why);
         }
         if self.ingest.max_payload_size == 0 {
             return fail("ingest.max_payload_size", "must be at least 1");
@@ -522,6 +543,8 @@ impl Config {
                 "server.request_read_timeout_secs",
                 self.server.request_read_timeout_secs,
             ),
+            // 0 would poll storage in a busy loop.
+            ("engine.sync_interval_ms", self.engine.sync_interval_ms),
         ];
         if let Some((key, _)) = at_least_one.iter().find(|(_, v)| *v == 0) {
             return fail(key, "must be at least 1");
@@ -655,6 +678,53 @@ impl Config {
     }
 }
 
+/// `server.host`: an IP address or a host name (letters, digits and `-` in
+/// dot-separated labels), so a typo is a configuration error naming the
+/// key, not a failed bind. A name that does not resolve still fails at
+/// bind.
+fn check_host(host: &str) -> Result<(), String> {
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(());
+    }
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    };
+    let name = host.strip_suffix('.').unwrap_or(host);
+    if host.is_empty() {
+        Err("must not be empty (an IP address such as 127.0.0.1 or 0.0.0.0, or a host name)".into())
+    } else if name.len() <= 253 && name.split('.').all(label_ok) {
+        Ok(())
+    } else {
+        Err("must be an IP address (such as 127.0.0.1, 0.0.0.0 or ::1, without brackets or port) or a host name".into())
+    }
+}
+
+/// `storage.url`'s scheme is one the service speaks. The scheme is quoted
+/// back only when it looks like one (a URL without a scheme may start with
+/// a password).
+fn check_storage_scheme(url: &str) -> Result<(), String> {
+    const EXPECTED: &str = "expected sqlite:, postgres:, postgresql:, mysql: or mariadb:";
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
+    let known = ["sqlite", "postgres", "postgresql", "mysql", "mariadb"];
+    if known.iter().any(|k| k.eq_ignore_ascii_case(scheme)) {
+        return Ok(());
+    }
+    let looks_like_scheme = !scheme.is_empty()
+        && scheme.len() <= 16
+        && scheme
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'));
+    if looks_like_scheme {
+        Err(format!("unsupported scheme '{scheme}' ({EXPECTED})"))
+    } else {
+        Err(format!("has no scheme ({EXPECTED})"))
+    }
+}
+
 /// Deep-merges `over` into `base` (tables merge, anything else replaces).
 fn merge(base: &mut toml::Table, over: toml::Table) {
     for (k, v) in over {
@@ -698,7 +768,11 @@ fn apply_env(
         toml::Value::Boolean(_) => match raw.trim().to_ascii_lowercase().as_str() {
             "true" | "1" | "yes" | "on" => toml::Value::Boolean(true),
             "false" | "0" | "no" | "off" => toml::Value::Boolean(false),
-            _ => return Err(bad("expected a boolean (true or false)")),
+            _ => {
+                return Err(bad(
+                    "expected a boolean (true or false; 1/0, yes/no and on/off are accepted too)",
+                ));
+            }
         },
         toml::Value::Integer(_) => {
             toml::Value::Integer(raw.trim().parse().map_err(|_| bad("expected an integer"))?)
@@ -716,7 +790,17 @@ fn apply_env(
                 .cloned()
                 .ok_or_else(|| bad("expected a TOML array"))?
         }
-        toml::Value::Table(_) => return Err(unknown()),
+        toml::Value::Table(t) => {
+            // A section, not a key: name the variables that set its keys.
+            let keys: Vec<String> = t
+                .keys()
+                .map(|k| format!("{name}__{}", k.to_ascii_uppercase()))
+                .collect();
+            return Err(ConfigError(format!(
+                "'{dotted}' is a section, not a key (from environment variable {name}); set its keys instead: {}",
+                keys.join(", ")
+            )));
+        }
         toml::Value::Datetime(_) => toml::Value::String(raw.to_owned()),
     };
     let mut node = merged;
@@ -902,6 +986,62 @@ mod tests {
     }
 
     #[test]
+    fn unknown_keys_sections_hosts_and_storage_schemes_are_named() {
+        let e = load(Some("[server]\nbogus = 1\n"), &[]).unwrap_err().0;
+        assert!(
+            e.starts_with("unknown configuration key 'server.bogus' (expected one of host, port")
+                && !e.contains('\n'),
+            "{e}"
+        );
+        let e = load(None, &[("SERVICE_KAFKA__DLQ", "x")]).unwrap_err().0;
+        assert!(
+            e.starts_with("'kafka.dlq' is a section, not a key")
+                && e.contains("SERVICE_KAFKA__DLQ__ENABLED"),
+            "{e}"
+        );
+        let e = load(None, &[("SERVICE_METRICS__ENABLED", "maybe")])
+            .unwrap_err()
+            .0;
+        assert!(e.contains("1/0, yes/no and on/off"), "{e}");
+        for host in ["not..a..host", "[::1]", "127.0.0.1:80", "", "-x", "a b"] {
+            let e = load(None, &[("SERVICE_SERVER__HOST", host)]).unwrap_err().0;
+            assert!(
+                e.starts_with("invalid value for 'server.host'"),
+                "{host}: {e}"
+            );
+        }
+        for host in [
+            "127.0.0.1",
+            "0.0.0.0",
+            "::1",
+            "::",
+            "localhost",
+            "api-1.example.com.",
+        ] {
+            let c = load(None, &[("SERVICE_SERVER__HOST", host)]).unwrap();
+            assert_eq!(c.server.host, host);
+        }
+        let e = load(None, &[("SERVICE_STORAGE__URL", "foo://bar")])
+            .unwrap_err()
+            .0;
+        assert_eq!(
+            e,
+            "invalid value for 'storage.url': unsupported scheme 'foo' (expected sqlite:, postgres:, postgresql:, mysql: or mariadb:)"
+        );
+        // A URL without a scheme may begin with a password: not quoted.
+        let e = load(None, &[("SERVICE_STORAGE__URL", "s3cr3t@#host:5432")])
+            .unwrap_err()
+            .0;
+        assert!(e.contains("has no scheme") && !e.contains("s3cr3t"), "{e}");
+        for url in ["sqlite::memory:", "POSTGRES://h/db", "mariadb://h/db"] {
+            assert!(
+                load(None, &[("SERVICE_STORAGE__URL", url)]).is_ok(),
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
     fn zero_where_it_would_disable_a_feature_is_refused() {
         for var in [
             "SERVICE_QUEUE__WORKERS",
@@ -917,6 +1057,7 @@ mod tests {
             "SERVICE_SERVER__REQUEST_READ_TIMEOUT_SECS",
             "SERVICE_SERVER__MAX_IN_FLIGHT",
             "SERVICE_SERVER__ADMIN_MAX_PAYLOAD_SIZE",
+            "SERVICE_ENGINE__SYNC_INTERVAL_MS",
         ] {
             let e = load(None, &[(var, "0")]).unwrap_err().0;
             let key = var["SERVICE_".len()..]

@@ -102,7 +102,7 @@ unsafe impl std::alloc::GlobalAlloc for MiMalloc {
 )]
 struct Cli {
     /// Configuration file for serve and migrate (default: ./sluice.toml if present).
-    #[arg(long, global = true)]
+    #[arg(long)]
     config: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
@@ -111,20 +111,32 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the service (the default).
-    Serve,
+    Serve {
+        /// Configuration file (default: ./sluice.toml if present).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Apply the storage migrations and exit.
-    Migrate,
+    Migrate {
+        /// Configuration file (default: ./sluice.toml if present).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Check workflow, channel or connector definition files.
     Lint {
+        /// Definition files (JSON or YAML).
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
     /// Run a workflow definition on a payload, offline, and print the dry-run answer.
     DryRun {
+        /// The workflow definition (JSON or YAML).
         #[arg(long)]
         workflow: PathBuf,
+        /// The request body the workflow runs on (JSON).
         #[arg(long)]
         payload: PathBuf,
+        /// The request's metadata, `{headers?, query?, path?}` (JSON).
         #[arg(long)]
         metadata: Option<PathBuf>,
     },
@@ -135,6 +147,7 @@ enum Command {
     },
     /// Run workflow test files (*.test.json, *.test.yaml) offline, with connector stubs.
     Test {
+        /// Test files, or directories searched for them.
         #[arg(required = true)]
         paths: Vec<PathBuf>,
     },
@@ -155,6 +168,7 @@ enum Command {
         /// Activate new versions of existing workflows for this share of traffic (1..100).
         #[arg(long, value_parser = clap::value_parser!(u8).range(1..=100))]
         rollout: Option<u8>,
+        /// The directory of definitions.
         dir: PathBuf,
     },
     /// Compile a JSONLogic rule, evaluate it against data, print the result as JSON.
@@ -170,16 +184,27 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let command = cli.command.unwrap_or(Command::Serve);
-    // The tools that need no server read no configuration: a `--config`
-    // given to them would be silently ignored.
-    if cli.config.is_some() && !matches!(command, Command::Serve | Command::Migrate) {
-        sluice::errln!("error: --config applies to serve and migrate only");
-        return ExitCode::from(2);
-    }
+    let command = cli.command.unwrap_or(Command::Serve { config: None });
+    // `--config` goes before or after `serve`/`migrate`, once. The tools
+    // that need no server read no configuration: a `--config` given to
+    // them would be silently ignored.
+    let config = match (&command, cli.config) {
+        (Command::Serve { config: Some(_) } | Command::Migrate { config: Some(_) }, Some(_)) => {
+            sluice::errln!("error: --config given twice");
+            return ExitCode::from(2);
+        }
+        (Command::Serve { config } | Command::Migrate { config }, top) => config.clone().or(top),
+        (_, Some(_)) => {
+            sluice::errln!("error: --config applies to serve and migrate only");
+            return ExitCode::from(2);
+        }
+        (_, None) => None,
+    };
     match command {
-        Command::Serve => with_config(cli.config, |config| runtime()?.block_on(serve(config))),
-        Command::Migrate => with_config(cli.config, |config| runtime()?.block_on(migrate(config))),
+        Command::Serve { .. } => with_config(config, |config| runtime()?.block_on(serve(config))),
+        Command::Migrate { .. } => {
+            with_config(config, |config| runtime()?.block_on(migrate(config)))
+        }
         Command::Lint { files } => cli::lint(&files),
         Command::DryRun {
             workflow,
@@ -269,10 +294,16 @@ async fn migrate(config: config::Config) -> Result<(), String> {
 }
 
 async fn serve(config: config::Config) -> Result<(), String> {
-    let addr = format!("{}:{}", config.server.host, config.server.port);
+    let host = &config.server.host;
+    // An IPv6 address is bracketed before its port is appended.
+    let addr = if host.parse::<std::net::Ipv6Addr>().is_ok() {
+        format!("[{host}]:{}", config.server.port)
+    } else {
+        format!("{host}:{}", config.server.port)
+    };
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
-        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        .map_err(|e| format!("cannot listen on {addr} (server.host, server.port): {e}"))?;
     // The address actually bound (port 0 picks one).
     let addr = listener.local_addr().map_or(addr, |a| a.to_string());
     let app = sluice::start(config).await?;

@@ -84,7 +84,7 @@ pub async fn catch_up(app: &App) {
 }
 
 async fn poll_loop(app: Arc<App>) {
-    let every = Duration::from_millis(app.config.engine.sync_interval_ms.max(10));
+    let every = Duration::from_millis(app.config.engine.sync_interval_ms);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

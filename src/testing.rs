@@ -91,19 +91,31 @@ struct StubAnswer {
 #[derive(Deserialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 struct StubError {
-    /// `upstream` (default), `timeout`, `circuit_open` or `other`.
+    /// `upstream` (default), `timeout`, `circuit_open` or `other`; any
+    /// other word is an error in the test file (a typo must not quietly
+    /// become an upstream failure).
     #[serde(default)]
-    kind: Option<String>,
+    kind: StubErrorKind,
     message: String,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, Default)]
+#[serde(rename_all = "snake_case")]
+enum StubErrorKind {
+    #[default]
+    Upstream,
+    Timeout,
+    CircuitOpen,
+    Other,
 }
 
 impl StubError {
     fn to_error(&self) -> ConnectorError {
-        let kind = match self.kind.as_deref() {
-            Some("timeout") => ConnectorErrorKind::Timeout,
-            Some("circuit_open") => ConnectorErrorKind::CircuitOpen,
-            Some("other") => ConnectorErrorKind::Other,
-            _ => ConnectorErrorKind::Upstream,
+        let kind = match self.kind {
+            StubErrorKind::Upstream => ConnectorErrorKind::Upstream,
+            StubErrorKind::Timeout => ConnectorErrorKind::Timeout,
+            StubErrorKind::CircuitOpen => ConnectorErrorKind::CircuitOpen,
+            StubErrorKind::Other => ConnectorErrorKind::Other,
         };
         ConnectorError::new(kind, self.message.clone())
     }

@@ -796,6 +796,26 @@ cases:
         "{stdout}"
     );
     assert!(stdout.ends_with("0 passed, 1 failed\n"), "{stdout}");
+    // So is a stub error of a kind that does not exist (a typo must not
+    // quietly become an upstream failure).
+    std::fs::write(
+        dir.join("kind.test.json"),
+        r#"{"workflow": "wf/w.json", "connectors": {"api": [{"error": {"kind": "timout", "message": "x"}}]},
+            "cases": [{"name": "x", "request": {"data": {"id": 1}}, "expect": {"status": 502}}]}"#,
+    )
+    .unwrap();
+    let out = sluice()
+        .arg("test")
+        .arg(dir.join("kind.test.json"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("FAIL") && stdout.contains("timout") && stdout.contains("circuit_open"),
+        "{stdout}"
+    );
+    assert!(stdout.ends_with("0 passed, 1 failed\n"), "{stdout}");
     let empty = temp_dir();
     let out = sluice().arg("test").arg(&empty).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));

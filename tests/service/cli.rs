@@ -166,6 +166,20 @@ fn configuration_errors_stop_start_up_naming_the_key() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("server.prot"));
+    // A host that is not one, and a storage URL of a scheme we do not
+    // speak, are configuration errors too (not failures to bind or open).
+    for (var, value, key) in [
+        ("SERVICE_SERVER__HOST", "not..a..host", "'server.host'"),
+        ("SERVICE_STORAGE__URL", "foo://bar", "'storage.url'"),
+    ] {
+        let out = sluice().arg("serve").env(var, value).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{var}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.starts_with(&format!("configuration error: invalid value for {key}")),
+            "{stderr}"
+        );
+    }
     let db = std::env::temp_dir().join(format!("sluice-cli-{}.db", uuid::Uuid::new_v4()));
     let out = sluice()
         .arg("migrate")
@@ -385,4 +399,31 @@ fn config_is_refused_where_it_would_be_ignored() {
         String::from_utf8_lossy(&out.stderr).trim(),
         "error: --config applies to serve and migrate only"
     );
+    // Nor do the other commands offer it in their help.
+    let out = sluice().args(["lint", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && !help.contains("--config"), "{help}");
+    let out = sluice().args(["migrate", "--help"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--config"));
+    // Before or after the command, once.
+    let out = sluice()
+        .args(["--config", "/a.toml", "migrate", "--config", "/b.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "error: --config given twice"
+    );
+    for args in [
+        ["--config", "/nonexistent.toml", "migrate"],
+        ["migrate", "--config", "/nonexistent.toml"],
+    ] {
+        let out = sluice().args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("cannot read /nonexistent.toml"),
+            "{args:?}"
+        );
+    }
 }
