@@ -129,10 +129,10 @@ macro_rules! timed {
         timed!($self, $pool, $conn => $run, refuse: |_| None, timeout: $timeout)
     };
     ($self:expr, $pool:expr, $conn:ident => $run:expr, refuse: $refuse:expr, timeout: $timeout:expr) => {{
-        let mut $conn = $pool
-            .acquire()
-            .await
-            .map_err(|e| acquire_err(e, $pool.size()))?;
+        let mut $conn = match $pool.acquire().await {
+            Ok(conn) => conn,
+            Err(e) => return Err(acquire_failed(e, $pool).await),
+        };
         match tokio::time::timeout($self.query_timeout, $run).await {
             Ok(Ok(value)) => match $refuse(&value) {
                 None => Ok(value),
@@ -699,15 +699,44 @@ fn time_of_day(t: time::Time) -> CellResult {
 /// not be reached at all (sqlx keeps retrying a refused connect until the
 /// acquire timeout): an upstream failure, retryable. With connections open,
 /// they were all busy: a timeout.
-fn acquire_err(e: sqlx::Error, open: u32) -> ConnectorError {
+fn acquire_err(e: sqlx::Error, open: u32, cause: Option<&str>) -> ConnectorError {
     match e {
         sqlx::Error::PoolTimedOut if open == 0 => ConnectorError::new(
             ConnectorErrorKind::Upstream,
-            "cannot connect to the database (no connection within connect_timeout_ms)",
+            match cause {
+                Some(why) => format!(
+                    "cannot connect to the database: {why} (no connection within connect_timeout_ms)"
+                ),
+                None => "cannot connect to the database (no connection within connect_timeout_ms)"
+                    .to_owned(),
+            },
         )
         .retryable(true),
         e => sql_err(e),
     }
+}
+
+/// As [`acquire_err`]; when no connection could be opened at all, one
+/// direct attempt (at most half a second) finds out why, so the message
+/// says "Connection refused" rather than only that time ran out. sqlx's
+/// connect errors carry no URL.
+async fn acquire_failed<DB: sqlx::Database>(
+    e: sqlx::Error,
+    pool: &sqlx::Pool<DB>,
+) -> ConnectorError {
+    let open = pool.size();
+    if !matches!(e, sqlx::Error::PoolTimedOut) || open > 0 {
+        return acquire_err(e, open, None);
+    }
+    use sqlx::ConnectOptions as _;
+    let attempt =
+        tokio::time::timeout(Duration::from_millis(500), pool.connect_options().connect()).await;
+    let cause = match attempt {
+        Ok(Err(sqlx::Error::Io(io))) => Some(io.to_string()),
+        Ok(Err(other)) => Some(other.to_string()),
+        _ => None,
+    };
+    acquire_err(e, open, cause.as_deref())
 }
 
 fn timeout_err(d: Duration) -> ConnectorError {
@@ -1306,6 +1335,13 @@ mod tests {
             let e = pool.read("SELECT 1", &[]).await.unwrap_err();
             assert!(e.retryable, "{url}: {e:?}");
             assert_eq!(e.kind, ConnectorErrorKind::Upstream, "{url}: {e:?}");
+            // The cause, not only that time ran out.
+            assert!(
+                e.message.starts_with("cannot connect to the database: ")
+                    && e.message.contains("refused"),
+                "{url}: {}",
+                e.message
+            );
             assert!(
                 !e.message.contains("127.0.0.1:1"),
                 "no URL in messages: {}",
