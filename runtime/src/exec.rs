@@ -532,6 +532,8 @@ struct Machine<'a> {
     bucket: Option<u8>,
     /// An upper bound on how deep the context nests (see `check_nesting`).
     depth_bound: usize,
+    /// A connector's answer is being stored (see `check_nesting`).
+    answer_write: bool,
 }
 
 /// The deepest the execution context may nest. Every value in it passed
@@ -578,6 +580,7 @@ impl<'a> Machine<'a> {
             current: None,
             bucket,
             depth_bound: INPUT_NESTING,
+            answer_write: false,
         }
     }
 
@@ -607,10 +610,14 @@ impl<'a> Machine<'a> {
         may_outgrow: bool,
     ) -> Result<(), TaskError> {
         // `data` is what a sync request answers, `{status, data: <object>,
-        // errors}`: replaced whole, it stays a document. An array is one
-        // (`db_read` and `mongo_read` write their rows to `data` by default);
-        // a scalar or `null` is not.
-        if target.path.segments().is_empty()
+        // errors}`: replaced whole by a task's own computation, it stays a
+        // document. An array is one (`db_read` and `mongo_read` write their
+        // rows to `data` by default); a scalar or `null` is not. A
+        // connector's answer is exempt (`write_answer`): the spec's
+        // defaults write it to `data` whatever it is (`cache_read`'s miss
+        // is null).
+        if !self.answer_write
+            && target.path.segments().is_empty()
             && target.area == sluice_compiler::plan::Area::Data
             && !matches!(value, Value::Object(_) | Value::Array(_))
         {
@@ -1005,7 +1012,10 @@ impl<'a> Machine<'a> {
         match (target, value) {
             (Some(target), Some(value)) => {
                 let v = Value::copy_json(&value, arena);
-                self.write(target, v, arena, false)
+                self.answer_write = true;
+                let written = self.write(target, v, arena, false);
+                self.answer_write = false;
+                written
             }
             _ => Ok(()),
         }

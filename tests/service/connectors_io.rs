@@ -376,6 +376,70 @@ async fn memory_cache_clients_survive_reloads_and_are_rebuilt_on_change() {
     );
 }
 
+/// `cache_read`'s `output` defaults to `data`, which it replaces whole with
+/// what the key holds, whatever that is: a miss is `null` (the spec:
+/// "missing key yields null"), a plain string a string. Before, the rule
+/// that `data` stays a document refused both with a 500 on every call. A
+/// later task may write into `data` again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_read_with_the_default_output_replaces_data_whatever_the_key_holds() {
+    let s = service(false).await;
+    connector(
+        &s,
+        "memd",
+        json!({"type": "cache", "backend": "memory", "max_entries": 100}),
+    )
+    .await;
+    deploy(
+        &s,
+        "cdef",
+        json!([
+            task(
+                "w",
+                "cache_write",
+                json!({"connector": "memd", "key": "text", "value": "plain"})
+            ),
+            task(
+                "r",
+                "cache_read",
+                json!({"connector": "memd", "key_logic": {"var": "metadata.path.id"}})
+            )
+        ]),
+    )
+    .await;
+    let r = s
+        .post("/api/v1/data/cdef/nope", json!({"data": {"a": 1}}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"], Json::Null, "{}", r.text);
+    assert_eq!(r.body["errors"], json!([]), "{}", r.text);
+    let r = s
+        .post("/api/v1/data/cdef/text", json!({"data": {"a": 1}}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"], "plain", "{}", r.text);
+    deploy(
+        &s,
+        "cdef2",
+        json!([
+            task(
+                "r",
+                "cache_read",
+                json!({"connector": "memd", "key": "never-written"})
+            ),
+            task(
+                "m",
+                "map",
+                json!({"mappings": [{"path": "found", "logic": {"!=": [{"var": "data"}, null]}}]})
+            )
+        ]),
+    )
+    .await;
+    let r = s.post("/api/v1/data/cdef2/1", json!({"data": {}})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"], json!({"found": false}), "{}", r.text);
+}
+
 /// Values of every JSON type, some of them strings that look like JSON.
 fn cache_samples() -> Json {
     json!([
