@@ -49,6 +49,21 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
             ))
         }
     };
+    // An id in the path that no resource can have (create refuses it)
+    // names none: 404 before any lookup. MariaDB's collations ignore
+    // trailing spaces, so `DELETE /workflows/x%20` would otherwise delete
+    // `x` there.
+    if let [kind @ ("workflows" | "channels" | "connectors"), id, ..] = segments
+        && !validate::is_identifier(id)
+    {
+        let title = match *kind {
+            "connectors" => "Connector",
+            other => kind_of(other).title(),
+        };
+        return Err(ApiError::not_found(format!(
+            "{title} with id '{id}' not found"
+        )));
+    }
     match segments {
         [kind @ ("workflows" | "channels")] => {
             let kind = kind_of(kind);
@@ -1025,13 +1040,51 @@ async fn engine_reload(app: &App, who: Principal) -> ApiResult {
     }
 }
 
+/// The actions an audit entry may record (shared decisions, plus `pause`).
+pub(crate) const AUDIT_ACTIONS: &[&str] = &[
+    "create",
+    "update",
+    "delete",
+    "activate",
+    "archive",
+    "pause",
+    "rollout",
+    "new_version",
+    "import",
+    "reload",
+    "breaker_reset",
+    "backup",
+];
+
+/// What an audit entry may be about.
+pub(crate) const AUDIT_RESOURCE_TYPES: &[&str] = &[
+    "workflow",
+    "channel",
+    "connector",
+    "connectors",
+    "engine",
+    "circuit_breaker",
+    "backup",
+];
+
+/// `?action=`, `?resource_type=` (closed sets: anything else is a 400, as
+/// a bad `status` is) and `?resource_id=`.
 async fn audit_logs(app: &App, req: &Req) -> ApiResult {
     let (limit, offset) = paging(req)?;
+    let action = one_of_filter(req, "action", AUDIT_ACTIONS)?;
+    let resource_type = one_of_filter(req, "resource_type", AUDIT_RESOURCE_TYPES)?;
+    let resource_id = req.query("resource_id");
+    // MariaDB's collations ignore trailing spaces: `x ` would find `x`'s
+    // entries, and no id ends with a space.
+    if resource_id.is_some_and(|id| id.trim_end() != id) {
+        return api::page(Vec::new(), 0, limit, offset);
+    }
     let (entries, total) = app
         .store
         .list_audit(
-            req.query("action"),
-            req.query("resource_type"),
+            action.as_deref(),
+            resource_type.as_deref(),
+            resource_id,
             limit,
             offset,
         )

@@ -51,7 +51,7 @@ const OPERATIONS: &[(&str, &str, &str, &str, bool, u16)] = &[
     ("get", "/api/v1/admin/engine/status", "engine", "Engine status", false, 200),
     ("post", "/api/v1/admin/engine/reload", "engine", "Hot-reload channels and workflows", false, 200),
     ("get", "/api/v1/admin/functions", "engine", "Connector and composition functions with their input schemas", false, 200),
-    ("get", "/api/v1/admin/audit-logs", "engine", "Audit log (filters: action, resource_type)", false, 200),
+    ("get", "/api/v1/admin/audit-logs", "engine", "Audit log (filters: action, resource_type, resource_id)", false, 200),
     ("post", "/api/v1/admin/backups", "engine", "Create a SQLite backup", false, 201),
     ("get", "/api/v1/admin/backups", "engine", "List backups", false, 200),
     ("post", "/api/v1/data/{channel}", "data", "Process a request on a channel by name", true, 200),
@@ -113,13 +113,18 @@ fn query_params(method: &str, path: &str) -> Vec<Json> {
         ("get", "/api/v1/admin/audit-logs") => {
             out.push(q(
                 "action",
-                string(),
-                "Only this action (create, update, activate, ...)",
+                one_of(crate::admin::AUDIT_ACTIONS),
+                "Only this action",
             ));
             out.push(q(
                 "resource_type",
+                one_of(crate::admin::AUDIT_RESOURCE_TYPES),
+                "Only this resource type",
+            ));
+            out.push(q(
+                "resource_id",
                 string(),
-                "Only this resource type (workflow, channel, ...)",
+                "Only entries about this resource",
             ));
             out.extend(paging());
         }

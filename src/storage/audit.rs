@@ -37,14 +37,15 @@ impl Store {
         &self,
         action: Option<&str>,
         resource_type: Option<&str>,
+        resource_id: Option<&str>,
         limit: i64,
         offset: i64,
     ) -> Result<(Vec<Json>, i64), StorageError> {
         let s = self.sql();
         dispatch!(self, pool => {
-            let total: i64 = fetch_one!(pool, &s.audit_count, action, action, resource_type, resource_type)?
+            let total: i64 = fetch_one!(pool, &s.audit_count, action, action, resource_type, resource_type, resource_id, resource_id)?
                 .try_get(0).map_err(super::db_err)?;
-            let rows = fetch_all!(pool, &s.audit_page, action, action, resource_type, resource_type, limit, offset)?;
+            let rows = fetch_all!(pool, &s.audit_page, action, action, resource_type, resource_type, resource_id, resource_id, limit, offset)?;
             let mut out = Vec::with_capacity(rows.len());
             for row in &rows {
                 // Unchecked: MariaDB flags utf8mb4_bin text as BINARY (see lifecycle.rs).

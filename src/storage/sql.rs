@@ -197,7 +197,8 @@ impl Sql {
     pub(crate) fn new(b: Backend) -> Sql {
         let f = |s: &str| build(b, s);
         let conn = "name, connector_type, {def} AS definition, created_at, updated_at";
-        let audit_filter = "WHERE (? IS NULL OR action = ?) AND (? IS NULL OR resource_type = ?)";
+        let audit_filter = "WHERE (? IS NULL OR action = ?) AND (? IS NULL OR resource_type = ?) \
+                            AND (? IS NULL OR resource_id = ?)";
         Sql {
             workflow: KindSql::new(b, Kind::Workflow),
             channel: KindSql::new(b, Kind::Channel),

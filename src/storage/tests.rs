@@ -923,7 +923,10 @@ async fn delete_removes_all_versions(s: Store, _: PathBuf) {
         .await
         .unwrap();
     assert_eq!(r.version, 1);
-    let (entries, _) = s.list_audit(Some("delete"), None, 10, 0).await.unwrap();
+    let (entries, _) = s
+        .list_audit(Some("delete"), None, None, 10, 0)
+        .await
+        .unwrap();
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0]["details"]["versions"], json!([1, 2]));
 }
@@ -1033,7 +1036,7 @@ async fn audit_written_with_each_change_only(s: Store, _: PathBuf) {
         .await
         .unwrap();
 
-    let (entries, total) = s.list_audit(None, None, 50, 0).await.unwrap();
+    let (entries, total) = s.list_audit(None, None, None, 50, 0).await.unwrap();
     assert_eq!(total, 7);
     let summary: Vec<(&str, i64)> = entries
         .iter()
@@ -1094,7 +1097,7 @@ async fn audit_written_with_each_change_only(s: Store, _: PathBuf) {
             .await
             .is_err()
     );
-    assert_eq!(s.list_audit(None, None, 50, 0).await.unwrap().1, 7);
+    assert_eq!(s.list_audit(None, None, None, 50, 0).await.unwrap().1, 7);
 
     // Filters, paging, standalone entries, other resource types.
     s.audit(Audit {
@@ -1118,7 +1121,10 @@ async fn audit_written_with_each_change_only(s: Store, _: PathBuf) {
     )
     .await
     .unwrap();
-    let (e, total) = s.list_audit(Some("reload"), None, 10, 0).await.unwrap();
+    let (e, total) = s
+        .list_audit(Some("reload"), None, None, 10, 0)
+        .await
+        .unwrap();
     assert_eq!(total, 1);
     assert_eq!(
         (e[0]["resource_type"].as_str(), e[0]["details"].clone()),
@@ -1126,11 +1132,26 @@ async fn audit_written_with_each_change_only(s: Store, _: PathBuf) {
     );
     assert!(e[0].get("version").is_none(), "version omitted when absent");
     let (e, total) = s
-        .list_audit(Some("create"), Some("connector"), 10, 0)
+        .list_audit(Some("create"), Some("connector"), None, 10, 0)
         .await
         .unwrap();
     assert_eq!((total, e[0]["resource_id"].as_str()), (1, Some("cx")));
-    let (e, _) = s.list_audit(None, Some("channel"), 10, 0).await.unwrap();
+    let (e, total) = s.list_audit(None, None, Some("cx"), 10, 0).await.unwrap();
+    assert!(
+        total >= 1 && e.iter().all(|a| a["resource_id"] == "cx"),
+        "{e:?}"
+    );
+    assert_eq!(
+        s.list_audit(None, None, Some("nothing-here"), 10, 0)
+            .await
+            .unwrap()
+            .1,
+        0
+    );
+    let (e, _) = s
+        .list_audit(None, Some("channel"), None, 10, 0)
+        .await
+        .unwrap();
     assert_eq!(
         (
             e[0]["action"].as_str(),
@@ -1140,10 +1161,13 @@ async fn audit_written_with_each_change_only(s: Store, _: PathBuf) {
         (Some("import"), Some("read_only"), Some(1))
     );
     assert_eq!(
-        s.list_audit(Some("create"), None, 10, 0).await.unwrap().1,
+        s.list_audit(Some("create"), None, None, 10, 0)
+            .await
+            .unwrap()
+            .1,
         2
     );
-    let (page, total) = s.list_audit(None, None, 3, 3).await.unwrap();
+    let (page, total) = s.list_audit(None, None, None, 3, 3).await.unwrap();
     assert_eq!((page.len(), total), (3, 10));
 }
 
@@ -1178,7 +1202,7 @@ async fn concurrent_new_version_creates_one_draft(s: Store, _: PathBuf) {
         [(1, Status::Active, 100), (2, Status::Draft, 100)]
     );
     assert_eq!(
-        s.list_audit(Some("new_version"), None, 50, 0)
+        s.list_audit(Some("new_version"), None, None, 50, 0)
             .await
             .unwrap()
             .1,
@@ -2146,7 +2170,10 @@ async fn definitions_come_back_as_written(s: Store, _: PathBuf) {
     let mut entry = admin("custom");
     entry.details = serde_json::from_str(r#"{"z":1,"a":-0.0}"#).unwrap();
     s.audit(entry).await.unwrap();
-    let (entries, _) = s.list_audit(Some("custom"), None, 10, 0).await.unwrap();
+    let (entries, _) = s
+        .list_audit(Some("custom"), None, None, 10, 0)
+        .await
+        .unwrap();
     assert_eq!(text(&entries[0]["details"]), r#"{"z":1,"a":-0.0}"#);
 }
 

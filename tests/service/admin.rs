@@ -550,6 +550,43 @@ async fn audit_and_backups(db: Db) {
         ),
         (&json!("connectors"), &json!(0))
     );
+    // The closed filters refuse what no entry can hold, as `status` does;
+    // `resource_id` narrows to one resource.
+    for (query, message) in [
+        (
+            "action=bogus",
+            "action must be one of create, update, delete",
+        ),
+        ("action=create%20", "action must be one of"),
+        (
+            "resource_type=bogus",
+            "resource_type must be one of workflow, channel",
+        ),
+    ] {
+        let r = s.admin("GET", &format!("/audit-logs?{query}"), None).await;
+        let e = r.error(400, "BAD_REQUEST");
+        assert!(
+            e["message"].as_str().unwrap().starts_with(message),
+            "{query}: {e}"
+        );
+    }
+    let by_id = s
+        .admin("GET", "/audit-logs?resource_id=connectors", None)
+        .await;
+    let entries = by_id.ok(200);
+    assert!(
+        !entries.as_array().unwrap().is_empty()
+            && entries
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|e| e["resource_id"] == "connectors"),
+        "{entries}"
+    );
+    let spaced = s
+        .admin("GET", "/audit-logs?resource_id=connectors%20", None)
+        .await;
+    assert_eq!(spaced.ok(200), &json!([]));
 
     let backup = s.admin("POST", "/backups", None).await;
     match db {
@@ -1655,3 +1692,93 @@ async fn nul_characters_are_refused_alike_on_every_database() {
             .ok(201);
     }
 }
+
+/// An id in the path that no resource can have names none, on every
+/// database: MariaDB's collations ignore trailing spaces, so
+/// `DELETE /workflows/g%20` deleted workflow `g` there (and audited `'g '`).
+async fn ids_no_resource_can_have_name_none(db: Db) {
+    let s = start(db).await;
+    s.admin("POST", "/workflows", Some(greeter("g", "hi")))
+        .await
+        .ok(201);
+    s.admin(
+        "POST",
+        "/channels",
+        Some(json!({"channel_id": "c", "name": "c", "workflow_id": "g"})),
+    )
+    .await
+    .ok(201);
+    s.admin(
+        "POST",
+        "/connectors",
+        Some(json!({"name": "k", "connector_type": "http", "config": {"url": "https://example.com"}})),
+    )
+    .await
+    .ok(201);
+    for (method, path, body, message) in [
+        (
+            "DELETE",
+            "/workflows/g%20",
+            None,
+            "Workflow with id 'g ' not found",
+        ),
+        (
+            "GET",
+            "/workflows/g%20%20",
+            None,
+            "Workflow with id 'g  ' not found",
+        ),
+        (
+            "PATCH",
+            "/workflows/g%20/status",
+            Some(json!({"status": "active"})),
+            "Workflow with id 'g ' not found",
+        ),
+        (
+            "GET",
+            "/workflows/g%20/versions",
+            None,
+            "Workflow with id 'g ' not found",
+        ),
+        (
+            "DELETE",
+            "/channels/c%20",
+            None,
+            "Channel with id 'c ' not found",
+        ),
+        (
+            "GET",
+            "/channels/c%09",
+            None,
+            "Channel with id 'c\t' not found",
+        ),
+        (
+            "DELETE",
+            "/connectors/k%20",
+            None,
+            "Connector with id 'k ' not found",
+        ),
+        (
+            "GET",
+            "/connectors/k%20",
+            None,
+            "Connector with id 'k ' not found",
+        ),
+    ] {
+        let r = s.admin(method, path, body).await;
+        assert_eq!(
+            r.error(404, "NOT_FOUND")["message"],
+            message,
+            "{method} {path}"
+        );
+    }
+    // Nothing was touched.
+    let w = s.admin("GET", "/workflows/g", None).await;
+    assert_eq!(w.ok(200)["status"], "draft", "{}", w.text);
+    s.admin("GET", "/channels/c", None).await.ok(200);
+    s.admin("GET", "/connectors/k", None).await.ok(200);
+}
+on_every_backend!(
+    ids_with_trailing_spaces_name_nothing,
+    ids_no_resource_can_have_name_none
+);
