@@ -135,7 +135,7 @@ fn query_params(method: &str, path: &str) -> Vec<Json> {
                 "Only this status",
             ));
             out.push(q("channel", string(), "Only this channel"));
-            out.push(q("mode", string(), "Only this mode (async, kafka)"));
+            out.push(q("mode", one_of(&["async", "kafka"]), "Only this mode"));
             out.extend(paging());
         }
         (

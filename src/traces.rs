@@ -157,7 +157,15 @@ pub async fn read(app: &Arc<App>, req: &Req, rest: &[&str]) -> ApiResult {
     let q = TraceQuery {
         status,
         channel: req.query("channel").map(str::to_owned),
-        mode: req.query("mode").map(str::to_owned),
+        mode: match req.query("mode") {
+            None => None,
+            Some(m @ (MODE_ASYNC | "kafka")) => Some(m.to_owned()),
+            Some(m) => {
+                return Err(ApiError::bad_request(format!(
+                    "mode must be one of async, kafka, got '{m}'"
+                )));
+            }
+        },
         limit,
         offset,
     };

@@ -218,6 +218,11 @@ async fn submit_poll_list_and_mask_body(db: Db) {
     s.get("/api/v1/data/traces?status=done")
         .await
         .error(400, "BAD_REQUEST");
+    let bad_mode = s.get("/api/v1/data/traces?mode=bogus").await;
+    assert_eq!(
+        bad_mode.error(400, "BAD_REQUEST")["message"],
+        "mode must be one of async, kafka, got 'bogus'"
+    );
     s.get("/api/v1/data/traces?limit=0")
         .await
         .error(400, "BAD_REQUEST");
