@@ -703,9 +703,13 @@ impl Cx {
                 let root = p.take(match input.get("root_element") {
                     None => Ok("root"),
                     Some(Json::String(s)) if !s.is_empty() => Ok(s.as_str()),
-                    Some(_) => Err(InputProblem(
+                    Some(Json::String(_)) => Err(InputProblem(
                         "root_element".into(),
-                        "expected non-empty string".into(),
+                        "must not be empty".into(),
+                    )),
+                    Some(other) => Err(InputProblem(
+                        "root_element".into(),
+                        format!("expected string, got {}", json_type(other)),
                     )),
                 });
                 p.finish(|| {

@@ -412,7 +412,13 @@ fn data_function_input_problems_show_at_execution() {
             "publish_xml",
             json!({"source": "x", "target": "y", "root_element": 5}),
             "root_element",
-            "expected non-empty string",
+            "expected string, got integer",
+        ),
+        (
+            "publish_xml",
+            json!({"source": "x", "target": "y", "root_element": ""}),
+            "root_element",
+            "must not be empty",
         ),
     ] {
         let compiled = compile_workflow(&wf(json!([task("t", function, input)]))).unwrap();
