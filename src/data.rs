@@ -476,6 +476,18 @@ fn end_span(
     otel.finish(span, tasks, answer.err().map(|e| e.message.as_str()));
 }
 
+/// The 404 of a request no workflow matched; names the first workflow
+/// whose condition failed to evaluate, if one did.
+pub(crate) fn unmatched_message(channel: &str, execution: &Execution) -> String {
+    match execution.errors.first() {
+        Some(e) => format!(
+            "No active workflow of channel '{channel}' matches the request ({})",
+            e.message
+        ),
+        None => format!("No active workflow of channel '{channel}' matches the request"),
+    }
+}
+
 /// The opening of a successful answer, written ahead of the data.
 const ENVELOPE_OPEN: &[u8] = b"{\"status\":\"ok\",\"data\":";
 
@@ -485,9 +497,9 @@ fn respond(
     engine_lock_ms: Option<f64>,
 ) -> Result<Bytes, ApiError> {
     if execution.matched.is_none() {
-        return Err(ApiError::not_found(format!(
-            "No active workflow of channel '{}' matches the request",
-            channel.name
+        return Err(ApiError::not_found(unmatched_message(
+            &channel.name,
+            &execution,
         )));
     }
     if let Status::Failed(f) = &execution.status {

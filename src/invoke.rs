@@ -190,8 +190,12 @@ impl ChannelInvoker for Invoker {
             }
         };
         if execution.matched.is_none() {
+            let why = execution
+                .errors
+                .first()
+                .map_or(String::new(), |e| format!(": {}", e.message));
             return Err(task_error(format!(
-                "no active workflow of channel '{callee}' matches ({named})"
+                "no active workflow of channel '{callee}' matches ({named}){why}"
             )));
         }
         if let Status::Failed(f) = &execution.status {

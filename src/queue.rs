@@ -513,10 +513,7 @@ pub(crate) async fn execute(
         Ok(Ok(execution)) => execution,
     };
     let Some(matched) = &execution.matched else {
-        let message = format!(
-            "No active workflow of channel '{}' matches the request",
-            channel.name
-        );
+        let message = crate::data::unmatched_message(&channel.name, &execution);
         outcome.errors = json!([error_item(Code::NotFound.as_str(), "", &message)]);
         return false;
     };

@@ -209,12 +209,21 @@ where
     // traces, dry-run): two clock reads less per plain request.
     let start = options.record_tasks.then(Instant::now);
     let context = Context::new(&input, &arena)?;
-    let Some(plan) = select(candidates, &context, input.bucket, &arena) else {
+    let mut condition_error = None;
+    let Some(plan) = select(
+        candidates,
+        &context,
+        input.bucket,
+        &arena,
+        &mut condition_error,
+    ) else {
         return Ok(Execution {
             matched: None,
             status: Status::Completed,
             data: b"{}".to_vec(),
-            errors: Vec::new(),
+            // Why a workflow whose condition failed did not match (the
+            // first such one): a 404 that says only "no match" hides it.
+            errors: condition_error.into_iter().collect(),
             tasks: Vec::new(),
             workflow_ms: 0.0,
         });
@@ -358,6 +367,7 @@ fn select<'p: 'a, 'a, I>(
     context: &Context<'a>,
     bucket: Option<u8>,
     arena: &'a Bump,
+    condition_error: &mut Option<ErrorItem>,
 ) -> Option<&'p Plan>
 where
     I: IntoIterator<Item = &'p Plan>,
@@ -376,7 +386,24 @@ where
                     None
                 };
                 let at = parsed.unwrap_or_else(|| *root.get_or_insert_with(|| context.root(arena)));
-                condition.eval(at, arena).is_ok_and(|v| truthy(&v))
+                match condition.eval(at, arena) {
+                    Ok(v) => truthy(&v),
+                    // A condition that cannot be evaluated does not match
+                    // (the next workflow may); the first such error is kept.
+                    Err(e) => {
+                        if condition_error.is_none() {
+                            *condition_error = Some(ErrorItem {
+                                code: "TASK_ERROR",
+                                task_id: String::new(),
+                                message: format!(
+                                    "the condition of workflow '{}' failed: {e}",
+                                    plan.workflow_id
+                                ),
+                            });
+                        }
+                        false
+                    }
+                }
             }
         }
     })

@@ -303,9 +303,26 @@ async fn failures_map_to_statuses_and_errors_are_collected() {
         .await;
     assert_eq!(r.status, 200, "{}", r.text);
     assert_eq!(r.body["data"]["by"], "body");
-    s.post("/api/v1/data/by-body", json!({"data": {"kind": "plain"}}))
-        .await
-        .error(404, "NOT_FOUND");
+    let plain = s
+        .post("/api/v1/data/by-body", json!({"data": {"kind": "plain"}}))
+        .await;
+    assert_eq!(
+        plain.error(404, "NOT_FOUND")["message"],
+        "No active workflow of channel 'by-body' matches the request"
+    );
+    // A condition that cannot be evaluated does not match either, and the
+    // 404 says why (JSONLogic's `1 == "abc"` is a NaN error).
+    let numeric = s
+        .post("/api/v1/data/by-body", json!({"data": {"kind": 1}}))
+        .await;
+    let e = numeric.error(404, "NOT_FOUND");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("No active workflow of channel 'by-body' matches the request (the condition of workflow 'by-body' failed: NaN"),
+        "{e}"
+    );
 }
 
 /// A workflow that burns CPU: `passes` loop passes, each summing a range.
