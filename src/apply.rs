@@ -231,6 +231,14 @@ fn normalized(kind: Kind, def: &Json) -> Option<Json> {
         Kind::Workflow => {
             let mut w: WorkflowDef = serde_json::from_value(def.clone()).ok()?;
             w.normalize();
+            // The service keeps no `rollout` range of a definition's own
+            // (it derives one from the versions' shares): comparing it
+            // would make every apply a new version.
+            w.rollout = None;
+            // `default` is the label a workflow without one has.
+            if w.channel.as_deref() == Some(WorkflowDef::DEFAULT_CHANNEL) {
+                w.channel = None;
+            }
             serde_json::to_value(w).ok()?
         }
         Kind::Channel => {
@@ -511,6 +519,51 @@ fn decide(kind: Kind, versions: &[Json], want: Option<&Json>, rollout: Option<u8
 
 // ---------------------------------------------------------------- executing
 
+/// The server's dry-run import of every resource the plan creates, per
+/// kind: the problems it finds, as `kind id: field: message` lines.
+async fn preflight(api: &Api, steps: &[Step]) -> Result<Vec<String>, ApiFailure> {
+    let mut problems = Vec::new();
+    for kind in [Kind::Connector, Kind::Workflow, Kind::Channel] {
+        let created: Vec<&Step> = steps
+            .iter()
+            .filter(|s| s.kind == kind && matches!(s.action, Action::Create))
+            .collect();
+        if created.is_empty() {
+            continue;
+        }
+        let bodies = Json::Array(created.iter().filter_map(|s| s.body.clone()).collect());
+        let path = format!("/{}/import?dry_run=true", kind.collection());
+        // A read-only key may plan (`--dry-run`) but not post, not even a
+        // dry run: the check is skipped, and a real apply fails at its
+        // first change as before.
+        let (status, answer) = api.call("POST", &path, Some(&bodies)).await?;
+        if status == 403 {
+            return Ok(problems);
+        }
+        if !(200..300).contains(&status) {
+            // Asked again for the formatted error.
+            api.ok("POST", &path, Some(&bodies)).await?;
+        }
+        let report = &answer["data"];
+        for failure in report["failed"].as_array().into_iter().flatten() {
+            let step = failure["index"]
+                .as_u64()
+                .and_then(|i| created.get(i as usize));
+            let id = step.map_or("?", |s| s.id.as_str());
+            for d in failure["details"].as_array().into_iter().flatten() {
+                let field = d["field"].as_str().unwrap_or_default();
+                let message = d["message"].as_str().unwrap_or_default();
+                problems.push(if field.is_empty() {
+                    format!("{} {id}: {message}", kind.label())
+                } else {
+                    format!("{} {id}: {field}: {message}", kind.label())
+                });
+            }
+        }
+    }
+    Ok(problems)
+}
+
 async fn execute(api: &Api, step: &Step, rollout: Option<u8>) -> Result<String, ApiFailure> {
     let coll = step.kind.collection();
     let id = enc(&step.id);
@@ -664,6 +717,27 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
+        // What the server alone can tell (a name another channel holds, a
+        // masked secret in a new connector) is asked before anything is
+        // changed: the creations go through its dry-run import first.
+        match preflight(&api, &steps).await {
+            Ok(problems) if problems.is_empty() => {}
+            Ok(problems) => {
+                for p in problems {
+                    crate::errln!("error: {p}");
+                }
+                crate::errln!("nothing was applied");
+                return ExitCode::FAILURE;
+            }
+            Err(ApiFailure(e)) => {
+                crate::errln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+        // A closed stdout (`sluice apply … | head -1`) must not stop the
+        // apply halfway: the lines are dropped, every step still runs, and
+        // the exit status says the output was cut (141, as SIGPIPE would).
+        let mut out = Out::default();
         let mut counts: Vec<(String, usize)> = Vec::new();
         for step in &steps {
             let label = match &step.action {
@@ -685,12 +759,22 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
                 execute(&api, step, opts.rollout).await
             };
             match outcome {
-                Ok(note) if note.is_empty() => {
-                    println!("{:<10} {:<32} {shown}", step.kind.label(), step.id)
-                }
-                Ok(note) => println!("{:<10} {:<32} {shown} ({note})", step.kind.label(), step.id),
+                Ok(note) if note.is_empty() => out.line(format_args!(
+                    "{:<10} {:<32} {shown}",
+                    step.kind.label(),
+                    step.id
+                )),
+                Ok(note) => out.line(format_args!(
+                    "{:<10} {:<32} {shown} ({note})",
+                    step.kind.label(),
+                    step.id
+                )),
                 Err(ApiFailure(e)) => {
-                    println!("{:<10} {:<32} {shown} FAILED", step.kind.label(), step.id);
+                    out.line(format_args!(
+                        "{:<10} {:<32} {shown} FAILED",
+                        step.kind.label(),
+                        step.id
+                    ));
                     crate::errln!("error: {e}");
                     crate::errln!("stopped; the steps above this one were applied");
                     return ExitCode::FAILURE;
@@ -708,12 +792,42 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
             summary.join(", ")
         };
         if opts.dry_run {
-            println!("plan: {summary} (dry run: nothing was changed)");
+            out.line(format_args!(
+                "plan: {summary} (dry run: nothing was changed)"
+            ));
         } else {
-            println!("applied: {summary}");
+            out.line(format_args!("applied: {summary}"));
         }
-        ExitCode::SUCCESS
+        if out.broken {
+            ExitCode::from(141)
+        } else {
+            ExitCode::SUCCESS
+        }
     })
+}
+
+/// stdout for `apply`'s lines; remembers a closed pipe instead of ending
+/// the process.
+#[derive(Default)]
+struct Out {
+    broken: bool,
+}
+
+impl Out {
+    fn line(&mut self, args: std::fmt::Arguments<'_>) {
+        use std::io::Write as _;
+        if self.broken {
+            return;
+        }
+        let mut stdout = std::io::stdout().lock();
+        if stdout
+            .write_fmt(format_args!("{args}\n"))
+            .and_then(|()| stdout.flush())
+            .is_err()
+        {
+            self.broken = true;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -741,6 +855,21 @@ mod tests {
         server["tags"] = json!([]);
         assert_eq!(
             normalized(Kind::Workflow, &local),
+            normalized(Kind::Workflow, &server)
+        );
+        // A `rollout` range is not kept by the service, and `channel:
+        // "default"` is what no label means.
+        let mut spelled = wf("hi");
+        spelled["rollout"] = json!({"bucket_start": 0, "bucket_end": 100});
+        spelled["channel"] = json!("default");
+        assert_eq!(
+            normalized(Kind::Workflow, &spelled),
+            normalized(Kind::Workflow, &server)
+        );
+        let mut other = wf("hi");
+        other["channel"] = json!("orders");
+        assert_ne!(
+            normalized(Kind::Workflow, &other),
             normalized(Kind::Workflow, &server)
         );
         assert_ne!(

@@ -1473,6 +1473,105 @@ async fn apply_checks_every_file_before_sending_and_uses_the_api_key() {
     );
 }
 
+/// What only the server can tell (a channel name another channel holds, a
+/// masked secret in a new connector) stops apply before it changes
+/// anything; a workflow spelling out `rollout` or `channel: "default"` is
+/// unchanged on the next run; a closed stdout does not stop it halfway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_asks_the_server_first_settles_and_survives_a_closed_pipe() {
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        greeter_def("held"),
+        json!({"channel_id": "holder", "name": "orders", "workflow_id": "held"}),
+    )
+    .await;
+    let dir = temp_dir();
+    write_def(
+        &dir,
+        "connectors/aaa.json",
+        &json!({"name": "aaa", "connector_type": "http",
+        "config": {"url": "https://a.example.com"}}),
+    );
+    write_def(
+        &dir,
+        "connectors/zzz.json",
+        &json!({"name": "zzz", "connector_type": "http",
+        "config": {"url": "https://z.example.com", "auth": {"type": "bearer", "token": "******"}}}),
+    );
+    write_def(&dir, "workflows/greet.json", &greeting_workflow("hello"));
+    write_def(
+        &dir,
+        "channels/other.json",
+        &json!({"channel_id": "other", "name": "orders", "workflow_id": "greet"}),
+    );
+    for extra in [&["--dry-run"][..], &[]] {
+        let out = apply(&s, &dir, extra);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("connector zzz: config.auth.token:")
+                && stderr.contains("channel other: name: a channel named 'orders' already exists")
+                && stderr.contains("nothing was applied"),
+            "{stderr}"
+        );
+    }
+    s.admin("GET", "/connectors/aaa", None)
+        .await
+        .error(404, "NOT_FOUND");
+    s.admin("GET", "/workflows/greet", None)
+        .await
+        .error(404, "NOT_FOUND");
+
+    // Spelled-out defaults settle: the second run changes nothing.
+    let dir = temp_dir();
+    let mut w = greeting_workflow("hi");
+    w["rollout"] = json!({"bucket_start": 0, "bucket_end": 100});
+    w["channel"] = json!("default");
+    write_def(&dir, "workflows/greet.json", &w);
+    let out = apply(&s, &dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = apply(&s, &dir, &[]);
+    assert_eq!(
+        stdout_of(&out).lines().last(),
+        Some("applied: 1 unchanged"),
+        "{}",
+        text(&out)
+    );
+
+    // stdout closed before the first line: every step still runs, and the
+    // exit status says the output was cut.
+    let dir = temp_dir();
+    for i in 1..=5 {
+        write_def(
+            &dir,
+            &format!("workflows/p{i}.json"),
+            &greeter_def(&format!("pipe{i}")),
+        );
+    }
+    let mut child = sluice()
+        .args(["apply", "--server", &s.base])
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    for i in 1..=5 {
+        let r = s.admin("GET", &format!("/workflows/pipe{i}"), None).await;
+        assert_eq!(r.ok(200)["status"], "active", "pipe{i}: {}", r.text);
+    }
+}
+
+fn greeter_def(id: &str) -> Json {
+    json!({"workflow_id": id, "name": id, "tasks": [
+        {"id": "say", "name": "Say", "function": {"name": "map", "input": {"mappings": [
+            {"path": "greeting", "logic": "hi"}]}}}]})
+}
+
 // ---------------------------------------------------------------- the worked examples
 
 /// A copy of an example with some strings replaced (addresses of the test's
