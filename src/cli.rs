@@ -93,11 +93,44 @@ pub fn schema(kind: &str) -> Result<String, String> {
     Ok(serde_json::to_string_pretty(&definition_schema(kind)).unwrap_or_default())
 }
 
+/// The kind a file's place or editor line names, when its content names
+/// none: a `# yaml-language-server: $schema=…/channel.json` line, else the
+/// directory it sits in (`channels/`, as `sluice apply` reads them).
+fn kind_hint(path: &Path) -> Option<&'static str> {
+    let by_schema = |name: &str| match name.rsplit('/').next().unwrap_or(name).trim() {
+        "connector.json" => Some("connector"),
+        "channel.json" => Some("channel"),
+        "workflow.json" => Some("workflow"),
+        _ => None,
+    };
+    let yaml = matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("yaml" | "yml")
+    );
+    if yaml && let Ok(text) = std::fs::read_to_string(path) {
+        let named = text
+            .lines()
+            .take_while(|l| l.trim_start().starts_with('#') || l.trim().is_empty())
+            .find_map(|l| l.split_once("$schema=").map(|(_, s)| s.to_owned()));
+        if let Some(kind) = named.as_deref().and_then(by_schema) {
+            return Some(kind);
+        }
+    }
+    match path.parent()?.file_name()?.to_str()? {
+        "connectors" => Some("connector"),
+        "channels" => Some("channel"),
+        "workflows" => Some("workflow"),
+        _ => None,
+    }
+}
+
 /// Which kind of definition a file holds: the kind its `$schema` names
-/// (`../schemas/channel.json`), else by its distinctive fields. Returns the
-/// kind, its problems and (workflows) its warnings.
+/// (`../schemas/channel.json`), else `hint` (see [`kind_hint`]), else by
+/// its distinctive fields. Returns the kind, its problems and (workflows)
+/// its warnings.
 fn problems_of(
     def: &Json,
+    hint: Option<&'static str>,
 ) -> (
     &'static str,
     Vec<sluice_compiler::diag::Diagnostic>,
@@ -112,6 +145,7 @@ fn problems_of(
         Some("connector.json") => "connector",
         Some("channel.json") => "channel",
         Some("workflow.json") => "workflow",
+        _ if hint.is_some() => hint.unwrap_or("workflow"),
         _ if has(&["connector_type"]) || has(&["config"]) && !has(&["tasks"]) => "connector",
         // Fields only a channel has (a channel needs neither a route nor
         // an id: `{name, protocol: http, workflow_id}` is one).
@@ -147,8 +181,16 @@ pub fn lint(files: &[std::path::PathBuf]) -> ExitCode {
     for file in files {
         let envelope = match read_definition(file) {
             Err(message) => Some(ApiError::bad_request(message).body()),
+            Ok(def) if !def.is_object() => {
+                // As the admin API answers a body that is not an object.
+                let kind = kind_hint(file).unwrap_or("workflow");
+                Some(
+                    ApiError::bad_request(format!("a {kind} definition must be a JSON object"))
+                        .body(),
+                )
+            }
             Ok(def) => {
-                let (kind, problems, warnings) = problems_of(&def);
+                let (kind, problems, warnings) = problems_of(&def, kind_hint(file));
                 // What `POST /workflows/validate` answers as warnings
                 // (data-function inputs, checked again when they run).
                 for w in &warnings {
@@ -209,6 +251,9 @@ fn dry_run_answer(
     metadata: Option<&Path>,
 ) -> Result<(Json, bool), Json> {
     let def = read_definition(workflow).map_err(|m| ApiError::bad_request(m).body())?;
+    if !def.is_object() {
+        return Err(ApiError::bad_request("a workflow definition must be a JSON object").body());
+    }
     let compiled = compile_workflow(&def).map_err(|p| ApiError::invalid("workflow", p).body())?;
     let payload_text = std::fs::read(payload).map_err(|e| {
         ApiError::bad_request(format!("cannot read {}: {e}", payload.display())).body()

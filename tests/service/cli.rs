@@ -338,6 +338,39 @@ fn lint_knows_channels_yaml_and_warnings() {
         stderr.contains("warning: tasks[0].function.input.mappings: is required"),
         "{stderr}"
     );
+    // A minimal channel names its kind by the directory it sits in (as
+    // `sluice apply` reads it) or by an editor's schema line; anywhere
+    // else it reads as a workflow without tasks.
+    let minimal = r#"{"name": "c1", "workflow_id": "w1"}"#;
+    std::fs::create_dir_all(dir.join("channels")).unwrap();
+    let in_channels = write("channels/c1.json", minimal);
+    let modeline = write(
+        "c1.yaml",
+        "# yaml-language-server: $schema=../schemas/channel.json\nname: c1\nworkflow_id: w1\n",
+    );
+    for file in [&in_channels, &modeline] {
+        let out = sluice().arg("lint").arg(file).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    let loose = write("c1.json", minimal);
+    let out = sluice().arg("lint").arg(&loose).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("tasks"));
+    // A definition that is not an object: the admin API's message.
+    let array = write("arr.json", "[1, 2]");
+    let out = sluice().arg("lint").arg(&array).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let envelope: Json = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        envelope["error"],
+        json!({"code": "BAD_REQUEST", "message": "a workflow definition must be a JSON object"}),
+        "{envelope}"
+    );
 }
 
 /// `dry-run` checks `--metadata` as the test endpoint checks `metadata`,
