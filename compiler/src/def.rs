@@ -70,6 +70,7 @@ pub struct WorkflowDef {
     #[schemars(length(min = 1, max = 255))]
     pub name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 2048))]
     pub description: Option<String>,
     /// Higher runs first among the workflows bound to a channel.
     #[serde(default)]
@@ -389,6 +390,7 @@ pub struct ChannelDef {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub protocol: Option<Protocol>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = "^/"))]
     pub route_pattern: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(min = 1))]
@@ -406,6 +408,7 @@ pub struct ChannelDef {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub validation_logic: Option<Json>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 2048))]
     pub description: Option<String>,
     /// Route priority: among matching routes, higher wins before specificity.
     #[serde(default)]
@@ -501,6 +504,8 @@ impl Default for ChannelConfig {
 #[derive(Serialize, Deserialize, schemars::JsonSchema, Debug, Clone, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RateLimitConfig {
+    /// At least one request a day (1/86400).
+    #[schemars(range(min = crate::validate::MIN_REQUESTS_PER_SECOND))]
     pub requests_per_second: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst: Option<u32>,
@@ -559,6 +564,7 @@ pub struct CacheConfig {
     #[serde(default = "CacheConfig::default_enabled")]
     pub enabled: bool,
     #[serde(default = "CacheConfig::default_ttl_secs")]
+    #[schemars(range(min = 1))]
     pub ttl_secs: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_logic: Option<Json>,
@@ -580,6 +586,7 @@ impl CacheConfig {
 #[derive(Serialize, Deserialize, schemars::JsonSchema, Debug, Clone, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct BackpressureConfig {
+    #[schemars(range(min = 1))]
     pub max_concurrent: u32,
 }
 
@@ -660,6 +667,7 @@ pub struct ConnectorDef {
     pub connector_type: ConnectorType,
     pub config: Json,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 2048))]
     pub description: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<String>,
@@ -742,6 +750,7 @@ pub struct HttpConnector {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub headers: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub timeout_ms: Option<u64>,
     #[serde(default)]
     pub retry: RetryPolicy,
@@ -771,10 +780,13 @@ pub struct DbConnector {
     /// `mysql:`/`mariadb:`.
     pub connection_string: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub max_connections: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub query_timeout_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub connect_timeout_ms: Option<u64>,
     #[serde(default)]
     pub retry: RetryPolicy,
@@ -795,6 +807,7 @@ pub struct CacheConnector {
     pub url: Option<String>,
     /// `memory` only: entries kept before eviction.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub max_entries: Option<u64>,
     #[serde(default)]
     pub retry: RetryPolicy,
@@ -833,6 +846,7 @@ impl Brokers {
 #[derive(Serialize, Deserialize, schemars::JsonSchema, Debug, Clone, PartialEq, Eq)]
 pub struct SaslConfig {
     /// `PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512`.
+    #[schemars(extend("enum" = ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]))]
     pub mechanism: String,
     pub username: String,
     pub password: String,

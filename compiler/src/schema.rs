@@ -71,7 +71,9 @@ pub fn definition_schema(kind: DefinitionKind) -> Json {
         if let Some(Json::Object(props)) = m.get_mut("properties") {
             props.insert(
                 "$schema".into(),
-                json!({"type": "string", "description": "The JSON Schema this file follows (for editors); ignored by Sluice."}),
+                // No type: the service ignores the key whatever it holds,
+                // and the schema is never stricter than the service.
+                json!({"description": "The JSON Schema this file follows (for editors, a string); ignored by Sluice."}),
             );
         }
         let title = format!("Sluice {} definition", kind.name());

@@ -647,7 +647,68 @@ fn schema_and_validator_agree_on_bad_definitions() {
                 json!({"endpoint": "https://s3", "access_key": "a", "secret_key": "s"}),
             ),
         ),
+        // Bounds the validator sets and the schema states (session 19).
+        (
+            "description too long",
+            Workflow,
+            json!({"name": "w", "description": "d".repeat(2049), "tasks": [task("log", json!({"message": "m"}))]}),
+        ),
+        (
+            "channel description too long",
+            Channel,
+            ch(json!({"description": "d".repeat(2049)})),
+        ),
+        (
+            "zero cache ttl",
+            Channel,
+            ch(json!({"config_json": {"cache": {"ttl_secs": 0}}})),
+        ),
+        (
+            "zero backpressure",
+            Channel,
+            ch(json!({"config_json": {"backpressure": {"max_concurrent": 0}}})),
+        ),
+        (
+            "zero rate",
+            Channel,
+            ch(json!({"config_json": {"rate_limit": {"requests_per_second": 0}}})),
+        ),
+        (
+            "route without a leading slash",
+            Channel,
+            ch(json!({"route_pattern": "x", "methods": ["GET"]})),
+        ),
+        (
+            "zero http timeout",
+            Connector,
+            conn("http", json!({"url": "https://x", "timeout_ms": 0})),
+        ),
+        (
+            "zero db pool",
+            Connector,
+            conn(
+                "db",
+                json!({"connection_string": "sqlite::memory:", "max_connections": 0}),
+            ),
+        ),
+        (
+            "zero memory entries",
+            Connector,
+            conn("cache", json!({"backend": "memory", "max_entries": 0})),
+        ),
+        (
+            "unknown SASL mechanism",
+            Connector,
+            conn(
+                "kafka",
+                json!({"brokers": "b:9092", "sasl": {"mechanism": "MD5", "username": "u", "password": "p"}}),
+            ),
+        ),
     ];
+    // The service ignores `$schema` whatever it holds; so does the schema.
+    let odd = json!({"$schema": 5, "name": "w", "tasks": [task("log", json!({"message": "m"}))]});
+    assert_eq!(schema_errors(Workflow, &odd), Vec::<String>::new());
+    assert!(validator_problems(Workflow, &odd).is_empty());
     for (what, kind, def) in &bad {
         let by_schema = schema_errors(*kind, def);
         let by_validator = validator_problems(*kind, def);
