@@ -33,6 +33,33 @@ pub enum Code {
 }
 
 impl Code {
+    pub const ALL: [Code; 15] = [
+        Code::NotFound,
+        Code::BadRequest,
+        Code::Unauthorized,
+        Code::Forbidden,
+        Code::Conflict,
+        Code::RateLimited,
+        Code::Timeout,
+        Code::ServiceUnavailable,
+        Code::UnsupportedMediaType,
+        Code::PayloadTooLarge,
+        Code::RequestTimeout,
+        Code::MethodNotAllowed,
+        Code::UpstreamError,
+        Code::TaskError,
+        Code::InternalError,
+    ];
+
+    /// Whether an error of this code (as written in an `errors` item) is
+    /// the caller's: a 4xx, or a failed validation.
+    pub fn is_callers(code: &str) -> bool {
+        code == "VALIDATION_ERROR"
+            || Code::ALL
+                .iter()
+                .any(|c| c.as_str() == code && c.status().is_client_error())
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Code::NotFound => "NOT_FOUND",

@@ -635,7 +635,21 @@ async fn handle(
     if let Some(k) = &key {
         metadata["key"] = Json::String(k.clone());
     }
-    // Header values that look secret never reach storage (the run sees them).
+    // The rollout bucket, as an HTTP request's: header `x-rollout-key`,
+    // then `authorization`, then the message key; a message with none of
+    // them is placed by where it sits in the log, so keyless traffic still
+    // splits by the versions' shares (and a redelivery goes the same way).
+    let bucket = {
+        let pairs: Vec<(&str, &str)> = headers
+            .iter()
+            .filter_map(|(k, v)| v.as_str().map(|v| (k.as_str(), v)))
+            .collect();
+        let place = format!("{}/{}/{}", sub.topic, message.partition(), message.offset());
+        sluice_runtime::rollout::bucket_for(&pairs, key.as_deref(), Some(&place))
+    };
+    // Header values that look secret never reach storage, nor the run
+    // (as an async HTTP request's: its workflow sees them masked, on its
+    // first run and on a retry alike).
     let mut stored_meta = metadata.clone();
     let mut masked_headers = json!({"headers": stored_meta["headers"].take()});
     sluice_compiler::validate::mask_secrets(&mut masked_headers);
@@ -701,9 +715,9 @@ async fn handle(
                             trace_id: trace_id.clone(),
                             channel: channel.name.clone(),
                             attempt: 1,
-                            bucket: None,
+                            bucket,
                             payload: text.clone(),
-                            metadata: metadata.to_string(),
+                            metadata: stored_meta.to_string(),
                         };
                         // A panicking run is a failed run, never a lost lane.
                         let run = std::panic::AssertUnwindSafe(crate::queue::execute(
@@ -729,6 +743,11 @@ async fn handle(
             }
         }
     };
+    // A message refused before it ran (not JSON, too deep) counts too, as
+    // a refused request does: `rejected`, and `errors_total{BAD_REQUEST}`.
+    if malformed && let Some(channel) = snapshot.channels.get(&sub.channel) {
+        crate::queue::count_run(channel, &outcome, false, started);
+    }
     crate::queue::drop_unstorable_result(app, &mut outcome);
     outcome.duration_ms = sluice_runtime::exec::millis(started.elapsed());
     let dlq_enabled = app.config.kafka.dlq.enabled;
@@ -758,7 +777,7 @@ async fn handle(
         trace_id,
         channel: sub.channel.clone(),
         mode: "kafka".into(),
-        bucket: None,
+        bucket,
         payload: payload_text,
         metadata: stored_meta.to_string(),
         created_at: started_at,

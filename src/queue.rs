@@ -257,21 +257,33 @@ pub(crate) fn count_run(
     if ok {
         m.ok.increment(1)
     } else {
-        m.failed.increment(1);
+        // As on the sync path: `rejected` when the message was the
+        // caller's problem (not JSON, no matching workflow, a failed
+        // validation), `error` when the service failed it.
+        if Code::is_callers(last_code(outcome)) {
+            m.rejected.increment(1);
+        } else {
+            m.failed.increment(1);
+        }
         count_failure(outcome);
     }
     m.duration.record(started.elapsed().as_secs_f64());
 }
 
-/// `errors_total{type}` for a failed run: the code of its last error, the
-/// one that ended it (earlier ones were collected and passed over).
-pub(crate) fn count_failure(outcome: &Outcome) {
-    let code = outcome
+/// The code of a failed run's last error, the one that ended it.
+fn last_code(outcome: &Outcome) -> &str {
+    outcome
         .errors
         .as_array()
         .and_then(|items| items.last())
         .and_then(|item| item["code"].as_str())
-        .unwrap_or(Code::InternalError.as_str());
+        .unwrap_or(Code::InternalError.as_str())
+}
+
+/// `errors_total{type}` for a failed run: the code of its last error, the
+/// one that ended it (earlier ones were collected and passed over).
+pub(crate) fn count_failure(outcome: &Outcome) {
+    let code = last_code(outcome);
     metrics::counter!(crate::telemetry::names::ERRORS_TOTAL, "type" => code.to_owned())
         .increment(1);
 }

@@ -1101,3 +1101,110 @@ async fn dead_letter_failure_holds_the_partition(
     assert_eq!(letter["offset"], 1, "{letter}");
     assert_eq!(letter["payload"], json!({"n": 1, "fail": true}));
 }
+
+/// A Kafka message gets a rollout bucket as an HTTP request does (header
+/// `x-rollout-key`, then `authorization`, then the message key, else its
+/// place in the log), so a canary's share holds for consumed messages too
+/// (before, every message ran the newest version); its workflow sees
+/// credential headers masked on the first run as on a retry; and a
+/// message refused before it runs (not JSON) counts in the channel's
+/// `messages_total{status="rejected"}` and `errors_total{BAD_REQUEST}`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_follow_the_rollout_see_masked_credentials_and_refusals_count() {
+    let s = start_with(Db::Sqlite, kafka_on).await;
+    let topic = unique("roll");
+    kafka_topics(&[&topic], 1).await;
+    let versioned = |v: i64| {
+        json!({"workflow_id": "kroll", "name": "kroll", "tasks": [
+        {"id": "copy", "name": "copy", "function": {"name": "map", "input": {"mappings": [
+            {"path": "n", "logic": {"var": "payload.n"}},
+            {"path": "v", "logic": v},
+            {"path": "auth", "logic": {"var": "metadata.headers.authorization"}}
+        ]}}}]})
+    };
+    s.deploy(
+        versioned(1),
+        kafka_channel("kroll", &topic, Some(&unique("g"))),
+    )
+    .await;
+    s.admin("POST", "/workflows/kroll/versions", None)
+        .await
+        .ok(201);
+    s.admin("PUT", "/workflows/kroll", Some(versioned(2)))
+        .await
+        .ok(200);
+    s.admin(
+        "PATCH",
+        "/workflows/kroll/status",
+        Some(json!({"status": "active", "rollout_percentage": 50})),
+    )
+    .await
+    .ok(200);
+    wait_running(&s, 1).await;
+    let producer = kafka_producer();
+    let n = 40;
+    for i in 0..n {
+        let body = json!({"n": i}).to_string();
+        let rollout_key = format!("caller-{i}");
+        let headers = [
+            ("x-rollout-key", rollout_key.as_str()),
+            ("authorization", "Bearer kafka-secret"),
+        ];
+        kafka_produce(
+            &producer,
+            &topic,
+            Record {
+                value: body.as_bytes(),
+                headers: &headers,
+                ..Record::default()
+            },
+        )
+        .await;
+    }
+    let client = reqwest::Client::new();
+    let t = wait_traces(&client, &s.base, "kroll", Duration::from_secs(60), |t| {
+        t.iter().filter(|t| t["status"] == "completed").count() == n
+    })
+    .await;
+    let on = |v: i64| t.iter().filter(|t| t["data"]["v"] == v).count();
+    assert!(
+        on(1) >= 8 && on(2) >= 8,
+        "v1 {} and v2 {} of {n}",
+        on(1),
+        on(2)
+    );
+    // The same caller always lands on the same version.
+    for t in &t {
+        let i = t["data"]["n"].as_i64().unwrap();
+        let bucket = sluice_runtime::rollout::bucket(&format!("caller-{i}"));
+        assert_eq!(
+            t["workflow_version"],
+            json!(if bucket < 50 { 2 } else { 1 }),
+            "{t}"
+        );
+        assert_eq!(t["data"]["auth"], "******", "{t}");
+    }
+    // Two values that are not JSON: refused, and counted.
+    for v in [&b"not json"[..], b"{\"n\": "] {
+        kafka_produce(&producer, &topic, value(v)).await;
+    }
+    wait_traces(&client, &s.base, "kroll", Duration::from_secs(60), |t| {
+        t.iter().filter(|t| t["status"] == "failed").count() == 2
+    })
+    .await;
+    let metrics = s.get("/metrics").await.text;
+    assert!(
+        metrics.contains("messages_total{channel=\"kroll\",status=\"rejected\"} 2"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!(
+            "messages_total{{channel=\"kroll\",status=\"ok\"}} {n}"
+        )),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("errors_total{type=\"BAD_REQUEST\"}"),
+        "{metrics}"
+    );
+}
