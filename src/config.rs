@@ -616,6 +616,37 @@ impl Config {
                 "must not be empty when kafka.dlq.enabled is true",
             );
         }
+        // Checked whenever Kafka is on: a bad broker or topic would only
+        // show as a consumer retrying forever, with /readyz still ok.
+        if self.kafka.enabled {
+            use sluice_compiler::validate::{KAFKA_TOPIC_RULE, is_host_port, is_kafka_topic};
+            if let Some(bad) = self
+                .kafka
+                .brokers
+                .split(',')
+                .map(str::trim)
+                .find(|b| !is_host_port(b))
+            {
+                return fail(
+                    "kafka.brokers",
+                    &format!("broker '{bad}' must be host:port (brokers separated by commas)"),
+                );
+            }
+            if self.kafka.dlq.enabled && !is_kafka_topic(&self.kafka.dlq.topic) {
+                return fail("kafka.dlq.topic", KAFKA_TOPIC_RULE);
+            }
+            for (i, t) in self.kafka.topics.iter().enumerate() {
+                if !is_kafka_topic(&t.topic) {
+                    return fail(&format!("kafka.topics[{i}].topic"), KAFKA_TOPIC_RULE);
+                }
+                if !sluice_compiler::validate::is_identifier(&t.channel) {
+                    return fail(
+                        &format!("kafka.topics[{i}].channel"),
+                        "must name a channel (letters, digits, '.', '_', '-')",
+                    );
+                }
+            }
+        }
         // Each worker is a task polling storage; a million of them only
         // exhausts memory.
         if self.queue.workers > 1024 {
@@ -1039,6 +1070,53 @@ mod tests {
                 "{url}"
             );
         }
+    }
+
+    #[test]
+    fn kafka_brokers_and_topics_are_checked_when_kafka_is_on() {
+        let on = ("SERVICE_KAFKA__ENABLED", "true");
+        for (var, value, message) in [
+            (
+                "SERVICE_KAFKA__BROKERS",
+                "nohostport",
+                "invalid value for 'kafka.brokers': broker 'nohostport' must be host:port (brokers separated by commas)",
+            ),
+            (
+                "SERVICE_KAFKA__BROKERS",
+                "a:9092,h:0",
+                "invalid value for 'kafka.brokers': broker 'h:0' must be host:port (brokers separated by commas)",
+            ),
+            (
+                "SERVICE_KAFKA__TOPICS",
+                "[{topic = \"\", channel = \"kz\"}]",
+                "invalid value for 'kafka.topics[0].topic': must be a Kafka topic name",
+            ),
+            (
+                "SERVICE_KAFKA__TOPICS",
+                "[{topic = \"t\", channel = \"\"}]",
+                "invalid value for 'kafka.topics[0].channel': must name a channel",
+            ),
+        ] {
+            let e = load(None, &[on, (var, value)]).unwrap_err().0;
+            assert!(e.starts_with(message), "{var}={value}: {e}");
+        }
+        let e = load(
+            None,
+            &[
+                on,
+                ("SERVICE_KAFKA__DLQ__ENABLED", "true"),
+                ("SERVICE_KAFKA__DLQ__TOPIC", "bad topic!"),
+            ],
+        )
+        .unwrap_err()
+        .0;
+        assert!(
+            e.starts_with("invalid value for 'kafka.dlq.topic': must be a Kafka topic name"),
+            "{e}"
+        );
+        // Off, a shared environment's settings are not judged.
+        assert!(load(None, &[("SERVICE_KAFKA__BROKERS", "nohostport")]).is_ok());
+        assert!(load(None, &[on, ("SERVICE_KAFKA__BROKERS", "k1:9092, k2:9093")]).is_ok());
     }
 
     #[test]

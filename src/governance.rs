@@ -880,6 +880,28 @@ impl Shared {
     }
 }
 
+/// A consumed Kafka message through the channel's `validation_logic`, over
+/// `{data, headers, query: {}, path: {}}` as a request's: the refusal's
+/// message, or `None` when it passes (or the channel has no rule).
+pub fn validate_message(
+    channel: &Channel,
+    data: &serde_json::Value,
+    headers: &serde_json::Map<String, serde_json::Value>,
+) -> Option<String> {
+    let rule = channel.validation.as_ref()?;
+    let arena = Bump::new();
+    let root = serde_json::json!({"data": data, "headers": headers, "query": {}, "path": {}});
+    let root = Value::copy_json(&root, &arena);
+    match rule.eval(root, &arena) {
+        Ok(v) if truthy(&v) => None,
+        Ok(_) => Some(
+            "input validation failed: the channel's validation_logic rejected the message"
+                .to_owned(),
+        ),
+        Err(e) => Some(format!("input validation failed: {e}")),
+    }
+}
+
 /// The `key_logic` and `validation_logic` inputs of one request, built once
 /// in the request's arena.
 struct Parts<'a> {

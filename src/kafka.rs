@@ -703,6 +703,13 @@ async fn handle(
                 // The dead letter carries the payload as it came.
                 let (ok, _, stored, malformed) = refuse(&mut outcome, message, text);
                 (ok, payload, stored, malformed)
+            } else if let Some(refusal) = snapshot.channels.get(&sub.channel).and_then(|channel| {
+                crate::governance::validate_message(channel, &payload, &headers)
+            }) {
+                // Refused as an HTTP request would be: not run, not retried.
+                outcome.errors =
+                    json!([{"code": "BAD_REQUEST", "task_id": "", "message": refusal}]);
+                (false, payload, text, true)
             } else {
                 let ok = match snapshot.channels.get(&sub.channel) {
                     None => {

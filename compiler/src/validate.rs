@@ -683,6 +683,16 @@ pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {
         }
         Some(other) => c.mismatch(&at, "array", other),
     }
+    if protocol == Some("kafka") {
+        for key in ["route_pattern", "methods"] {
+            if obj.contains_key(key) {
+                c.push(
+                    &root.key(key),
+                    "does not apply to a kafka channel (it consumes config_json.topic)",
+                );
+            }
+        }
+    }
     if protocol == Some("kafka") && channel_type == Some("sync") {
         c.push(
             &root.key("channel_type"),
@@ -868,8 +878,36 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
         c.string_array(cors, "allowed_headers", &at, false);
         c.integer(cors, "max_age_secs", &at, false, Some(0), None);
     }
-    c.nonempty_string(cfg, "topic", at, kafka);
+    if let Some(topic) = c.nonempty_string(cfg, "topic", at, kafka)
+        && !is_kafka_topic(topic)
+    {
+        c.push(&at.key("topic"), KAFKA_TOPIC_RULE);
+    }
     c.nonempty_string(cfg, "consumer_group", at, false);
+    // Settings that would be accepted and never used (an invalid
+    // `config_json` is never silently ignored).
+    if kafka {
+        for key in [
+            "rate_limit",
+            "deduplication",
+            "cache",
+            "cors",
+            "backpressure",
+        ] {
+            if cfg.contains_key(key) {
+                c.push(
+                    &at.key(key),
+                    "does not apply to a kafka channel (consumed messages are not throttled, deduplicated, cached or answered)",
+                );
+            }
+        }
+    } else {
+        for key in ["topic", "consumer_group"] {
+            if cfg.contains_key(key) {
+                c.push(&at.key(key), "applies only to a kafka channel");
+            }
+        }
+    }
 }
 
 /// A channel's rules (`validation_logic`, each `key_logic`) must compile as
@@ -1138,7 +1176,8 @@ fn check_kafka_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
     }
 }
 
-fn is_host_port(s: &str) -> bool {
+/// `host:port` with a port from 1 to 65535 (a Kafka broker address).
+pub fn is_host_port(s: &str) -> bool {
     match s.rsplit_once(':') {
         Some((host, port)) => {
             !host.is_empty()
@@ -1147,6 +1186,19 @@ fn is_host_port(s: &str) -> bool {
         }
         None => false,
     }
+}
+
+pub const KAFKA_TOPIC_RULE: &str =
+    "must be a Kafka topic name: 1 to 249 letters, digits, '.', '_' or '-' (not '.' or '..')";
+
+/// A name Kafka accepts for a topic: 1 to 249 of `[A-Za-z0-9._-]`, not
+/// `.` or `..`.
+pub fn is_kafka_topic(s: &str) -> bool {
+    (1..=249).contains(&s.len())
+        && s != "."
+        && s != ".."
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 /// `http://` or `https://` followed by a host. An `env://` reference is

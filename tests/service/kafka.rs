@@ -1208,3 +1208,54 @@ async fn messages_follow_the_rollout_see_masked_credentials_and_refusals_count()
         "{metrics}"
     );
 }
+
+/// A Kafka channel's `validation_logic` judges each consumed message over
+/// `{data, headers, query, path}` as it judges a request: a refused message
+/// is not run, fails its trace with `BAD_REQUEST`, and is not retried.
+/// Before, the rule was accepted and never applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validation_logic_judges_consumed_messages() {
+    let s = start_with(Db::Sqlite, kafka_on).await;
+    let topic = unique("valid");
+    kafka_topics(&[&topic], 1).await;
+    let mut channel = kafka_channel("kvalid", &topic, Some(&unique("g")));
+    channel["validation_logic"] = json!({"and": [{">": [{"var": "data.n"}, 5]}, {"==": [{"var": "headers.x-origin"}, "ok"]}]});
+    s.deploy(workflow("kvalid"), channel).await;
+    wait_running(&s, 1).await;
+    let producer = kafka_producer();
+    for (n, origin) in [(1, "ok"), (9, "ok"), (9, "elsewhere")] {
+        let body = json!({"n": n}).to_string();
+        let headers = [("x-origin", origin)];
+        kafka_produce(
+            &producer,
+            &topic,
+            Record {
+                value: body.as_bytes(),
+                headers: &headers,
+                ..Record::default()
+            },
+        )
+        .await;
+    }
+    let client = reqwest::Client::new();
+    let t = wait_traces(&client, &s.base, "kvalid", Duration::from_secs(60), |t| {
+        t.len() == 3
+            && t.iter()
+                .all(|t| t["status"] != "pending" && t["status"] != "running")
+    })
+    .await;
+    let completed: Vec<&Json> = t.iter().filter(|t| t["status"] == "completed").collect();
+    assert_eq!(completed.len(), 1, "{t:#?}");
+    assert_eq!(completed[0]["data"]["n"], 9);
+    for failed in t.iter().filter(|t| t["status"] == "failed") {
+        assert_eq!(failed["errors"][0]["code"], "BAD_REQUEST", "{failed}");
+        assert!(
+            failed["errors"][0]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("input validation failed"),
+            "{failed}"
+        );
+        assert_eq!(failed["attempts"], 1, "{failed}");
+    }
+}

@@ -955,6 +955,40 @@ fn channel_config_json() {
             ),
             ("config_json.cors.max_age_secs", "must not be negative"),
             ("config_json.topic", "expected string, got integer"),
+            ("config_json.topic", "applies only to a kafka channel"),
+        ],
+    );
+    // What a kafka channel would accept and never use is refused.
+    let kafka = |extra: Json| {
+        let mut c = json!({"channel_id": "k", "name": "k", "workflow_id": "w", "protocol": "kafka",
+                           "config_json": {"topic": "t", "consumer_group": "g", "timeout_ms": 5}});
+        for (k, v) in extra.as_object().unwrap() {
+            if k == "config_json" {
+                for (ck, cv) in v.as_object().unwrap() {
+                    c["config_json"][ck] = cv.clone();
+                }
+            } else {
+                c[k] = v.clone();
+            }
+        }
+        validate_channel(&c)
+    };
+    check(kafka(json!({})), &[]);
+    let unused = "does not apply to a kafka channel (consumed messages are not throttled, deduplicated, cached or answered)";
+    check(
+        kafka(json!({"route_pattern": "/x", "methods": ["POST"],
+                     "config_json": {"rate_limit": {"requests_per_second": 1}, "cache": {}}})),
+        &[
+            (
+                "route_pattern",
+                "does not apply to a kafka channel (it consumes config_json.topic)",
+            ),
+            (
+                "methods",
+                "does not apply to a kafka channel (it consumes config_json.topic)",
+            ),
+            ("config_json.rate_limit", unused),
+            ("config_json.cache", unused),
         ],
     );
     check(
