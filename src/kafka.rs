@@ -40,9 +40,9 @@
 //!   `metadata.headers` (names lowercased); `traceparent`/`tracestate` headers
 //!   continue the producer's trace.
 //! - **Failures:** with `kafka.dlq.enabled`, a failed message (and a value
-//!   that is not JSON) is published to `kafka.dlq.topic` as `{source_topic,
-//!   partition, offset, key, error: {code, task_id, message}, payload,
-//!   failed_at}`, with the message's own headers, before its offset is
+//!   that is not JSON) is published to `kafka.dlq.topic` as `{trace_id,
+//!   channel, source_topic, partition, offset, key, error: {code, task_id,
+//!   message}, payload, failed_at}`, with the message's own headers, before its offset is
 //!   stored. Without the DLQ topic, a failed trace gets a dead-letter entry
 //!   in storage and is retried like a failed async trace. A value that is
 //!   not JSON, or nests deeper than the trace store keeps, is refused
@@ -615,14 +615,28 @@ async fn handle(
     let key = message
         .key()
         .map(|k| String::from_utf8_lossy(k).into_owned());
+    // As an HTTP request's headers: names lowercased, a repeated name's
+    // values joined with ", " in order, a value that is not UTF-8 left out
+    // (a header without a value reads as "").
     let mut headers = Map::new();
     if let Some(h) = message.headers() {
         for header in h.iter() {
-            let value = header
-                .value
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .unwrap_or_default();
-            headers.insert(header.key.to_ascii_lowercase(), Json::String(value));
+            let value = match header.value.map(std::str::from_utf8) {
+                None => "",
+                Some(Ok(v)) => v,
+                Some(Err(_)) => continue,
+            };
+            match headers.entry(header.key.to_ascii_lowercase()) {
+                serde_json::map::Entry::Vacant(slot) => {
+                    slot.insert(Json::String(value.to_owned()));
+                }
+                serde_json::map::Entry::Occupied(mut slot) => {
+                    if let Json::String(joined) = slot.get_mut() {
+                        joined.push_str(", ");
+                        joined.push_str(value);
+                    }
+                }
+            }
         }
     }
     let mut metadata = json!({
@@ -768,6 +782,8 @@ async fn handle(
                 || json!({"code": "INTERNAL_ERROR", "task_id": "", "message": "failed"}),
             );
         let letter = json!({
+            "trace_id": trace_id,
+            "channel": sub.channel,
             "source_topic": sub.topic,
             "partition": message.partition(),
             "offset": message.offset(),

@@ -200,7 +200,12 @@ async fn consumes_records_and_dead_letters() {
             Record {
                 key: Some("k1"),
                 value: v.as_bytes(),
-                headers: &[("traceparent", traceparent), ("X-Origin", "test")],
+                // A repeated name reads as its values joined, as in HTTP.
+                headers: &[
+                    ("traceparent", traceparent),
+                    ("X-Origin", "test"),
+                    ("x-origin", "again"),
+                ],
                 ..Record::default()
             },
         )
@@ -277,7 +282,7 @@ async fn consumes_records_and_dead_letters() {
     assert_eq!(d["msg_key"], "k1");
     assert_eq!(d["topic"], json!(topic));
     assert_eq!(d["tp"], traceparent);
-    assert_eq!(d["origin"], "test");
+    assert_eq!(d["origin"], "test, again");
     assert!(d["partition"].is_string() && d["offset"].is_string(), "{d}");
     let bare = completed
         .iter()
@@ -327,6 +332,8 @@ async fn consumes_records_and_dead_letters() {
     assert_eq!(letter_headers[1].1, vec![], "the garbage had no headers");
     let keys = |j: &Json| -> BTreeSet<String> { j.as_object().unwrap().keys().cloned().collect() };
     let fields = [
+        "trace_id",
+        "channel",
         "source_topic",
         "partition",
         "offset",
@@ -343,6 +350,14 @@ async fn consumes_records_and_dead_letters() {
             "{l}"
         );
         assert_eq!(l["source_topic"], json!(topic));
+        assert_eq!(l["channel"], "orders-in");
+        // The letter names the trace that recorded the failure.
+        let trace = l["trace_id"].as_str().unwrap();
+        assert!(
+            all.iter()
+                .any(|t| t["trace_id"] == trace && t["status"] == "failed"),
+            "{l}"
+        );
         assert!(l["failed_at"].as_str().unwrap().ends_with('Z'), "{l}");
     }
     let (failed_letter, garbage) = (&letters[0], &letters[1]);
