@@ -332,6 +332,7 @@ pub fn validate_workflow(def: &Json) -> Vec<Diagnostic> {
     let mut c = Ctx::default();
     let Some(obj) = c.root(def) else { return c.out };
     let root = FieldPath::root();
+    no_nul(&mut c, def, &root);
 
     let workflow_id = c.identifier(obj, "workflow_id", &root, false);
     let id = c.identifier(obj, "id", &root, false);
@@ -630,6 +631,7 @@ pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {
     let mut c = Ctx::default();
     let Some(obj) = c.root(def) else { return c.out };
     let root = FieldPath::root();
+    no_nul(&mut c, def, &root);
 
     let id = c.identifier(obj, "channel_id", &root, false);
     c.not_reserved(
@@ -937,6 +939,31 @@ fn is_origin(o: &str) -> bool {
         && !rest.contains(['/', '?', '#', ' '])
 }
 
+/// Every string (and key) holding a NUL character, at its path: no
+/// database the service stores definitions in can keep one, so validate,
+/// lint, create and update name each the same way.
+fn no_nul(c: &mut Ctx, v: &Json, at: &FieldPath) {
+    const WHY: &str = "must not hold a NUL character (\\u0000), which storage cannot keep";
+    match v {
+        Json::String(s) if s.contains('\0') => c.push(at, WHY),
+        Json::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                no_nul(c, item, &at.index(i));
+            }
+        }
+        Json::Object(members) => {
+            for (k, item) in members {
+                let here = at.key(k);
+                if k.contains('\0') {
+                    c.push(&here, "the key must not hold a NUL character (\\u0000), which storage cannot keep");
+                }
+                no_nul(c, item, &here);
+            }
+        }
+        _ => {}
+    }
+}
+
 fn unknown_keys(c: &mut Ctx, obj: &Map<String, Json>, at: &FieldPath, known: &[&str]) {
     for k in obj.keys() {
         if !known.contains(&k.as_str()) {
@@ -955,6 +982,7 @@ pub fn validate_connector(def: &Json) -> Vec<Diagnostic> {
     let mut c = Ctx::default();
     let Some(obj) = c.root(def) else { return c.out };
     let root = FieldPath::root();
+    no_nul(&mut c, def, &root);
 
     // The name is the connector's identifier (`/connectors/{id}`).
     let name = c.identifier(obj, "name", &root, true);

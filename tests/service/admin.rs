@@ -1679,13 +1679,26 @@ async fn nul_characters_are_refused_alike_on_every_database() {
         s.get("/api/v1/admin/workflows/caf%C3%A9%EF%BF%BD")
             .await
             .error(404, "NOT_FOUND");
+        // Each NUL is a field error, named where it is, by validate and
+        // create alike (and with any other problem of the definition).
         let mut wf = workflow("nul");
         wf["name"] = json!("a\u{0}b");
-        let r = s.admin("POST", "/workflows", Some(wf)).await;
-        assert_eq!(
-            r.error(400, "BAD_REQUEST")["message"],
-            "the definition holds a NUL character (\\u0000), which storage cannot keep"
-        );
+        wf["tags"] = json!(["ok", "x\u{0}"]);
+        wf["priority"] = json!("high");
+        let why = "must not hold a NUL character (\\u0000), which storage cannot keep";
+        for path in ["/workflows/validate", "/workflows"] {
+            let r = s.admin("POST", path, Some(wf.clone())).await;
+            let e = r.error(400, "BAD_REQUEST");
+            assert_eq!(
+                e["details"],
+                json!([
+                    {"field": "name", "message": why},
+                    {"field": "tags[1]", "message": why},
+                    {"field": "priority", "message": "expected integer, got string"}
+                ]),
+                "{path}: {e}"
+            );
+        }
         // Without the NUL it is kept.
         s.admin("POST", "/workflows", Some(workflow("nul")))
             .await
