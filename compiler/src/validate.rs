@@ -556,6 +556,19 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
             Some(v) => check_field(c, field, v, &fat),
         }
     }
+    // Static headers are sent as they are: a name or value no HTTP
+    // request can carry is refused here, as in a connector's headers.
+    if f == Function::HttpCall
+        && let Some(Json::Object(headers)) = input.get("headers")
+    {
+        let hat = at.key("headers");
+        for (k, v) in headers {
+            check_header_name(c, k, &hat.key(k));
+            if let Some(v) = v.as_str() {
+                check_header_value(c, v, &hat.key(k));
+            }
+        }
+    }
     if f == Function::ChannelCall {
         let has = |k: &str| input.contains_key(k);
         if has("channel") == has("channel_logic") {
@@ -695,6 +708,18 @@ pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {
             }
         }
     }
+    // An `http` channel is routed by its name only: a route given to one
+    // would be stored and never match.
+    if protocol == Some("http") && obj.contains_key("protocol") {
+        for key in ["route_pattern", "methods"] {
+            if obj.contains_key(key) {
+                c.push(
+                    &root.key(key),
+                    "does not apply to an http channel (routed by name; use protocol rest for a route)",
+                );
+            }
+        }
+    }
     if protocol == Some("kafka") && channel_type == Some("sync") {
         c.push(
             &root.key("channel_type"),
@@ -830,7 +855,9 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
     if let Some(d) = c.object(cfg, "deduplication", at, false) {
         let at = at.key("deduplication");
         unknown_keys(c, d, &at, crate::def::DedupConfig::KEYS);
-        c.nonempty_string(d, "header", &at, false);
+        if let Some(header) = c.nonempty_string(d, "header", &at, false) {
+            check_header_name(c, header, &at.key("header"));
+        }
         c.integer(d, "window_secs", &at, false, Some(1), None);
         c.boolean(d, "fail_open", &at);
         logic(c, d, "key_logic", &at);

@@ -521,6 +521,25 @@ fn http_call_input() {
             "expected object, got array",
         )],
     );
+    // Static headers are checked as a connector's are (session 19: they
+    // failed at run time).
+    check(
+        workflow_with(task(
+            "t",
+            "http_call",
+            json!({"connector": "a", "headers": {"a b": "v", "x": "line\nbreak", "ok": "fine"}}),
+        )),
+        &[
+            (
+                "tasks[0].function.input.headers[\"a b\"]",
+                "is not a valid HTTP header name (letters, digits and !#$%&'*+-.^_`|~ only)",
+            ),
+            (
+                "tasks[0].function.input.headers.x",
+                "is not a valid HTTP header value (visible ASCII, spaces and tabs only)",
+            ),
+        ],
+    );
     // An absent input is `{}`, so the required connector is reported.
     check(
         workflow_with(json!({"id": "t", "name": "t", "function": {"name": "http_call"}})),
@@ -974,6 +993,29 @@ fn channel_config_json() {
         validate_channel(&c)
     };
     check(kafka(json!({})), &[]);
+    // An explicit http channel is routed by name: a route would never match.
+    check(
+        validate_channel(&json!({"name": "h", "workflow_id": "w", "protocol": "http",
+                                  "route_pattern": "/h", "methods": ["GET"]})),
+        &[
+            (
+                "route_pattern",
+                "does not apply to an http channel (routed by name; use protocol rest for a route)",
+            ),
+            (
+                "methods",
+                "does not apply to an http channel (routed by name; use protocol rest for a route)",
+            ),
+        ],
+    );
+    // A deduplication header no request can carry.
+    check(
+        cfg(json!({"deduplication": {"header": "bad header"}})),
+        &[(
+            "config_json.deduplication.header",
+            "is not a valid HTTP header name (letters, digits and !#$%&'*+-.^_`|~ only)",
+        )],
+    );
     let unused = "does not apply to a kafka channel (consumed messages are not throttled, deduplicated, cached or answered)";
     check(
         kafka(json!({"route_pattern": "/x", "methods": ["POST"],
