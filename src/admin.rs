@@ -825,7 +825,12 @@ fn checked_connector(def: Json, name_from_path: Option<&str>) -> Result<Json, Ap
         ));
     }
     let mut def = def;
-    if let (Some(path), Some(obj)) = (name_from_path, def.as_object_mut()) {
+    // The path names the connector when the body leaves `name` out; a
+    // `name` of the wrong type (`5`, `null`) is reported as the field
+    // error it is, not replaced.
+    if let (Some(path), Some(obj)) = (name_from_path, def.as_object_mut())
+        && !obj.contains_key("name")
+    {
         obj.insert("name".into(), Json::String(path.to_owned()));
     }
     let problems = validate::validate_connector(&def);

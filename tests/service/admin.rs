@@ -445,8 +445,18 @@ async fn connectors(db: Db) {
         "https://maps.example.com/v1?apiKey=******&region=eu&access-token=******"
     );
 
+    // A name of the wrong type is a field error on PUT too (the path's
+    // name used to replace it); left out, the path names it.
+    for name in [json!(5), Json::Null] {
+        let mut typed = def.clone();
+        typed["name"] = name.clone();
+        let r = s.admin("PUT", "/connectors/billing", Some(typed)).await;
+        r.error(400, "BAD_REQUEST");
+        assert_eq!(r.detail_fields(), vec!["name"], "{name}");
+    }
     let mut updated = def.clone();
     updated["config"]["url"] = json!("https://billing2.example.com");
+    updated.as_object_mut().unwrap().remove("name");
     let u = s.admin("PUT", "/connectors/billing", Some(updated)).await;
     assert_eq!(u.ok(200)["config"]["url"], "https://billing2.example.com");
     assert_eq!(
