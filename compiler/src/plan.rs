@@ -943,15 +943,37 @@ pub fn json_type(v: &Json) -> &'static str {
     crate::diag::type_name(v)
 }
 
+/// `a..b`, `.a` and `a.` name an empty key by accident (a typo); `#`
+/// names it on purpose (`a.#.b`). The empty path (the whole area) is not
+/// one of them.
+pub fn has_empty_segment(path: &str) -> bool {
+    !path.is_empty() && path.split('.').any(str::is_empty)
+}
+
+/// The message for a write path with an empty segment.
+pub fn empty_segment_message(path: &str) -> String {
+    format!("'{path}' has an empty segment (write '#' for an empty key)")
+}
+
+/// A `target` write path, checked for empty segments.
+fn target_path<'i>(input: &'i Map<String, Json>, p: &mut Problems) -> Option<&'i str> {
+    let target = p.take(required_str(input, "target"))?;
+    if has_empty_segment(target) {
+        p.push("target", empty_segment_message(target));
+        return None;
+    }
+    Some(target)
+}
+
 fn parse_fn(input: &Map<String, Json>, p: &mut Problems) -> Option<(ReadPath, WritePath)> {
     let source = p.take(required_str(input, "source"));
-    let target = p.take(required_str(input, "target"));
+    let target = target_path(input, p);
     Some((ReadPath::parse(source?), WritePath::in_data(target?)))
 }
 
 fn publish_fn(input: &Map<String, Json>, p: &mut Problems) -> Option<(ReadPath, WritePath)> {
     let source = p.take(required_str(input, "source"));
-    let target = p.take(required_str(input, "target"));
+    let target = target_path(input, p);
     Some((ReadPath::in_data(source?), WritePath::in_data(target?)))
 }
 
@@ -974,13 +996,8 @@ fn map_fn(input: &Map<String, Json>) -> Result<FunctionPlan, Vec<InputProblem>> 
         let path = p.within(&at, required_str(obj, "path"));
         let logic = p.within(&at, required_logic(obj, "logic"));
         let Some(path) = path else { continue };
-        // `a..b`, `.a` and `a.` name an empty key by accident (a typo);
-        // `#` names it on purpose (`a.#.b`).
-        if !path.is_empty() && path.split('.').any(str::is_empty) {
-            p.push(
-                format!("{at}.path"),
-                format!("'{path}' has an empty segment (write '#' for an empty key)"),
-            );
+        if has_empty_segment(path) {
+            p.push(format!("{at}.path"), empty_segment_message(path));
             continue;
         }
         let path = WritePath::parse(path);

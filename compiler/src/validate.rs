@@ -556,6 +556,15 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
             Some(v) => check_field(c, field, v, &fat),
         }
     }
+    // Where a connector's answer is written: a path with an empty segment
+    // would write under the key "" (as a `map` path would).
+    for key in ["output", "response_path"] {
+        if let Some(Json::String(path)) = input.get(key)
+            && crate::plan::has_empty_segment(path)
+        {
+            c.push(&at.key(key), crate::plan::empty_segment_message(path));
+        }
+    }
     // Static headers are sent as they are: a name or value no HTTP
     // request can carry is refused here, as in a connector's headers.
     if f == Function::HttpCall

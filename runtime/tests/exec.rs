@@ -1530,6 +1530,21 @@ fn map_paths_have_no_empty_segments() {
         json!({}),
     );
     assert_eq!(r.data(), json!({"a": {"": {"b": 1}}}));
+    // So is a parse_json or publish_json target with one (session 19).
+    for function in ["parse_json", "publish_json"] {
+        let compiled = compile_workflow(&wf(json!([task(
+            "p",
+            function,
+            json!({"source": "payload", "target": "x..y"})
+        )])))
+        .unwrap();
+        assert_eq!(
+            compiled.warnings[0].field, "tasks[0].function.input.target",
+            "{function}"
+        );
+        let r = run(&compiled.plan, json!({}));
+        assert!(matches!(r.exec.status, Status::Failed(_)), "{function}");
+    }
 }
 
 /// `filter.on_reject` of the wrong type says so in the spec's words.

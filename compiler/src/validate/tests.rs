@@ -521,6 +521,29 @@ fn http_call_input() {
             "expected object, got array",
         )],
     );
+    // Where the answer is written has no empty segment (it wrote under "").
+    check(
+        workflow_with(task(
+            "t",
+            "http_call",
+            json!({"connector": "a", "response_path": "a..b"}),
+        )),
+        &[(
+            "tasks[0].function.input.response_path",
+            "'a..b' has an empty segment (write '#' for an empty key)",
+        )],
+    );
+    check(
+        workflow_with(task(
+            "t",
+            "cache_read",
+            json!({"connector": "a", "key": "k", "output": "x."}),
+        )),
+        &[(
+            "tasks[0].function.input.output",
+            "'x.' has an empty segment (write '#' for an empty key)",
+        )],
+    );
     // Static headers are checked as a connector's are (session 19: they
     // failed at run time).
     check(
