@@ -425,6 +425,15 @@ async fn run_sync(
             }
         }
     };
+    // Nothing ran (no workflow matched, or the body was refused): the
+    // deduplication key goes back, as after a later check's refusal.
+    let ran_nothing = match &execution {
+        Ok(e) => e.matched.is_none(),
+        Err(e) => e.code == Code::BadRequest,
+    };
+    if ran_nothing && admitted.claims() {
+        Box::pin(app.governance.give_back(&admitted)).await;
+    }
     let body = match traced {
         None => respond(channel, execution?, engine_lock_ms)?,
         Some(traced) => {

@@ -184,12 +184,20 @@ pub struct Admitted {
     store_as: Option<(String, Duration)>,
     /// A cache hit: the stored response; the workflow must not run.
     pub hit: Option<Bytes>,
+    /// The deduplication key this request claimed, given back when nothing
+    /// ran after all (see [`Governance::give_back`]).
+    claimed: Option<String>,
 }
 
 impl Admitted {
     /// Whether [`Governance::store`] has anything to do for this request.
     pub fn stores(&self) -> bool {
         self.store_as.is_some()
+    }
+
+    /// Whether the request claimed a deduplication key.
+    pub fn claims(&self) -> bool {
+        self.claimed.is_some()
     }
 }
 
@@ -426,16 +434,29 @@ impl Governance {
             }
             claimed = Some(key.as_str());
         }
-        let rest = self.admit_rest(channel, &keys).await;
-        if rest.is_err()
-            && let Some(key) = claimed
-        {
-            match &self.shared {
-                None => self.seen.invalidate(key),
-                Some(shared) => shared.release(key).await,
-            }
+        let mut rest = self.admit_rest(channel, &keys).await;
+        match (&mut rest, claimed) {
+            (Err(_), Some(key)) => self.release(key).await,
+            (Ok(admitted), Some(key)) => admitted.claimed = Some(key.to_owned()),
+            _ => {}
         }
         rest
+    }
+
+    async fn release(&self, key: &str) {
+        match &self.shared {
+            None => self.seen.invalidate(key),
+            Some(shared) => shared.release(key).await,
+        }
+    }
+
+    /// Gives an admitted request's deduplication key back when nothing ran
+    /// after all (no workflow matched, the body was refused): a retry is
+    /// then not told it is a duplicate, as after a later check's refusal.
+    pub async fn give_back(&self, admitted: &Admitted) {
+        if let Some(key) = &admitted.claimed {
+            self.release(key).await;
+        }
     }
 
     /// Evaluates every key and the validation rule (pure, in one arena).

@@ -101,6 +101,27 @@ async fn deduplication_rejects_a_repeat_inside_the_window_body(gov: Gov) {
     )
     .await
     .error(409, "CONFLICT");
+
+    // A request no workflow matched ran nothing: its key goes back, so the
+    // corrected retry runs (session 19: it was told it was a duplicate).
+    let mut picky = echo("dp");
+    picky["condition"] = json!({"==": [{"var": "payload.go"}, true]});
+    s.deploy(
+        picky,
+        named("ddp", "dp", json!({"deduplication": {"window_secs": 60}})),
+    )
+    .await;
+    let key = [("idempotency-key", "k-nomatch")];
+    post_with(&s, "ddp", json!({"go": false}), &key)
+        .await
+        .error(404, "NOT_FOUND");
+    assert_eq!(
+        post_with(&s, "ddp", json!({"go": true}), &key).await.status,
+        200
+    );
+    post_with(&s, "ddp", json!({"go": true}), &key)
+        .await
+        .error(409, "CONFLICT");
 }
 
 crate::on_both_governance_backends!(
