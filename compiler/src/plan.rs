@@ -768,8 +768,11 @@ impl Cx {
                     "DELETE" => HttpMethod::Delete,
                     _ => HttpMethod::Get,
                 };
-                let path = self.source(input, "path", "path_logic", field)?;
-                let body = self.source(input, "body", "body_logic", field)?;
+                // Every rule is compiled before any failure returns, so all
+                // of a task's JSONLogic errors are reported at once.
+                let path = self.source(input, "path", "path_logic", field);
+                let body = self.source(input, "body", "body_logic", field);
+                let (path, body) = (path?, body?);
                 let headers = input
                     .get("headers")
                     .and_then(Json::as_object)
@@ -808,9 +811,10 @@ impl Cx {
                 let mut params = Vec::new();
                 if let Some(items) = input.get("params").and_then(Json::as_array) {
                     for (i, p) in items.iter().enumerate() {
-                        params.push(self.logic(p, &join(field, &format!("params[{i}]")))?);
+                        params.push(self.logic(p, &join(field, &format!("params[{i}]"))));
                     }
                 }
+                let params = params.into_iter().collect::<Option<Vec<_>>>()?;
                 let sql = SqlPlan {
                     connector,
                     query: str_field(input, "query").unwrap_or_default().into(),
@@ -832,14 +836,18 @@ impl Cx {
             }),
             Function::CacheWrite => {
                 let value = match input.get("value_logic") {
-                    Some(rule) => Source::Logic(self.logic(rule, &join(field, "value_logic"))?),
-                    None => Source::Static(input.get("value").cloned().unwrap_or(Json::Null)),
+                    Some(rule) => self
+                        .logic(rule, &join(field, "value_logic"))
+                        .map(Source::Logic),
+                    None => Some(Source::Static(
+                        input.get("value").cloned().unwrap_or(Json::Null),
+                    )),
                 };
+                let key = self.source(input, "key", "key_logic", field);
+                let (key, value) = (key?, value?);
                 FunctionPlan::CacheWrite(CacheWritePlan {
                     connector,
-                    key: self
-                        .source(input, "key", "key_logic", field)?
-                        .unwrap_or(Source::Static(Json::Null)),
+                    key: key.unwrap_or(Source::Static(Json::Null)),
                     value,
                     ttl: input.get("ttl_secs").and_then(Json::as_f64).map(ttl),
                 })
@@ -855,13 +863,14 @@ impl Cx {
             }),
             Function::PublishKafka => {
                 let key = match input.get("key_logic") {
-                    Some(rule) => Some(self.logic(rule, &join(field, "key_logic"))?),
-                    None => None,
+                    Some(rule) => self.logic(rule, &join(field, "key_logic")).map(Some),
+                    None => Some(None),
                 };
                 let value = match input.get("value_logic") {
-                    Some(rule) => Some(self.logic(rule, &join(field, "value_logic"))?),
-                    None => None,
+                    Some(rule) => self.logic(rule, &join(field, "value_logic")).map(Some),
+                    None => Some(None),
                 };
+                let (key, value) = (key?, value?);
                 FunctionPlan::PublishKafka(PublishKafkaPlan {
                     connector,
                     topic: str_field(input, "topic").unwrap_or_default().into(),
@@ -869,17 +878,20 @@ impl Cx {
                     value,
                 })
             }
-            Function::ChannelCall => FunctionPlan::ChannelCall(ChannelCallPlan {
-                channel: self
-                    .source(input, "channel", "channel_logic", field)?
-                    .unwrap_or(Source::Static(Json::Null)),
-                data: self.source(input, "data", "data_logic", field)?,
-                response_path: output("response_path"),
-                timeout_ms: input
-                    .get("timeout_ms")
-                    .and_then(Json::as_f64)
-                    .map(|t| t as u64),
-            }),
+            Function::ChannelCall => {
+                let channel = self.source(input, "channel", "channel_logic", field);
+                let data = self.source(input, "data", "data_logic", field);
+                let (channel, data) = (channel?, data?);
+                FunctionPlan::ChannelCall(ChannelCallPlan {
+                    channel: channel.unwrap_or(Source::Static(Json::Null)),
+                    data,
+                    response_path: output("response_path"),
+                    timeout_ms: input
+                        .get("timeout_ms")
+                        .and_then(Json::as_f64)
+                        .map(|t| t as u64),
+                })
+            }
             _ => return None,
         };
         Some(plan)

@@ -1568,3 +1568,45 @@ fn filter_on_reject_problems_are_precise() {
         assert_eq!(compiled.warnings[0].message, message);
     }
 }
+
+/// Every JSONLogic error of a connector or composition task is reported at
+/// once, each at its field (session 19: the first one hid the others).
+#[test]
+fn every_rule_error_of_a_connector_task_is_reported() {
+    let bad = json!({"no_such_op": 1});
+    for (function, input, fields) in [
+        (
+            "http_call",
+            json!({"connector": "c", "path_logic": bad, "body_logic": bad}),
+            vec!["path_logic", "body_logic"],
+        ),
+        (
+            "cache_write",
+            json!({"connector": "c", "key_logic": bad, "value_logic": bad}),
+            vec!["value_logic", "key_logic"],
+        ),
+        (
+            "publish_kafka",
+            json!({"connector": "c", "topic": "t", "key_logic": bad, "value_logic": bad}),
+            vec!["key_logic", "value_logic"],
+        ),
+        (
+            "db_read",
+            json!({"connector": "c", "query": "SELECT 1", "params": [bad, 1, bad]}),
+            vec!["params[0]", "params[2]"],
+        ),
+        (
+            "channel_call",
+            json!({"channel_logic": bad, "data_logic": bad}),
+            vec!["channel_logic", "data_logic"],
+        ),
+    ] {
+        let problems = compile_workflow(&wf(json!([task("t", function, input)]))).unwrap_err();
+        let got: Vec<&str> = problems.iter().map(|d| d.field.as_str()).collect();
+        let want: Vec<String> = fields
+            .iter()
+            .map(|f| format!("tasks[0].function.input.{f}"))
+            .collect();
+        assert_eq!(got, want, "{function}: {problems:?}");
+    }
+}
