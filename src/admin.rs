@@ -481,71 +481,83 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
             sluice_compiler::diag::type_name(&body)
         )));
     }
-    let status_field = |message: String| {
-        ApiError::invalid(
-            "request",
-            vec![Diagnostic {
-                field: "status".into(),
-                message,
-            }],
-        )
+    // Every problem of the body at once, as a definition's.
+    let mut problems = Vec::new();
+    let mut problem = |field: &str, message: String| {
+        problems.push(Diagnostic {
+            field: field.into(),
+            message,
+        })
     };
     let target = match body.get("status") {
-        Some(Json::String(s)) if s == "active" => Status::Active,
-        Some(Json::String(s)) if s == "archived" => Status::Archived,
-        Some(Json::String(s)) if s == "paused" => Status::Paused,
-        Some(other) if !other.is_string() => {
-            return Err(status_field(format!(
-                "expected string, got {}",
-                sluice_compiler::diag::type_name(other)
-            )));
+        Some(Json::String(s)) if s == "active" => Some(Status::Active),
+        Some(Json::String(s)) if s == "archived" => Some(Status::Archived),
+        Some(Json::String(s)) if s == "paused" => Some(Status::Paused),
+        Some(Json::String(other)) => {
+            problem(
+                "status",
+                format!("must be one of active, archived, paused, got '{other}'"),
+            );
+            None
         }
         Some(other) => {
-            let other = other.as_str().unwrap_or_default();
-            return Err(ApiError::invalid(
-                "request",
-                vec![Diagnostic {
-                    field: "status".into(),
-                    message: format!("must be one of active, archived, paused, got '{other}'"),
-                }],
-            ));
+            problem(
+                "status",
+                format!(
+                    "expected string, got {}",
+                    sluice_compiler::diag::type_name(other)
+                ),
+            );
+            None
         }
-        None => return Err(status_field("is required".into())),
+        None => {
+            problem("status", "is required".into());
+            None
+        }
     };
     let rollout = if kind == Kind::Workflow {
-        percentage(&body, "rollout_percentage", false)?
-    } else if body.get("rollout_percentage").is_some() {
-        // A channel's versions do not split traffic: the share would be
-        // ignored while the answer said 200.
-        return Err(ApiError::invalid(
-            "request",
-            vec![Diagnostic {
-                field: "rollout_percentage".into(),
-                message: "channels have no rollout: only workflow versions split traffic".into(),
-            }],
-        ));
+        match percentage(&body, "rollout_percentage", false) {
+            Ok(p) => p,
+            Err(e) => {
+                for d in e.details.unwrap_or_default() {
+                    problem(&d.field, d.message);
+                }
+                None
+            }
+        }
     } else {
+        if body.get("rollout_percentage").is_some() {
+            // A channel's versions do not split traffic: the share would be
+            // ignored while the answer said 200.
+            problem(
+                "rollout_percentage",
+                "channels have no rollout: only workflow versions split traffic".into(),
+            );
+        }
         None
     };
     let version = match body.get("version") {
         None => None,
-        Some(v) => Some(v.as_i64().filter(|n| *n >= 1).ok_or_else(|| {
-            let message = if v.is_i64() || v.is_u64() {
-                format!("must be a positive integer, got {v}")
-            } else {
-                format!(
-                    "expected integer, got {}",
-                    sluice_compiler::diag::type_name(v)
-                )
-            };
-            ApiError::invalid(
-                "request",
-                vec![Diagnostic {
-                    field: "version".into(),
-                    message,
-                }],
-            )
-        })?),
+        Some(v) => match v.as_i64().filter(|n| *n >= 1) {
+            Some(n) => Some(n),
+            None => {
+                problem(
+                    "version",
+                    if v.is_i64() || v.is_u64() {
+                        format!("must be a positive integer, got {v}")
+                    } else {
+                        format!(
+                            "expected integer, got {}",
+                            sluice_compiler::diag::type_name(v)
+                        )
+                    },
+                );
+                None
+            }
+        },
+    };
+    let Some(target) = target.filter(|_| problems.is_empty()) else {
+        return Err(ApiError::invalid("request", problems));
     };
     // Pausing is not one of the documented audit actions: it is recorded
     // as an `update` whose details carry the new status.

@@ -1577,6 +1577,23 @@ async fn lifecycle_bodies_treat_null_as_a_value() {
             json!([{"field": field, "message": message}])
         );
     }
+    // Every problem of a status body at once (session 19: the first only).
+    let r = s
+        .admin(
+            "PATCH",
+            "/workflows/nul/status",
+            Some(json!({"status": "bogus", "rollout_percentage": "5", "version": "x"})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(
+        r.body["error"]["details"],
+        json!([
+            {"field": "status", "message": "must be one of active, archived, paused, got 'bogus'"},
+            {"field": "rollout_percentage", "message": "expected integer, got string"},
+            {"field": "version", "message": "expected integer, got string"}
+        ])
+    );
     let r = s
         .admin(
             "PATCH",
