@@ -434,6 +434,10 @@ async fn run_sync(
     if ran_nothing && admitted.claims() {
         Box::pin(app.governance.give_back(&admitted)).await;
     }
+    // Only a clean answer is cached: one whose `errors` holds something (a
+    // task that failed under `continue_on_error`, perhaps for a moment)
+    // would be served for the whole TTL.
+    let clean = execution.as_ref().is_ok_and(|e| e.errors.is_empty());
     let body = match traced {
         None => respond(channel, execution?, engine_lock_ms)?,
         Some(traced) => {
@@ -454,7 +458,7 @@ async fn run_sync(
         }
     };
     // A profiled answer is not cached: its timings belong to this run only.
-    if engine_lock_ms.is_none() && admitted.stores() {
+    if engine_lock_ms.is_none() && admitted.stores() && clean {
         Box::pin(app.governance.store(&admitted, body.clone())).await;
         // A cacheable request the cache did not answer says so.
         let mut response = bytes_response(StatusCode::OK, body);

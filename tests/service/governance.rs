@@ -589,6 +589,29 @@ async fn the_response_cache_serves_hits_without_running_the_workflow_body(gov: G
     assert_eq!(fresh.status, 200);
     assert_ne!(fresh.body["data"]["rid"], first.body["data"]["rid"]);
     assert_eq!(fresh.headers["x-cache"], "miss");
+
+    // An answer carrying errors (a task failed under continue_on_error) is
+    // not cached: the next request runs again (session 19).
+    let mut flaky = echo("cf");
+    flaky["continue_on_error"] = json!(true);
+    flaky["tasks"].as_array_mut().unwrap().push(json!(
+        {"id": "boom", "name": "boom", "function": {"name": "map", "input": {"mappings": [
+            {"path": "x", "logic": {"/": [1, 0]}}]}}}
+    ));
+    s.deploy(
+        flaky,
+        named("cached-flaky", "cf", json!({"cache": {"ttl_secs": 60}})),
+    )
+    .await;
+    let one = post_with(&s, "cached-flaky", json!({"q": 1}), &[]).await;
+    assert_eq!(one.status, 200, "{}", one.text);
+    assert_eq!(one.body["errors"][0]["task_id"], "boom", "{}", one.text);
+    let two = post_with(&s, "cached-flaky", json!({"q": 1}), &[]).await;
+    assert_ne!(
+        two.headers.get("x-cache").map(|v| v.to_str().unwrap()),
+        Some("hit")
+    );
+    assert_ne!(two.body["data"]["rid"], one.body["data"]["rid"]);
 }
 
 /// While two versions split traffic, a cached answer is served only to
