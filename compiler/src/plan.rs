@@ -616,8 +616,28 @@ impl Cx {
         })
     }
 
+    /// A warning for each key of `obj` not in `known`: a misspelt field
+    /// (`conditon`, `respone_path`) would otherwise be dropped in silence.
+    fn unknown_keys(&mut self, obj: &Map<String, Json>, known: &[&str], field: &str) {
+        for key in obj.keys() {
+            if !known.contains(&key.as_str()) {
+                self.warnings.push(Diagnostic {
+                    field: join(field, key),
+                    message: format!(
+                        "unknown field, ignored; expected one of {}",
+                        known.join(", ")
+                    ),
+                });
+            }
+        }
+    }
+
     fn step(&mut self, def: &Json, field: &str) -> Option<Step> {
         let obj = def.as_object()?;
+        self.unknown_keys(obj, STEP_KEYS, field);
+        if let Some(f) = obj.get("function").and_then(Json::as_object) {
+            self.unknown_keys(f, &["name", "input"], &join(field, "function"));
+        }
         let id: Box<str> = str_field(obj, "id").unwrap_or_default().into();
         let condition = self.condition(obj.get("condition"), &join(field, "condition"));
         if let Some(children) = obj.get("tasks").and_then(Json::as_array) {
@@ -757,6 +777,8 @@ impl Cx {
         input: &Map<String, Json>,
         field: &str,
     ) -> Option<FunctionPlan> {
+        let known: Vec<&str> = function.input_schema().iter().map(|f| f.name).collect();
+        self.unknown_keys(input, &known, field);
         let connector: Box<str> = str_field(input, "connector").unwrap_or_default().into();
         let output = |key: &str| WritePath::parse(str_field(input, key).unwrap_or("data"));
         let plan = match function {
@@ -988,6 +1010,20 @@ fn publish_fn(input: &Map<String, Json>, p: &mut Problems) -> Option<(ReadPath, 
     let target = target_path(input, p);
     Some((ReadPath::in_data(source?), WritePath::in_data(target?)))
 }
+
+/// The fields a task or a group may have.
+const STEP_KEYS: &[&str] = &[
+    "id",
+    "name",
+    "description",
+    "function",
+    "condition",
+    "continue_on_error",
+    "terminal",
+    "halt_on",
+    "tasks",
+    "loop",
+];
 
 /// The most segments a `map` path may have (far deeper than any document
 /// a request brings: bodies nest at most 1,024 levels).

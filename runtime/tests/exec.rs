@@ -1610,3 +1610,45 @@ fn every_rule_error_of_a_connector_task_is_reported() {
         assert_eq!(got, want, "{function}: {problems:?}");
     }
 }
+
+/// A misspelt field of a task, its `function` or a connector function's
+/// `input` is a warning naming it (it would be dropped in silence: a task
+/// with `conditon` runs always, an `http_call` with `respone_path`
+/// discards the answer); the workflow still compiles and runs.
+#[test]
+fn misspelt_fields_are_warned_about() {
+    let mut t = task(
+        "h",
+        "http_call",
+        json!({"connector": "c", "respone_path": "x"}),
+    );
+    t["conditon"] = json!(false);
+    t["function"]["inptu"] = json!({});
+    let compiled = compile_workflow(&wf(json!([t]))).unwrap();
+    let fields: Vec<&str> = compiled.warnings.iter().map(|w| w.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        [
+            "tasks[0].conditon",
+            "tasks[0].function.inptu",
+            "tasks[0].function.input.respone_path"
+        ],
+        "{:?}",
+        compiled.warnings
+    );
+    assert!(
+        compiled.warnings[0]
+            .message
+            .starts_with("unknown field, ignored; expected one of id, name"),
+        "{}",
+        compiled.warnings[0].message
+    );
+    // Known fields draw none.
+    let clean = compile_workflow(&wf(json!([task(
+        "h",
+        "http_call",
+        json!({"connector": "c", "response_path": "x", "method": "POST", "timeout_ms": 5})
+    )])))
+    .unwrap();
+    assert!(clean.warnings.is_empty(), "{:?}", clean.warnings);
+}
