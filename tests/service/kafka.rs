@@ -34,6 +34,26 @@ fn value(v: &[u8]) -> Record<'_> {
     }
 }
 
+/// Produces `value` as JSON text with `headers` (no key).
+async fn produce_json(
+    producer: &rdkafka::producer::FutureProducer,
+    topic: &str,
+    value: Json,
+    headers: &[(&str, &str)],
+) {
+    let body = value.to_string();
+    kafka_produce(
+        producer,
+        topic,
+        Record {
+            value: body.as_bytes(),
+            headers,
+            ..Record::default()
+        },
+    )
+    .await;
+}
+
 /// The workflow of the consuming channel: copies what a message brings into
 /// `data`; a payload with `fail: true` fails the `boom` task.
 fn workflow(id: &str) -> Json {
@@ -1159,22 +1179,12 @@ async fn messages_follow_the_rollout_see_masked_credentials_and_refusals_count()
     let producer = kafka_producer();
     let n = 40;
     for i in 0..n {
-        let body = json!({"n": i}).to_string();
         let rollout_key = format!("caller-{i}");
         let headers = [
             ("x-rollout-key", rollout_key.as_str()),
             ("authorization", "Bearer kafka-secret"),
         ];
-        kafka_produce(
-            &producer,
-            &topic,
-            Record {
-                value: body.as_bytes(),
-                headers: &headers,
-                ..Record::default()
-            },
-        )
-        .await;
+        produce_json(&producer, &topic, json!({"n": i}), &headers).await;
     }
     let client = reqwest::Client::new();
     let t = wait_traces(&client, &s.base, "kroll", Duration::from_secs(60), |t| {
@@ -1239,18 +1249,7 @@ async fn validation_logic_judges_consumed_messages() {
     wait_running(&s, 1).await;
     let producer = kafka_producer();
     for (n, origin) in [(1, "ok"), (9, "ok"), (9, "elsewhere")] {
-        let body = json!({"n": n}).to_string();
-        let headers = [("x-origin", origin)];
-        kafka_produce(
-            &producer,
-            &topic,
-            Record {
-                value: body.as_bytes(),
-                headers: &headers,
-                ..Record::default()
-            },
-        )
-        .await;
+        produce_json(&producer, &topic, json!({"n": n}), &[("x-origin", origin)]).await;
     }
     let client = reqwest::Client::new();
     let t = wait_traces(&client, &s.base, "kvalid", Duration::from_secs(60), |t| {
