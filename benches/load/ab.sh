@@ -48,13 +48,14 @@ done
 for _ in $(seq 50); do curl -s -o /dev/null "${urls[0]}" && break; sleep 0.1; done
 
 cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+user() { awk '{print $14}' "/proc/$1/stat"; }
 for round in $(seq "$ROUNDS"); do
   line="round $round:"
   for j in "${!urls[@]}"; do
-    before=$(cpu "${pids[$j]}")
+    before=$(cpu "${pids[$j]}") ubefore=$(user "${pids[$j]}")
     out=$(SLUICE_REQUEST="$REF/request.json" taskset -c 1 wrk -t1 -c64 -d"${SECS}s" --latency \
       -s benches/load/post.lua "${urls[$j]}")
-    after=$(cpu "${pids[$j]}")
+    after=$(cpu "${pids[$j]}") uafter=$(user "${pids[$j]}")
     rps=$(awk '/Requests\/sec/ {printf "%d", $2}' <<< "$out")
     p99=$(awk '$1 == "99%" {print $2}' <<< "$out")
     n=$(grep -oE '^ *[0-9]+ requests in' <<< "$out" | awk '{print $1}')
@@ -64,7 +65,8 @@ for round in $(seq "$ROUNDS"); do
       exit 1
     fi
     us=$(awk -v t="$((after - before))" -v n="$n" -v tick="$TICK" 'BEGIN {printf "%.2f", t / tick / n * 1e6}')
-    line="$line  [$j] $rps req/s p99 $p99 cpu ${us} us"
+    uus=$(awk -v t="$((uafter - ubefore))" -v n="$n" -v tick="$TICK" 'BEGIN {printf "%.2f", t / tick / n * 1e6}')
+    line="$line  [$j] $rps req/s p99 $p99 cpu ${us} us (user ${uus})"
   done
   echo "$line"
 done
