@@ -15,6 +15,8 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 pub struct App {
     pub config: Config,
+    /// `server.trusted_proxies`, parsed (checked at configuration load).
+    pub trusted_proxies: crate::forwarded::TrustedProxies,
     pub store: Store,
     /// The live engine. Requests `load()` it once; reloads `store()` a new one.
     pub engine: ArcSwap<Snapshot>,
@@ -76,7 +78,13 @@ impl App {
         }
         let connectors = Arc::new(crate::connectors::Connectors::new(&config));
         let services = connectors.fill(services);
+        // Checked by `Config::validate`; a configuration built in code
+        // that skipped it trusts nobody rather than failing here.
+        let trusted_proxies =
+            crate::forwarded::TrustedProxies::parse(&config.server.trusted_proxies)
+                .unwrap_or_default();
         App {
+            trusted_proxies,
             connectors,
             queue: crate::queue::Queue::new(&config.queue),
             governance: crate::governance::Governance::new(&config),

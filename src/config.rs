@@ -46,6 +46,10 @@ pub struct Server {
     /// a large export, or a tight data-plane limit, must not lock the
     /// admin plane out.
     pub admin_max_payload_size: u64,
+    /// Load balancers and proxies (addresses or CIDR networks) whose
+    /// `X-Forwarded-For` names the client (`crate::forwarded`). Empty: the
+    /// TCP peer is the client.
+    pub trusted_proxies: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -243,6 +247,7 @@ impl Default for Config {
                 request_read_timeout_secs: 30,
                 max_in_flight: 10_000,
                 admin_max_payload_size: 32 << 20,
+                trusted_proxies: Vec::new(),
             },
             storage: Storage {
                 url: "sqlite://sluice.db".into(),
@@ -489,6 +494,9 @@ impl Config {
         }
         if let Err(why) = check_host(&self.server.host) {
             return fail("server.host", &why);
+        }
+        if let Err(why) = crate::forwarded::TrustedProxies::parse(&self.server.trusted_proxies) {
+            return fail("server.trusted_proxies", &why);
         }
         if let Err(why) = check_storage_scheme(&self.storage.url) {
             return fail("storage.url", &why);
@@ -812,6 +820,17 @@ fn apply_env(
             toml::Value::Float(raw.trim().parse().map_err(|_| bad("expected a number"))?)
         }
         toml::Value::String(_) => toml::Value::String(raw.to_owned()),
+        toml::Value::Array(_) if !raw.trim_start().starts_with('[') => {
+            // A list of strings may also be given plainly, comma-separated:
+            // `SERVICE_SERVER__TRUSTED_PROXIES=10.0.0.0/8,127.0.0.1`.
+            toml::Value::Array(
+                raw.split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(|s| toml::Value::String(s.to_owned()))
+                    .collect(),
+            )
+        }
         toml::Value::Array(_) => {
             // Arrays (kafka.topics) are given inline, as TOML: `[{topic = "t", channel = "c"}]`.
             let doc: toml::Table = format!("v = {raw}")
@@ -948,6 +967,9 @@ mod tests {
                 toml::Value::String(s) if name.ends_with("API_KEY_HEADER") => format!("x-{s}"),
                 toml::Value::String(_) if name == "GOVERNANCE__BACKEND" => "redis".into(),
                 toml::Value::String(s) => format!("{s}x"),
+                toml::Value::Array(_) if name.ends_with("TRUSTED_PROXIES") => {
+                    "10.0.0.0/8, 127.0.0.1".into()
+                }
                 toml::Value::Array(_) => "[{topic = \"t\", channel = \"c\"}]".into(),
                 other => panic!("unexpected leaf {other:?}"),
             };
@@ -963,6 +985,32 @@ mod tests {
             let default_tree = toml::Table::try_from(Config::default()).unwrap();
             assert_ne!(tree, default_tree, "{var} had no effect");
         }
+    }
+
+    #[test]
+    fn trusted_proxies_are_checked_and_take_plain_lists() {
+        let c = load(
+            None,
+            &[("SERVICE_SERVER__TRUSTED_PROXIES", "10.0.0.0/8, ::1")],
+        )
+        .unwrap();
+        assert_eq!(c.server.trusted_proxies, ["10.0.0.0/8", "::1"]);
+        let c = load(
+            None,
+            &[("SERVICE_SERVER__TRUSTED_PROXIES", "[\"127.0.0.1\"]")],
+        )
+        .unwrap();
+        assert_eq!(c.server.trusted_proxies, ["127.0.0.1"]);
+        let e = load(
+            Some("[server]\ntrusted_proxies = [\"10.0.0.0/8\", \"lb\"]\n"),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("server.trusted_proxies") && e.contains("'lb'"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod config;
 pub mod connectors;
 pub mod data;
 pub mod engine;
+pub mod forwarded;
 pub mod governance;
 pub mod invoke;
 pub mod kafka;

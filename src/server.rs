@@ -510,6 +510,12 @@ async fn read_and_route(
             return ApiError::bad_request(why).into_response();
         }
     }
+    // Behind a trusted load balancer the client is named by
+    // `X-Forwarded-For` (`server.trusted_proxies`; empty by default).
+    let client_ip = match app.trusted_proxies.client_ip(&client_ip, &parts.headers) {
+        Some(forwarded) => forwarded,
+        None => client_ip,
+    };
     let mut headers = parts.headers;
     if headers.len() != headers.keys_len() {
         combine_repeated(&mut headers);

@@ -1514,3 +1514,61 @@ async fn channel_call_chooses_the_callee_version_by_the_callers_rollout_bucket()
     }
     assert_eq!(seen.len(), 2, "both versions serve: {seen:?}");
 }
+
+/// `server.trusted_proxies`: behind a trusted load balancer each client
+/// named by `X-Forwarded-For` gets its own rate-limit bucket; the entry a
+/// client wrote itself (left of the rightmost untrusted one) is not
+/// believed, and without the setting the header changes nothing.
+#[tokio::test]
+async fn trusted_proxies_name_the_client_from_x_forwarded_for() {
+    let limited = || {
+        named(
+            "behind-lb",
+            "lb",
+            json!({"rate_limit": {"requests_per_second": 0.1, "burst": 1}}),
+        )
+    };
+    let s = start_with(Db::Sqlite, |c| {
+        c.server.trusted_proxies = vec!["127.0.0.1".into(), "10.0.0.0/8".into()];
+    })
+    .await;
+    s.deploy(echo("lb"), limited()).await;
+    let from = |chain: &'static str| [("x-forwarded-for", chain)];
+    let one = from("203.0.113.1, 10.0.0.7");
+    assert_eq!(
+        post_with(&s, "behind-lb", json!({}), &one).await.status,
+        200
+    );
+    post_with(&s, "behind-lb", json!({}), &one)
+        .await
+        .error(429, "RATE_LIMITED");
+    // Another client through the same balancer: its own bucket.
+    let two = from("203.0.113.2");
+    assert_eq!(
+        post_with(&s, "behind-lb", json!({}), &two).await.status,
+        200
+    );
+    // A client claiming to be 203.0.113.1 from 203.0.113.3 is 203.0.113.3.
+    let spoofed = from("203.0.113.1, 203.0.113.3");
+    assert_eq!(
+        post_with(&s, "behind-lb", json!({}), &spoofed).await.status,
+        200
+    );
+    let metrics = s.get("/metrics").await.text;
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("rate_limit_rejections_total{") && l.contains("behind-lb"))
+        .unwrap_or_else(|| panic!("no rejection metric in:\n{metrics}"));
+    assert!(line.contains("client=\"203.0.113.1\""), "{line}");
+
+    // Without the setting the peer is the client, whatever the header says.
+    let plain = start(Db::Sqlite).await;
+    plain.deploy(echo("lb"), limited()).await;
+    assert_eq!(
+        post_with(&plain, "behind-lb", json!({}), &one).await.status,
+        200
+    );
+    post_with(&plain, "behind-lb", json!({}), &two)
+        .await
+        .error(429, "RATE_LIMITED");
+}
