@@ -284,11 +284,13 @@ fn no_masks(def: &Json) -> Result<(), ApiError> {
     }
 }
 
+/// A definition checked for create, update or import: its id, the
+/// definition (with the id filled in) and its warnings.
 fn checked(
     kind: Kind,
     mut def: Json,
     id_from_path: Option<&str>,
-) -> Result<(String, Json), ApiError> {
+) -> Result<(String, Json, Vec<Diagnostic>), ApiError> {
     let Some(obj) = def.as_object_mut() else {
         return Err(ApiError::bad_request(format!(
             "a {} definition must be a JSON object",
@@ -323,12 +325,15 @@ fn checked(
     if let Some(id) = &id {
         obj.insert(id_field.into(), Json::String(id.clone()));
     }
-    let mut problems = match kind {
-        Kind::Workflow => compile_workflow(&def).err().unwrap_or_default(),
-        Kind::Channel => validate::validate_channel(&def),
+    let (mut problems, warnings) = match kind {
+        Kind::Workflow => match compile_workflow(&def) {
+            Ok(compiled) => (Vec::new(), compiled.warnings),
+            Err(problems) => (problems, Vec::new()),
+        },
+        Kind::Channel => (validate::validate_channel(&def), Vec::new()),
     };
     match id {
-        Some(id) if problems.is_empty() => Ok((id, def)),
+        Some(id) if problems.is_empty() => Ok((id, def, warnings)),
         _ => {
             if problems.is_empty() {
                 problems.push(Diagnostic {
@@ -361,13 +366,26 @@ async fn list(app: &App, req: &Req, kind: Kind) -> ApiResult {
 }
 
 async fn create(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
-    let (id, def) = checked(kind, req.json()?, None)?;
+    let (id, def, warnings) = checked(kind, req.json()?, None)?;
     storable(app, &def)?;
     let record = app
         .store
         .create(kind, &id, &def, audit(who, "create"))
         .await?;
-    api::created(&record.to_json(kind))
+    with_warnings(http::StatusCode::CREATED, record.to_json(kind), &warnings)
+}
+
+/// `{data}`, and beside it the definition's `warnings` when it has some
+/// (what `POST .../validate` would have answered: a misspelt field, a data
+/// function's input that will fail when it runs).
+fn with_warnings(status: http::StatusCode, data: Json, warnings: &[Diagnostic]) -> ApiResult {
+    if warnings.is_empty() {
+        return Ok(api::json_response(status, &json!({ "data": data })));
+    }
+    Ok(api::json_response(
+        status,
+        &json!({ "data": data, "warnings": warnings }),
+    ))
 }
 
 /// `?version=N`: a positive integer, or absent (the latest).
@@ -390,13 +408,13 @@ async fn get(app: &App, req: &Req, kind: Kind, id: &str) -> ApiResult {
 }
 
 async fn update(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) -> ApiResult {
-    let (_, def) = checked(kind, req.json()?, Some(id))?;
+    let (_, def, warnings) = checked(kind, req.json()?, Some(id))?;
     storable(app, &def)?;
     let record = app
         .store
         .update_draft(kind, id, &def, audit(who, "update"))
         .await?;
-    api::ok(&record.to_json(kind))
+    with_warnings(http::StatusCode::OK, record.to_json(kind), &warnings)
 }
 
 async fn delete(app: &App, kind: Kind, id: &str, who: Principal) -> ApiResult {
@@ -675,7 +693,7 @@ async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
     let mut seen_names = std::collections::HashSet::new();
     for (index, item) in items.into_iter().enumerate() {
         let (id, def) = match checked(kind, item, None)
-            .and_then(|(id, def)| storable(app, &def).map(|()| (id, def)))
+            .and_then(|(id, def, _)| storable(app, &def).map(|()| (id, def)))
         {
             Ok(ok) => ok,
             Err(e) => {

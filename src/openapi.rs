@@ -242,6 +242,10 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
             Some(schema_ref("DryRunRequest")),
             data_of(schema_ref("DryRunResult")),
         ),
+        ("patch", ["api", "v1", "admin", "channels", _, "status"]) => (
+            Some(schema_ref("ChannelStatusChange")),
+            data_of(def("channels")),
+        ),
         ("patch", ["api", "v1", "admin", kind, _, "status"]) => {
             (Some(schema_ref("StatusChange")), data_of(def(kind)))
         }
@@ -336,6 +340,10 @@ fn fixed_schemas() -> Json {
             "rollout_percentage": {"type": "integer", "minimum": 1, "maximum": 100},
             "version": {"type": "integer", "minimum": 1},
         }},
+        "ChannelStatusChange": {"type": "object", "required": ["status"], "properties": {
+            "status": {"type": "string", "enum": ["active", "archived", "paused"]},
+            "version": {"type": "integer", "minimum": 1},
+        }},
         "RolloutChange": {"type": "object", "required": ["rollout_percentage"], "properties": {
             "rollout_percentage": {"type": "integer", "minimum": 1, "maximum": 100},
         }},
@@ -381,6 +389,27 @@ fn fixed_schemas() -> Json {
     })
 }
 
+/// Removes every `nullable: true` under `schema`.
+fn not_nullable(schema: &mut Json) {
+    match schema {
+        Json::Object(members) => {
+            members.remove("nullable");
+            members.values_mut().for_each(not_nullable);
+            // An optional reference: `anyOf: [{$ref}, {enum: [null]}]`.
+            if let Some(Json::Array(options)) = members.get_mut("anyOf") {
+                options.retain(|o| *o != json!({"enum": [null]}));
+                if options.len() == 1 {
+                    let only = options.pop();
+                    members.remove("anyOf");
+                    members.insert("allOf".into(), Json::Array(only.into_iter().collect()));
+                }
+            }
+        }
+        Json::Array(items) => items.iter_mut().for_each(not_nullable),
+        _ => {}
+    }
+}
+
 /// The OpenAPI document.
 /// The document, with the credentials the admin plane asks for under
 /// `auth`: when it is enabled, every admin operation and `/metrics` require
@@ -393,6 +422,21 @@ pub fn document(auth: &crate::config::AdminAuth) -> Json {
     generator.subschema_for::<ChannelDef>();
     generator.subschema_for::<ConnectorDef>();
     let mut schemas: Map<String, Json> = generator.take_definitions(true).into_iter().collect();
+    // An optional field is one to leave out: the admin API refuses `null`
+    // for it ("expected string, got null"), so the document must not offer
+    // it (generated clients send unset fields as `null` where it does).
+    for schema in schemas.values_mut() {
+        not_nullable(schema);
+    }
+    // Channels are paused through `PATCH .../status` (engine schema), and
+    // show it, though a definition never sets its own status.
+    if let Some(Json::Array(names)) = schemas
+        .get_mut("ChannelStatus")
+        .and_then(|s| s.get_mut("enum"))
+        && !names.iter().any(|n| n == "paused")
+    {
+        names.push(json!("paused"));
+    }
     if let Json::Object(fixed) = fixed_schemas() {
         schemas.extend(fixed);
     }

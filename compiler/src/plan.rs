@@ -138,10 +138,11 @@ pub struct WritePath {
 
 impl WritePath {
     /// Paths starting with `data`, `temp_data` or `metadata` are rooted at the
-    /// context; any other path is relative to `data`.
+    /// context; any other path is relative to `data`, among them an escaped
+    /// first segment (`#temp_data.x` is `data["temp_data"].x`).
     pub fn parse(text: &str) -> WritePath {
         let full = Path::parse(text);
-        let area = match full.first_key() {
+        let area = match full.first_key().filter(|_| !text.starts_with('#')) {
             Some("data") => Some(Area::Data),
             Some("temp_data") => Some(Area::TempData),
             Some("metadata") => Some(Area::Metadata),
@@ -1288,6 +1289,27 @@ mod tests {
         assert_eq!(ttl_of(json!(1.5)), Some(1_500));
         assert_eq!(ttl_of(json!(0.0001)), Some(1));
         assert_eq!(ttl_of(json!(2.0004)), Some(2_001));
+    }
+
+    /// A leading `#` escapes the area names too (shared decisions: "one
+    /// leading `#` makes the rest a literal object key").
+    #[test]
+    fn an_escaped_first_segment_is_a_key_of_data() {
+        for (text, area, path) in [
+            ("temp_data.x", Area::TempData, "x"),
+            ("#temp_data.x", Area::Data, "temp_data.x"),
+            ("#metadata", Area::Data, "metadata"),
+            ("#data", Area::Data, "data"),
+            ("data.x", Area::Data, "x"),
+            ("#0", Area::Data, "#0"),
+        ] {
+            let w = WritePath::parse(text);
+            assert_eq!(
+                (w.area, w.path.to_string()),
+                (area, path.to_owned()),
+                "{text}"
+            );
+        }
     }
 
     #[test]

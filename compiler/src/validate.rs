@@ -507,11 +507,19 @@ impl StepWalker<'_> {
 
     fn task(&mut self, obj: &Map<String, Json>, at: &FieldPath) {
         self.step_id(obj, at);
-        self.c.string(obj, "name", at, true);
+        self.c.nonempty_string(obj, "name", at, true);
         self.c.string(obj, "description", at, false);
         self.c.boolean(obj, "continue_on_error", at);
         self.c.boolean(obj, "terminal", at);
         self.c.one_of(obj, "halt_on", at, false, HaltOn::NAMES);
+        // A task runs once per pass of what holds it; before session 20 a
+        // task's own `loop` was kept and did nothing.
+        if obj.contains_key("loop") {
+            self.c.push(
+                &at.key("loop"),
+                "loop is allowed on the workflow and on groups, not on a task (put the task in a group: {\"id\": \"…\", \"loop\": {…}, \"tasks\": [the task]})",
+            );
+        }
         let Some(func) = self.c.object(obj, "function", at, true) else {
             return;
         };

@@ -1822,3 +1822,74 @@ on_every_backend!(
     ids_with_trailing_spaces_name_nothing,
     ids_no_resource_can_have_name_none
 );
+
+/// Create and update answer a definition's warnings beside `data` (what
+/// validate would say), and nothing extra when there are none.
+#[tokio::test]
+async fn create_and_update_answer_the_definitions_warnings() {
+    let s = start(Db::Sqlite).await;
+    let def = json!({"workflow_id": "warned", "name": "w", "tasks": [
+        {"id": "t", "name": "t", "conditon": true,
+         "function": {"name": "map", "input": {"mappings": [{"path": "x", "logic": 1}]}}}]});
+    let r = s.admin("POST", "/workflows", Some(def.clone())).await;
+    r.ok(201);
+    let fields: Vec<&str> = r.body["warnings"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no warnings in {}", r.text))
+        .iter()
+        .map(|w| w["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(fields, ["tasks[0].conditon"], "{}", r.text);
+    let r = s.admin("PUT", "/workflows/warned", Some(def)).await;
+    r.ok(200);
+    assert_eq!(r.body["warnings"][0]["field"], "tasks[0].conditon");
+    let clean = json!({"workflow_id": "clean", "name": "c", "tasks": [
+        {"id": "t", "name": "t", "function": {"name": "log", "input": {"message": "m"}}}]});
+    let r = s.admin("POST", "/workflows", Some(clean)).await;
+    r.ok(201);
+    assert!(r.body.get("warnings").is_none(), "{}", r.text);
+}
+
+/// A task's own `loop` is refused (it used to be kept and ignored), and a
+/// task name must not be empty.
+#[tokio::test]
+async fn a_task_cannot_loop_or_be_nameless() {
+    let s = start(Db::Sqlite).await;
+    let r = s
+        .admin(
+            "POST",
+            "/workflows",
+            Some(json!({"name": "w", "tasks": [
+                {"id": "a", "name": "", "loop": {"max": 3},
+                 "function": {"name": "log", "input": {}}}]})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["tasks[0].name", "tasks[0].loop"]);
+}
+
+/// `#` escapes the area names in write paths: `#temp_data.x` is
+/// `data["temp_data"].x` (shared decisions), in `map` and in a connector's
+/// `response_path`.
+#[tokio::test]
+async fn an_escaped_area_name_is_a_key_of_data() {
+    let s = start(Db::Sqlite).await;
+    let wf = json!({"workflow_id": "esc", "name": "esc", "tasks": [
+    {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+        {"path": "#temp_data.x", "logic": 1},
+        {"path": "#metadata", "logic": "m"},
+        {"path": "#data", "logic": true},
+        {"path": "temp_data.y", "logic": 2},
+        {"path": "seen", "logic": {"var": "temp_data"}}
+    ]}}}]});
+    let ch = json!({"channel_id": "esc", "name": "esc", "channel_type": "sync",
+        "protocol": "http", "workflow_id": "esc"});
+    s.deploy(wf, ch).await;
+    let r = s.post("/api/v1/data/esc", json!({"data": {}})).await;
+    assert_eq!(
+        r.ok(200).clone(),
+        json!({"temp_data": {"x": 1}, "metadata": "m", "data": true, "seen": {"y": 2}}),
+        "{}",
+        r.text
+    );
+}

@@ -433,6 +433,51 @@ async fn openapi_schemas_are_complete_and_resolve() {
     }
 }
 
+/// What the document offers, the server takes: no optional field is
+/// `nullable` (the admin API refuses `null` for each), a channel's status
+/// may be `paused`, and a channel's status change has no rollout.
+#[tokio::test]
+async fn openapi_offers_what_the_server_accepts() {
+    let s = start(Db::Sqlite).await;
+    let spec = s.get("/api/v1/openapi.json").await.body;
+    let text = spec.to_string();
+    assert!(!text.contains("nullable"), "a schema still offers null");
+    assert!(
+        !text.contains("{\"enum\":[null]}"),
+        "a schema still offers null"
+    );
+    let schemas = &spec["components"]["schemas"];
+    assert!(
+        schemas["ChannelStatus"]["enum"]
+            .as_array()
+            .unwrap()
+            .contains(&serde_json::json!("paused"))
+    );
+    let body = &spec["paths"]["/api/v1/admin/channels/{id}/status"]["patch"]["requestBody"];
+    let change = body["content"]["application/json"]["schema"]["$ref"]
+        .as_str()
+        .unwrap()
+        .rsplit('/')
+        .next()
+        .unwrap();
+    assert!(
+        schemas[change]["properties"]
+            .get("rollout_percentage")
+            .is_none()
+    );
+    // And the server does refuse `null` for an optional field.
+    let r = s
+        .admin(
+            "POST",
+            "/workflows",
+            Some(serde_json::json!({"name": "n", "description": null,
+                "tasks": [{"id": "t", "name": "t", "function": {"name": "log", "input": {}}}]})),
+        )
+        .await;
+    let e = r.error(400, "BAD_REQUEST");
+    assert_eq!(e["details"][0]["field"], "description", "{e}");
+}
+
 /// A workflow that nests a value deeper on every loop pass (here 2 × 10,000
 /// wraps) ends with a task error at the nesting limit; the service answers
 /// and keeps serving. Before, the response writer overflowed the worker's
