@@ -741,21 +741,9 @@ async fn handle(
                             metadata: stored_meta.to_string(),
                         };
                         // A panicking run is a failed run, never a lost lane.
-                        let run = std::panic::AssertUnwindSafe(crate::queue::execute(
-                            app,
-                            channel,
-                            &claimed,
-                            &mut outcome,
-                        ));
-                        let ok = match futures_util::FutureExt::catch_unwind(run).await {
-                            Ok(ok) => ok,
-                            Err(_) => {
-                                tracing::error!(trace_id = %trace_id, "a Kafka message's run panicked");
-                                outcome.errors = json!([{"code": "INTERNAL_ERROR", "task_id": "",
-                                "message": "the run panicked"}]);
-                                false
-                            }
-                        };
+                        let ok =
+                            crate::queue::execute_guarded(app, channel, &claimed, &mut outcome)
+                                .await;
                         crate::queue::count_run(channel, &outcome, ok, started);
                         ok
                     }

@@ -47,9 +47,19 @@ pub async fn open_store(config: &config::Config) -> Result<storage::Store, Strin
 /// Everything before the service reports ready: storage, migrations, the
 /// first engine load (a reload from empty).
 pub async fn start(config: config::Config) -> Result<Arc<app::App>, String> {
+    start_with_services(config, Default::default()).await
+}
+
+/// [`start`] with some connector implementations supplied by the caller
+/// (the others are the real clients): how tests put a misbehaving
+/// connector behind the real service.
+pub async fn start_with_services(
+    config: config::Config,
+    services: sluice_runtime::connectors::Services,
+) -> Result<Arc<app::App>, String> {
     let store = open_store(&config).await?;
     let otel = otel::Otel::init(&config.tracing)?;
-    let mut app = app::App::new(config, store, Default::default());
+    let mut app = app::App::new(config, store, services);
     app.otel = otel;
     let app = Arc::new(app);
     if let Err(e) = app.connectors.reload(&app.store).await {

@@ -207,7 +207,16 @@ async fn worker(
 async fn run_claimed(app: &App, claimed: Claimed) {
     let id = claimed.trace_id.clone();
     lock(&app.queue.running).insert(id.clone(), claimed.attempt);
-    run(app, claimed).await;
+    // A run's own panic is a failed trace (`execute_guarded`); one outside
+    // it (recording the outcome) leaves the trace to its lease and the
+    // sweep, and the worker serving.
+    let guarded = std::panic::AssertUnwindSafe(run(app, claimed));
+    if futures_util::FutureExt::catch_unwind(guarded)
+        .await
+        .is_err()
+    {
+        tracing::error!(trace_id = %id, "recording a trace panicked; its lease expires and the sweep reruns it");
+    }
     lock(&app.queue.running).remove(&id);
 }
 
@@ -340,7 +349,7 @@ async fn run(app: &App, c: Claimed) {
             false
         }
         Some(channel) => {
-            let ok = execute(app, channel, &c, &mut outcome).await;
+            let ok = execute_guarded(app, channel, &c, &mut outcome).await;
             count_run(channel, &outcome, ok, started);
             ok
         }
@@ -392,6 +401,33 @@ const META_FIELDS: &[&str] = &[
     "channel",
     "request_id",
 ];
+
+/// [`execute`], with a panic in the run turned into a failed run (an
+/// `INTERNAL_ERROR`, dead-lettered like any failure): a panicking run must
+/// never take its async worker or Kafka lane with it. (An async worker that
+/// died left its trace `running` for good and the pool one worker short;
+/// four such traces stopped the queue.)
+pub(crate) async fn execute_guarded(
+    app: &App,
+    channel: &crate::engine::Channel,
+    c: &Claimed,
+    outcome: &mut Outcome,
+) -> bool {
+    let run = std::panic::AssertUnwindSafe(execute(app, channel, c, &mut *outcome));
+    match futures_util::FutureExt::catch_unwind(run).await {
+        Ok(ok) => ok,
+        Err(_) => {
+            tracing::error!(trace_id = %c.trace_id, channel = %c.channel, "a trace's run panicked");
+            outcome.data = None;
+            outcome.errors = json!([error_item(
+                Code::InternalError.as_str(),
+                "",
+                "the run panicked"
+            )]);
+            false
+        }
+    }
+}
 
 /// Executes the trace on `channel`; fills `outcome` and says whether it succeeded.
 pub(crate) async fn execute(

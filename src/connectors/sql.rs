@@ -15,7 +15,8 @@
 //! | `BOOL`, MySQL `TINYINT(1)`/`BOOLEAN`, SQLite columns declared `BOOLEAN` | boolean |
 //! | `TIMESTAMPTZ`, MySQL `TIMESTAMP` | RFC 3339 string in UTC (`2026-11-22T10:15:00Z`, fraction only when non-zero) |
 //! | `TIMESTAMP` (PostgreSQL), `DATETIME` | RFC 3339 string, the zone-less value taken as UTC |
-//! | `DATE` / `TIME` | `YYYY-MM-DD` / `HH:MM:SS[.fraction]` (RFC 3339 full-date / partial-time) |
+//! | `DATE` / `TIME` | `YYYY-MM-DD` / `HH:MM:SS[.fraction]` (RFC 3339 full-date / partial-time; PostgreSQL's `24:00:00` as is) |
+//! | PostgreSQL `infinity` / `-infinity` (`DATE`, `TIMESTAMP`, `TIMESTAMPTZ`) | the strings `"infinity"` / `"-infinity"`; other values beyond year 9999 are an error suggesting a cast to text |
 //! | `JSON`/`JSONB` (PostgreSQL, MySQL) | the JSON value itself |
 //! | `BYTEA`, SQLite `BLOB` values, MySQL `GEOMETRY` | standard base64 string |
 //! | MySQL `BINARY`/`VARBINARY`/`BLOB` | string when the bytes are valid UTF-8, else base64 (see below) |
@@ -499,10 +500,12 @@ fn pg_cell(row: &PgRow, i: usize, _name: &str) -> CellResult {
         }
         "JSON" | "JSONB" => de(row.try_get::<sqlx::types::Json<Json>, _>(i))?.0,
         "BYTEA" => base64_json(de(row.try_get_unchecked::<&[u8], _>(i))?),
-        "TIMESTAMPTZ" => offset_dt(de(row.try_get::<time::OffsetDateTime, _>(i))?)?,
-        "TIMESTAMP" => offset_dt(de(row.try_get::<time::PrimitiveDateTime, _>(i))?.assume_utc())?,
-        "DATE" => date(de(row.try_get::<time::Date, _>(i))?)?,
-        "TIME" => time_of_day(de(row.try_get::<time::Time, _>(i))?)?,
+        // PostgreSQL's `infinity` and `-infinity` (the extremes of the
+        // binary form) come back as PostgreSQL writes them; sqlx would
+        // refuse them (timestamps) or panic on them (dates).
+        "TIMESTAMPTZ" | "TIMESTAMP" => pg_timestamp(de(row.try_get_unchecked::<i64, _>(i))?)?,
+        "DATE" => pg_date(de(row.try_get_unchecked::<i32, _>(i))?)?,
+        "TIME" => pg_time(de(row.try_get_unchecked::<i64, _>(i))?)?,
         "VOID" => Json::Null,
         _ if matches!(base.kind(), PgTypeKind::Enum(_)) => text()?,
         other => {
@@ -678,6 +681,53 @@ fn date(d: time::Date) -> CellResult {
     d.format(time::macros::format_description!("[year]-[month]-[day]"))
         .map(Json::String)
         .map_err(|e| format!("date out of range: {e}"))
+}
+
+/// A PostgreSQL `TIMESTAMP` or `TIMESTAMPTZ` in its binary form:
+/// microseconds since 2000-01-01 00:00 UTC (a `TIMESTAMP` is taken as UTC),
+/// the extremes meaning `infinity` and `-infinity`.
+fn pg_timestamp(micros: i64) -> CellResult {
+    match micros {
+        i64::MAX => Ok(Json::String("infinity".into())),
+        i64::MIN => Ok(Json::String("-infinity".into())),
+        _ => time::macros::datetime!(2000-01-01 0:00 UTC)
+            .checked_add(time::Duration::microseconds(micros))
+            .ok_or_else(|| "timestamp out of range (cast it to text in the query)".to_owned())
+            .and_then(offset_dt),
+    }
+}
+
+/// A PostgreSQL `DATE` in its binary form: days since 2000-01-01, the
+/// extremes meaning `infinity` and `-infinity`. Dates beyond what the
+/// `time` crate holds (years past ±9999; PostgreSQL goes to 5874897) are
+/// an error naming the column, never a panic.
+fn pg_date(days: i32) -> CellResult {
+    const EPOCH_JULIAN_DAY: i64 = 2_451_545;
+    match days {
+        i32::MAX => Ok(Json::String("infinity".into())),
+        i32::MIN => Ok(Json::String("-infinity".into())),
+        _ => {
+            let julian = i32::try_from(EPOCH_JULIAN_DAY + i64::from(days))
+                .map_err(|_| "date out of range (cast it to text in the query)".to_owned())?;
+            let d = time::Date::from_julian_day(julian)
+                .map_err(|_| "date out of range (cast it to text in the query)".to_owned())?;
+            date(d)
+        }
+    }
+}
+
+/// A PostgreSQL `TIME` in its binary form: microseconds since midnight,
+/// `24:00:00` included (PostgreSQL allows it; `time::Time` does not).
+fn pg_time(micros: i64) -> CellResult {
+    const DAY: i64 = 86_400_000_000;
+    if micros == DAY {
+        return Ok(Json::String("24:00:00".into()));
+    }
+    if !(0..DAY).contains(&micros) {
+        return Err(format!("time of day out of range ({micros} µs)"));
+    }
+    let t = time::Time::MIDNIGHT + time::Duration::microseconds(micros);
+    time_of_day(t)
 }
 
 fn time_of_day(t: time::Time) -> CellResult {
@@ -1073,6 +1123,28 @@ mod tests {
                     "js": [1, "x"], "bin": "AP8Q", "u": "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
                 })]
             );
+            // PostgreSQL's infinities and 24:00 come back as it writes them;
+            // before, an infinite DATE panicked the handler.
+            let rows = pool
+                .read(
+                    "SELECT 'infinity'::date AS d, '-infinity'::date AS nd, 'infinity'::timestamp AS ts,
+                     '-infinity'::timestamptz AS ntz, '24:00:00'::time AS t, '1999-12-31'::date AS before,
+                     '0001-01-01 00:00:00.000001'::timestamp AS early, '23:59:59.25'::time AS late",
+                    &[],
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                rows,
+                vec![json!({"d": "infinity", "nd": "-infinity", "ts": "infinity", "ntz": "-infinity",
+                    "t": "24:00:00", "before": "1999-12-31", "early": "0001-01-01T00:00:00.000001Z",
+                    "late": "23:59:59.25"})]
+            );
+            let e = pool
+                .read("SELECT '5874897-12-31'::date AS far", &[])
+                .await
+                .unwrap_err();
+            assert!(e.message.contains("date out of range"), "{}", e.message);
             // NUMERIC precision: integral values exact, others the nearest f64.
             let rows = pool
                 .read(

@@ -100,6 +100,16 @@ pub async fn start(db: Db) -> TestServer {
 }
 
 pub async fn start_with(db: Db, adjust: impl FnOnce(&mut Config)) -> TestServer {
+    start_with_services(db, adjust, Default::default()).await
+}
+
+/// The real server with some connector implementations supplied by the
+/// test (a misbehaving one); the others are the real clients.
+pub async fn start_with_services(
+    db: Db,
+    adjust: impl FnOnce(&mut Config),
+    services: sluice_runtime::connectors::Services,
+) -> TestServer {
     let mut config = Config::default();
     config.storage.url = fresh_database(db).await;
     config.storage.max_connections = 8;
@@ -112,7 +122,9 @@ pub async fn start_with(db: Db, adjust: impl FnOnce(&mut Config)) -> TestServer 
     adjust(&mut config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = sluice::start(config).await.expect("service starts");
+    let app = sluice::start_with_services(config, services)
+        .await
+        .expect("service starts");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(sluice::server::run(listener, app.clone(), async {
         let _ = rx.await;

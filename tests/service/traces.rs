@@ -715,3 +715,63 @@ async fn a_channel_without_a_workflow_refuses_submissions() {
     let listed = s.get("/api/v1/data/traces?channel=idle").await;
     assert_eq!(listed.body["total"], 0, "{}", listed.text);
 }
+
+/// An HTTP client that panics on every call.
+struct Panicking;
+
+#[async_trait::async_trait]
+impl sluice_runtime::connectors::HttpClient for Panicking {
+    async fn call(
+        &self,
+        _scope: &sluice_runtime::connectors::CallScope,
+        _req: sluice_runtime::connectors::HttpRequest,
+    ) -> Result<Json, sluice_runtime::connectors::ConnectorError> {
+        panic!("the connector blew up")
+    }
+}
+
+/// A run that panics is a failed trace (`INTERNAL_ERROR`), and the async
+/// workers keep serving: more panicking runs than workers, then a healthy
+/// one, which completes. Before, each panic took its worker with it and
+/// left its trace `running` for good; four stopped the queue.
+#[tokio::test]
+async fn a_panicking_run_fails_its_trace_and_spares_the_workers() {
+    let services = sluice_runtime::connectors::Services {
+        http: Some(std::sync::Arc::new(Panicking)),
+        ..Default::default()
+    };
+    let s = crate::support::start_with_services(
+        Db::Sqlite,
+        |c| {
+            c.queue.workers = 2;
+            c.queue.dlq_max_retries = 0;
+        },
+        services,
+    )
+    .await;
+    s.http_connector("up", "http://127.0.0.1:9/").await;
+    let blows = json!({"workflow_id": "blows", "name": "blows", "tasks": [
+        {"id": "call", "name": "call", "function": {"name": "http_call", "input": {"connector": "up"}}}]});
+    s.deploy(blows, rest_channel("blows", "blows", "async"))
+        .await;
+    s.deploy(greeter("fine"), rest_channel("fine", "fine", "async"))
+        .await;
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        ids.push(submit(&s, "/api/v1/data/blows/x", json!({"data": {}}), &[]).await);
+    }
+    for id in &ids {
+        let trace = poll(&s, id, |t| t["status"] == "failed").await;
+        assert_eq!(trace["errors"][0]["code"], "INTERNAL_ERROR", "{trace}");
+        assert_eq!(trace["errors"][0]["message"], "the run panicked", "{trace}");
+    }
+    let id = submit(
+        &s,
+        "/api/v1/data/fine/y",
+        json!({"data": {"name": "ok"}}),
+        &[],
+    )
+    .await;
+    let trace = poll(&s, &id, |t| t["status"] == "completed").await;
+    assert_eq!(trace["data"]["greeting"], "hello ok", "{trace}");
+}
