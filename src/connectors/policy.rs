@@ -407,7 +407,12 @@ impl Policy {
             };
             let result = op().await;
             if let Some(p) = permit {
-                p.finish(result.as_ref().is_err_and(|e| e.retryable));
+                // A timeout counts even where it is not retried (a write
+                // that timed out may have happened: it is not repeated, but
+                // the remote was too slow all the same).
+                p.finish(result.as_ref().is_err_and(|e| {
+                    e.retryable || e.kind == sluice_runtime::connectors::ConnectorErrorKind::Timeout
+                }));
             }
             match result {
                 Ok(v) => return (Ok(v), retries),
@@ -582,6 +587,33 @@ mod tests {
             .call(&scope(), "c", &NO_RETRY, || async { Ok(()) })
             .await
             .unwrap();
+    }
+
+    /// A timeout that is not retried (a write's) still counts; an answer
+    /// the remote gave (a 4xx) does not.
+    #[tokio::test]
+    async fn timeouts_count_even_when_not_retried() {
+        let policy = Policy::new(&cfg(3, 30));
+        let timeout = || ConnectorError::new(ConnectorErrorKind::Timeout, "slow").retryable(false);
+        let refused = || ConnectorError::new(ConnectorErrorKind::Upstream, "400");
+        for _ in 0..5 {
+            let _: Result<(), _> = policy
+                .call(&scope(), "refusing", &NO_RETRY, || async { Err(refused()) })
+                .await;
+        }
+        let r: Result<(), _> = policy
+            .call(&scope(), "refusing", &NO_RETRY, || async { Err(refused()) })
+            .await;
+        assert_eq!(r.unwrap_err().message, "400");
+        for _ in 0..3 {
+            let _: Result<(), _> = policy
+                .call(&scope(), "slow", &NO_RETRY, || async { Err(timeout()) })
+                .await;
+        }
+        let r: Result<(), _> = policy
+            .call(&scope(), "slow", &NO_RETRY, || async { Err(timeout()) })
+            .await;
+        assert_eq!(r.unwrap_err().kind, ConnectorErrorKind::CircuitOpen);
     }
 
     #[tokio::test]
