@@ -190,6 +190,29 @@ impl HttpConn {
         text
     }
 
+    /// [`Self::scrub`] over every string and key of an answer.
+    fn scrub_json(&self, value: &mut Json, more: &[String]) {
+        let hit = |t: &str| {
+            self.secrets
+                .iter()
+                .chain(more)
+                .any(|s| t.contains(s.as_str()))
+        };
+        match value {
+            Json::String(t) if hit(t) => *t = self.scrub(std::mem::take(t), more),
+            Json::Array(items) => items.iter_mut().for_each(|v| self.scrub_json(v, more)),
+            Json::Object(members) if members.keys().any(|k| hit(k)) => {
+                let old = std::mem::take(members);
+                for (k, mut v) in old {
+                    self.scrub_json(&mut v, more);
+                    members.insert(self.scrub(k, more), v);
+                }
+            }
+            Json::Object(members) => members.values_mut().for_each(|v| self.scrub_json(v, more)),
+            _ => {}
+        }
+    }
+
     /// The URL of a call: `path` appended to the base URL's path with
     /// exactly one slash between them; a query of the base URL (a key
     /// passed as `?api_key=…`) stays a query, joined with the path's own
@@ -318,7 +341,16 @@ impl HttpConn {
         let status = response.status();
         let bytes = read_capped(response, &what, timeout).await?;
         if status.is_success() {
-            return Ok(parse_body(&bytes));
+            let mut body = parse_body(&bytes);
+            // An upstream that echoes what it was sent (an echo service, a
+            // debug endpoint, a "you are ..." answer) must not bring the
+            // connector's credentials into the workflow's data, and from
+            // there into answers, traces and logs: a resolved `env://`
+            // value never appears anywhere.
+            if !self.secrets.is_empty() || !task_secrets.is_empty() {
+                self.scrub_json(&mut body, &task_secrets);
+            }
+            return Ok(body);
         }
         let code = status.as_u16();
         // Retryable: the server is overloaded or failing (5xx), asks us to

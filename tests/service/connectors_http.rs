@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 struct Seen {
     uri: String,
     at: Instant,
+    /// The request's headers as received.
+    headers: serde_json::Map<String, Json>,
 }
 
 /// A scripted HTTP server. Paths:
@@ -107,6 +109,7 @@ async fn answer(
     seen.lock().unwrap().push(Seen {
         uri: uri.clone(),
         at,
+        headers: headers.clone(),
     });
     let segs: Vec<&str> = uri
         .split('?')
@@ -281,9 +284,18 @@ async fn every_input_field_auth_env_and_masking() {
     assert_eq!(post["method"], "POST");
     assert_eq!(post["uri"], "/echo/42");
     assert_eq!(post["body"], json!({"id": 42, "name": "x"}));
+    // What was sent: the resolved reference. What came back into the
+    // workflow's data from an upstream echoing it: masked (a resolved
+    // `env://` value never appears anywhere).
+    let sent = &up.hits("/echo/42")[0].headers;
+    assert_eq!(sent["authorization"], json!(format!("Bearer {env_value}")));
+    assert_eq!(sent["x-env"], json!(env_value));
     let h = &post["headers"];
-    assert_eq!(h["authorization"], json!(format!("Bearer {env_value}")));
-    assert_eq!(h["x-env"], json!(env_value));
+    assert_eq!(h["authorization"], "Bearer ******");
+    assert_eq!(h["x-env"], "******");
+    // (Everywhere in that answer: the user agent `sluice/…` too, since the
+    // test's secret is the package name.)
+    assert!(!post.to_string().contains(&env_value), "{post}");
     assert_eq!(
         (
             h["x-conn"].as_str(),
@@ -308,8 +320,12 @@ async fn every_input_field_auth_env_and_masking() {
         (Some("PUT"), Some("/echo/static?q=1"))
     );
     assert_eq!(put["body"], json!({"fixed": true, "n": [1, 2]}));
-    // base64("ann:s3cret")
-    assert_eq!(put["headers"]["authorization"], "Basic YW5uOnMzY3JldA==");
+    // base64("ann:s3cret"), sent; masked in the echo.
+    assert_eq!(
+        up.hits("/echo/static")[0].headers["authorization"],
+        "Basic YW5uOnMzY3JldA=="
+    );
+    assert_eq!(put["headers"]["authorization"], "Basic ******");
 
     assert_eq!(d["del"]["method"], "DELETE");
     assert_eq!(d["del"]["headers"]["x-api-key"], "k-123");
