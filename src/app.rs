@@ -155,10 +155,15 @@ impl App {
             Ok(b) => b,
             Err(e) => {
                 metrics::counter!(names::ENGINE_RELOADS_TOTAL, "status" => "failure").increment(1);
-                tracing::warn!(
-                    ?e,
-                    "engine reload failed; the previous engine keeps serving"
-                );
+                if self.engine.load().generation == 0 {
+                    // At start-up there is no previous engine to keep.
+                    tracing::warn!(?e, "engine load failed; no engine is serving");
+                } else {
+                    tracing::warn!(
+                        ?e,
+                        "engine reload failed; the previous engine keeps serving"
+                    );
+                }
                 return Err(e);
             }
         };

@@ -749,6 +749,17 @@ fn check_storage_scheme(url: &str) -> Result<(), String> {
     const EXPECTED: &str = "expected sqlite:, postgres:, postgresql:, mysql: or mariadb:";
     let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
     let known = ["sqlite", "postgres", "postgresql", "mysql", "mariadb"];
+    if scheme.eq_ignore_ascii_case("sqlite") {
+        // As the storage layer reads it (`storage::Store::open`), checked
+        // here so the mistake is a configuration error (exit 2).
+        let path = url["sqlite:".len()..].trim_start_matches('/');
+        if path.is_empty() || path.starts_with('?') {
+            return Err(
+                "names no database file (sqlite://path/to/file.db, or sqlite::memory:)".into(),
+            );
+        }
+        return Ok(());
+    }
     if known.iter().any(|k| k.eq_ignore_ascii_case(scheme)) {
         return Ok(());
     }
@@ -984,6 +995,29 @@ mod tests {
             let tree = toml::Table::try_from(cfg).unwrap();
             let default_tree = toml::Table::try_from(Config::default()).unwrap();
             assert_ne!(tree, default_tree, "{var} had no effect");
+        }
+    }
+
+    #[test]
+    fn a_sqlite_url_must_name_a_file() {
+        for url in ["sqlite://", "sqlite:", "sqlite:///?mode=rwc"] {
+            let e = load(None, &[("SERVICE_STORAGE__URL", url)])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("storage.url") && e.contains("names no database file"),
+                "{url}: {e}"
+            );
+        }
+        for url in [
+            "sqlite://x.db",
+            "sqlite::memory:",
+            "sqlite:///tmp/a.db?mode=rwc",
+        ] {
+            assert!(
+                load(None, &[("SERVICE_STORAGE__URL", url)]).is_ok(),
+                "{url}"
+            );
         }
     }
 

@@ -133,7 +133,7 @@ enum Command {
         /// The workflow definition (JSON or YAML).
         #[arg(long)]
         workflow: PathBuf,
-        /// The request body the workflow runs on (JSON).
+        /// The payload itself (JSON): what `parse_json` reads as `payload`, not an API body `{"data": …}`.
         #[arg(long)]
         payload: PathBuf,
         /// The request's metadata, `{headers?, query?, path?}` (JSON).

@@ -389,6 +389,18 @@ fn fixed_schemas() -> Json {
     })
 }
 
+/// The document for this configuration: [`document`], without `/metrics`
+/// when `metrics.enabled` is off (it answers 404 then).
+pub fn document_for(config: &crate::config::Config) -> Json {
+    let mut doc = document(&config.admin_auth);
+    if !config.metrics.enabled
+        && let Some(paths) = doc.get_mut("paths").and_then(Json::as_object_mut)
+    {
+        paths.remove("/metrics");
+    }
+    doc
+}
+
 /// Removes every `nullable: true` under `schema`.
 fn not_nullable(schema: &mut Json) {
     match schema {

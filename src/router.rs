@@ -38,7 +38,7 @@ pub async fn route(app: &Arc<App>, req: Req) -> HttpResponse {
             Err(e) => Err(e),
         },
         ["api", "v1", "openapi.json"] => get_only(&req).and(crate::api::ok_raw(
-            &crate::openapi::document(&app.config.admin_auth),
+            &crate::openapi::document_for(&app.config),
         )),
         ["api", "v1", "schemas", file] => get_only(&req).and(definition_schema(file)),
         ["docs"] => get_only(&req).and(Ok(crate::api::static_asset(

@@ -17,9 +17,12 @@ pub fn init(logging: &Logging) {
     let filter = EnvFilter::new(format!(
         "warn,sluice={level},sluice_runtime={level},sluice::workflow={level}"
     ));
+    // Colours only for a terminal: `sluice serve > log` gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_target(true);
+        .with_target(true)
+        .with_ansi(ansi);
     let _ = match logging.format {
         LogFormat::Json => builder
             .json()

@@ -433,6 +433,17 @@ async fn openapi_schemas_are_complete_and_resolve() {
     }
 }
 
+/// With `metrics.enabled` off, `/metrics` is 404 and the document does not
+/// offer it.
+#[tokio::test]
+async fn disabled_metrics_are_not_in_the_document() {
+    let s = crate::support::start_with(Db::Sqlite, |c| c.metrics.enabled = false).await;
+    assert_eq!(s.get("/metrics").await.status, 404);
+    let spec = s.get("/api/v1/openapi.json").await.body;
+    assert!(spec["paths"].get("/metrics").is_none());
+    assert!(spec["paths"].get("/health").is_some());
+}
+
 /// What the document offers, the server takes: no optional field is
 /// `nullable` (the admin API refuses `null` for each), a channel's status
 /// may be `paused`, and a channel's status change has no rollout.
