@@ -64,6 +64,13 @@ fn replacement(buf: &[u8]) -> Option<Vec<u8>> {
     if !buf.ends_with(b"\r\n\r\n") {
         return None;
     }
+    // Counted like every other error answer (`errors_total` counts each by
+    // its code); the request never parsed, so method and route are unknown.
+    metrics::counter!(crate::telemetry::names::ERRORS_TOTAL, "type" => code).increment(1);
+    metrics::counter!(crate::telemetry::names::HTTP_REQUESTS_TOTAL,
+        "method" => "other", "path" => "unmatched",
+        "status" => std::str::from_utf8(&buf[9..12]).unwrap_or("400").to_owned())
+    .increment(1);
     let body = serde_json::json!({"error": {"code": code, "message": message}}).to_string();
     let mut out = Vec::with_capacity(buf.len() + body.len() + 320);
     out.extend_from_slice(&buf[..line_end]);

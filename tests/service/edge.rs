@@ -718,6 +718,14 @@ async fn requests_the_http_layer_refuses_get_the_envelope() {
     let addr = s.base.trim_start_matches("http://").to_owned();
     let many: String = (0..200).map(|i| format!("x-h{i}: v\r\n")).collect();
     let long = "a".repeat(70_000);
+    let counted = |metrics: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with("errors_total{type=\"URI_TOO_LONG\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let before = counted(&s.get("/metrics").await.text);
     for (raw, status, code) in [
         ("GARBAGE\r\n\r\n".to_owned(), 400, "BAD_REQUEST"),
         (
@@ -760,8 +768,9 @@ async fn requests_the_http_layer_refuses_get_the_envelope() {
         assert_eq!(body["error"]["code"], code, "{body}");
         assert!(body["error"]["message"].is_string(), "{body}");
     }
-    // The server goes on serving.
+    // The server goes on serving, and counted them.
     assert_eq!(s.get("/healthz").await.status, 200);
+    assert_eq!(counted(&s.get("/metrics").await.text), before + 1.0);
 }
 
 /// The admin plane has its own body limit (`server.admin_max_payload_size`,
