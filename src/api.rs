@@ -193,6 +193,18 @@ impl ApiError {
     pub fn into_response(self) -> HttpResponse {
         metrics::counter!(crate::telemetry::names::ERRORS_TOTAL, "type" => self.code.as_str())
             .increment(1);
+        // Failures on our side or upstream (500, 502, 504) are logged by
+        // the server with the request id (`Failure`); refusals of the
+        // caller's request are for the caller, logged at debug.
+        let status = self.code.status();
+        let failure = matches!(status.as_u16(), 500 | 502 | 504).then(|| Failure {
+            code: self.code.as_str(),
+            task_id: self.task_id.clone().unwrap_or_default(),
+            message: self.message.clone(),
+        });
+        if failure.is_none() {
+            tracing::debug!(code = self.code.as_str(), error = %self.message, "request refused");
+        }
         let mut response = json_response(self.code.status(), &self.body());
         if let Some(secs) = self.retry_after {
             response
@@ -203,6 +215,9 @@ impl ApiError {
             response
                 .headers_mut()
                 .insert(header::ALLOW, HeaderValue::from_static(allow));
+        }
+        if let Some(failure) = failure {
+            response.extensions_mut().insert(failure);
         }
         if self.code == Code::Unauthorized {
             // RFC 9110 §11.6.1: a 401 names the scheme it wants (an API key
@@ -309,4 +324,41 @@ pub fn static_asset(text: &'static str, content_type: &'static str) -> HttpRespo
         HeaderValue::from_static(crate::openapi::DOCS_CSP),
     );
     response
+}
+
+/// What a failed answer (500, 502, 504) says, for the server's log line
+/// (`server::handle`, which knows the request id).
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub code: &'static str,
+    pub task_id: String,
+    pub message: String,
+}
+
+/// At most ten failure lines a second (the second and the count so far,
+/// packed in one atomic).
+pub(crate) fn failure_log_allowed() -> bool {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static WINDOW: AtomicU64 = AtomicU64::new(0);
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let second = START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_secs();
+    let mut current = WINDOW.load(Ordering::Relaxed);
+    loop {
+        let (at, count) = (current >> 8, current & 0xff);
+        let next = if at == second {
+            if count >= 10 {
+                return false;
+            }
+            current + 1
+        } else {
+            (second << 8) | 1
+        };
+        match WINDOW.compare_exchange_weak(current, next, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return true,
+            Err(seen) => current = seen,
+        }
+    }
 }

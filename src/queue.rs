@@ -376,6 +376,13 @@ async fn run(app: &App, c: Claimed) {
         recorded = app.store.fail_trace(&outcome, policy).await;
     }
     match recorded {
+        Ok(true) if !ok && crate::api::failure_log_allowed() => {
+            let first = outcome.errors.as_array().and_then(|e| e.first());
+            let field = |k: &str| first.and_then(|e| e[k].as_str()).unwrap_or("").to_owned();
+            tracing::warn!(trace_id = %c.trace_id, channel = %c.channel, attempt = c.attempt,
+                code = %field("code"), task_id = %field("task_id"), error = %field("message"),
+                "trace failed");
+        }
         Ok(true) => {
             tracing::debug!(trace_id = %c.trace_id, attempt = c.attempt, ok, "trace finished")
         }

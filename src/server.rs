@@ -338,6 +338,14 @@ async fn handle(
         // docs/benchmarks.md). Unloaded, the yield only costs one poll.
         tokio::task::yield_now().await;
     }
+    // A failure on our side or upstream is logged with its request id, at
+    // most ten a second (an outage must not flood the log).
+    if let Some(f) = response.extensions().get::<crate::api::Failure>()
+        && crate::api::failure_log_allowed()
+    {
+        tracing::warn!(request_id = %request_id, method = %method, route = %route,
+            code = f.code, task_id = %f.task_id, error = %f.message, "request failed");
+    }
     crate::telemetry::record_http(
         &method,
         route,

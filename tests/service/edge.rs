@@ -906,3 +906,95 @@ async fn host_headers_content_codings_and_h2_hosts() {
     let authority = s.base.trim_start_matches("http://");
     assert_eq!(body["data"]["host"], authority, "{body}");
 }
+
+/// A request that fails upstream is logged (warn, with its request id and
+/// the error), in plain text when the log is not a terminal.
+#[tokio::test]
+async fn failed_requests_are_logged_without_colours_off_a_terminal() {
+    use std::process::{Command, Stdio};
+    crate::support::install_crypto();
+    let dir = std::env::temp_dir().join(crate::support::unique("logged"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log_path = dir.join("sluice.log");
+    let port = crate::support::free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("serve")
+        .current_dir(&dir)
+        .env("SERVICE_SERVER__PORT", port.to_string())
+        .env("SERVICE_LOGGING__LEVEL", "warn")
+        .env("SERVICE_SECURITY__ALLOW_PRIVATE_NETWORKS", "true")
+        .stdout(std::fs::File::create(&log_path).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let c = reqwest::Client::new();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !c
+        .get(format!("{base}/readyz"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
+    {
+        assert!(std::time::Instant::now() < until, "not ready");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let admin = |method: &str, path: &str, body: serde_json::Value| {
+        c.request(
+            method.parse().unwrap(),
+            format!("{base}/api/v1/admin{path}"),
+        )
+        .json(&body)
+        .send()
+    };
+    admin(
+        "POST",
+        "/connectors",
+        json!({"name": "dead", "connector_type": "http",
+        "config": {"type": "http", "url": "http://127.0.0.1:9/", "retry": {"max_retries": 0}}}),
+    )
+    .await
+    .unwrap();
+    admin("POST", "/workflows", json!({"workflow_id": "f", "name": "f", "tasks": [
+        {"id": "c", "name": "c", "function": {"name": "http_call", "input": {"connector": "dead"}}}]}))
+    .await
+    .unwrap();
+    admin("PATCH", "/workflows/f/status", json!({"status": "active"}))
+        .await
+        .unwrap();
+    admin(
+        "POST",
+        "/channels",
+        json!({"channel_id": "f", "name": "f", "channel_type": "sync",
+        "protocol": "http", "workflow_id": "f"}),
+    )
+    .await
+    .unwrap();
+    admin("PATCH", "/channels/f/status", json!({"status": "active"}))
+        .await
+        .unwrap();
+    let r = c
+        .post(format!("{base}/api/v1/data/f"))
+        .header("x-request-id", "0b6f7a52-3c1e-4f5a-9d7e-2a1b3c4d5e6f")
+        .json(&json!({"data": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.contains("request failed"))
+        .unwrap_or_else(|| panic!("no failure logged:\n{log}"));
+    assert!(
+        line.contains("0b6f7a52-3c1e-4f5a-9d7e-2a1b3c4d5e6f")
+            && line.contains("UPSTREAM_ERROR")
+            && line.contains("Connection refused"),
+        "{line}"
+    );
+    assert!(!log.contains('\u{1b}'), "colour codes in a file:\n{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
