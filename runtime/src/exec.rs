@@ -531,6 +531,10 @@ impl TaskError {
 /// What a task's outcome means for the pipeline.
 enum Flow {
     Continue,
+    /// The task stood aside (a `filter` rejecting with `on_reject: skip`):
+    /// the workflow goes on, the task counts as skipped, and its
+    /// `terminal` does not apply.
+    Skipped,
     Stop(Status),
 }
 
@@ -936,6 +940,13 @@ impl<'a> Machine<'a> {
             }
         }
         match self.run_function(task, arena) {
+            Ok(Step2::Done(Flow::Skipped)) => {
+                self.record(task, TaskStatus::Skipped);
+                if let Some(last) = self.tasks.last_mut() {
+                    last.reason = Some("the filter rejected with on_reject: skip");
+                }
+                None
+            }
             Ok(Step2::Done(flow)) => {
                 let flow = match flow {
                     Flow::Continue if task.terminal => Flow::Stop(Status::Completed),
@@ -1165,8 +1176,10 @@ impl<'a> Machine<'a> {
             }
             FunctionPlan::Filter { condition, skip } => {
                 let pass = self.eval(condition, arena).map_err(fail)?;
-                if truthy(&pass) || *skip {
+                if truthy(&pass) {
                     Ok(Step2::Done(Flow::Continue))
+                } else if *skip {
+                    Ok(Step2::Done(Flow::Skipped))
                 } else {
                     Ok(Step2::Done(Flow::Stop(Status::Filtered)))
                 }

@@ -231,7 +231,42 @@ fn filter_halt_returns_data_so_far_and_skip_continues() {
             json!({"mappings": [{"path": "ran", "logic": true}]})
         )
     ])));
-    assert_eq!(run(&skip, json!({})).data(), json!({"ran": true}));
+    let r = run(&skip, json!({}));
+    assert_eq!(r.data(), json!({"ran": true}));
+    // The rejecting filter stood aside: skipped, and its `terminal` does not
+    // end the workflow (a task skipped by its condition does not either).
+    let statuses: Vec<_> = r
+        .exec
+        .tasks
+        .iter()
+        .map(|t| (t.id.as_str(), t.status))
+        .collect();
+    assert_eq!(
+        statuses,
+        vec![("f", TaskStatus::Skipped), ("after", TaskStatus::Executed)]
+    );
+    let mut terminal = wf(json!([
+        task(
+            "f",
+            "filter",
+            json!({"condition": false, "on_reject": "skip"})
+        ),
+        task(
+            "after",
+            "map",
+            json!({"mappings": [{"path": "ran", "logic": true}]})
+        )
+    ]));
+    terminal["tasks"][0]["terminal"] = json!(true);
+    assert_eq!(
+        run(&plan(terminal.clone()), json!({})).data(),
+        json!({"ran": true})
+    );
+    // A filter that passes is executed, and a terminal one ends the run.
+    terminal["tasks"][0]["function"]["input"]["condition"] = json!(true);
+    let r = run(&plan(terminal), json!({}));
+    assert_eq!(r.exec.status, Status::Completed);
+    assert_eq!(r.data(), json!({}));
 }
 
 #[test]
