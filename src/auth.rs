@@ -58,7 +58,13 @@ pub fn authenticate_head(
         .map(|(_, key)| key.trim());
     let header_key = header(&config.api_key_header.to_ascii_lowercase());
     let Some(key) = bearer.or(header_key) else {
-        let message = if authorization.is_some() {
+        let bare_bearer = authorization.is_some_and(|v| v.trim().eq_ignore_ascii_case("bearer"));
+        let message = if bare_bearer {
+            format!(
+                "missing credentials: the Bearer token is empty (Authorization: Bearer <key>, or the key in {})",
+                config.api_key_header
+            )
+        } else if authorization.is_some() {
             format!(
                 "unsupported credentials: Authorization must use the Bearer scheme \
                  (Authorization: Bearer <key>), or send the key in {}",

@@ -707,7 +707,14 @@ pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {
             }
             for (i, m) in items.iter().enumerate() {
                 match m {
-                    Json::String(s) if HttpMethod::NAMES.contains(&s.as_str()) => {}
+                    Json::String(s) if HttpMethod::NAMES.contains(&s.as_str()) => {
+                        if let Some(first) = items[..i].iter().position(|x| x == m) {
+                            c.push(
+                                &at.index(i),
+                                format!("duplicate method '{s}' (first at methods[{first}])"),
+                            );
+                        }
+                    }
                     Json::String(_) => c.push(&at.index(i), one_of_message(HttpMethod::NAMES)),
                     other => c.mismatch(&at.index(i), "string", other),
                 }

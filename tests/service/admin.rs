@@ -833,6 +833,23 @@ async fn admin_auth_keys_and_roles() {
         "{}",
         basic.text
     );
+    // A Bearer scheme with no token says so.
+    let empty = s
+        .send(
+            "GET",
+            "/api/v1/admin/workflows",
+            None,
+            &[("authorization", "Bearer ")],
+        )
+        .await;
+    assert!(
+        empty.error(401, "UNAUTHORIZED")["message"]
+            .as_str()
+            .unwrap()
+            .contains("the Bearer token is empty"),
+        "{}",
+        empty.text
+    );
     // The OpenAPI document (public) says which operations want a key.
     let spec = s.get("/api/v1/openapi.json").await.body;
     assert_eq!(

@@ -833,6 +833,12 @@ fn rest_channels_need_route_and_methods() {
     );
     check(
         validate_channel(&channel(
+            json!({"route_pattern": "/a", "methods": ["GET", "POST", "GET"]}),
+        )),
+        &[("methods[2]", "duplicate method 'GET' (first at methods[0])")],
+    );
+    check(
+        validate_channel(&channel(
             json!({"route_pattern": "/a", "methods": ["get", 1, "TRACE"]}),
         )),
         &[
