@@ -79,7 +79,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
                 .await
         }
         ["workflows", "export"] => only(Method::GET)?.then(export(app, req)).await,
-        ["workflows", "validate"] => only(Method::POST)?.then(validate_workflow(req)).await,
+        ["workflows", "validate"] => only(Method::POST)?.then(validate_workflow(app, req)).await,
         [kind @ ("workflows" | "channels"), id] => {
             let kind = kind_of(kind);
             match *m {
@@ -366,7 +366,10 @@ async fn list(app: &App, req: &Req, kind: Kind) -> ApiResult {
 }
 
 async fn create(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
-    let (id, def, warnings) = checked(kind, req.json()?, None)?;
+    let (id, def, mut warnings) = checked(kind, req.json()?, None)?;
+    if kind == Kind::Workflow {
+        warnings.extend(connector_warnings(app, &def));
+    }
     storable(app, &def)?;
     let record = app
         .store
@@ -408,7 +411,10 @@ async fn get(app: &App, req: &Req, kind: Kind, id: &str) -> ApiResult {
 }
 
 async fn update(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) -> ApiResult {
-    let (_, def, warnings) = checked(kind, req.json()?, Some(id))?;
+    let (_, def, mut warnings) = checked(kind, req.json()?, Some(id))?;
+    if kind == Kind::Workflow {
+        warnings.extend(connector_warnings(app, &def));
+    }
     storable(app, &def)?;
     let record = app
         .store
@@ -624,7 +630,7 @@ async fn reload_after_change(app: &App, who: Principal) {
     }
 }
 
-async fn validate_workflow(req: &Req) -> ApiResult {
+async fn validate_workflow(app: &App, req: &Req) -> ApiResult {
     let def = req.json()?;
     if !def.is_object() {
         return Err(ApiError::bad_request(
@@ -632,9 +638,64 @@ async fn validate_workflow(req: &Req) -> ApiResult {
         ));
     }
     match compile_workflow(&def) {
-        Ok(compiled) => api::ok(&json!({"valid": true, "warnings": compiled.warnings})),
+        Ok(mut compiled) => {
+            compiled.warnings.extend(connector_warnings(app, &def));
+            api::ok(&json!({"valid": true, "warnings": compiled.warnings}))
+        }
         Err(problems) => Err(ApiError::invalid("workflow", problems)),
     }
+}
+
+/// Warnings about the connectors a workflow's tasks name: one that does
+/// not exist (yet: it may be created after the workflow), or one of
+/// another type than the function calls. Either fails the task when it
+/// runs; the definition itself is valid, so these are warnings.
+fn connector_warnings(app: &App, def: &Json) -> Vec<Diagnostic> {
+    fn walk(app: &App, steps: &Json, at: &str, out: &mut Vec<Diagnostic>) {
+        let Some(steps) = steps.as_array() else {
+            return;
+        };
+        for (i, step) in steps.iter().enumerate() {
+            let at = format!("{at}[{i}]");
+            if let Some(children) = step.get("tasks") {
+                walk(app, children, &format!("{at}.tasks"), out);
+                continue;
+            }
+            let function = step.pointer("/function/name").and_then(Json::as_str);
+            let needs = match function {
+                Some("http_call") => "http",
+                Some("db_read" | "db_write") => "db",
+                Some("cache_read" | "cache_write") => "cache",
+                Some("mongo_read") => "mongodb",
+                Some("publish_kafka") => "kafka",
+                _ => continue,
+            };
+            let Some(name) = step
+                .pointer("/function/input/connector")
+                .and_then(Json::as_str)
+            else {
+                continue;
+            };
+            let message = match app.connectors.type_of(name) {
+                None => format!(
+                    "no connector named '{name}' exists; the task fails until one is created"
+                ),
+                Some(t) if t.name() != needs => format!(
+                    "connector '{name}' is of type {}; {} needs a connector of type {needs}",
+                    t.name(),
+                    function.unwrap_or_default()
+                ),
+                Some(_) => continue,
+            };
+            out.push(Diagnostic {
+                field: format!("{at}.function.input.connector"),
+                message,
+            });
+        }
+    }
+    let mut out = Vec::new();
+    walk(app, &def["tasks"], "tasks", &mut out);
+    out
 }
 
 /// The definitions of an import body: a JSON array, or the export's own

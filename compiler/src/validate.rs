@@ -586,6 +586,15 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
             }
         }
     }
+    // A static topic is checked as a Kafka channel's is (it failed only at
+    // run time, with a 502 from the broker).
+    if f == Function::PublishKafka
+        && let Some(Json::String(topic)) = input.get("topic")
+        && !topic.trim().is_empty()
+        && !is_kafka_topic(topic)
+    {
+        c.push(&at.key("topic"), KAFKA_TOPIC_RULE);
+    }
     if f == Function::ChannelCall {
         let has = |k: &str| input.contains_key(k);
         if has("channel") == has("channel_logic") {

@@ -212,6 +212,12 @@ impl Connectors {
         Ok(n)
     }
 
+    /// The type of the stored connector named `name` (`None`: no such
+    /// connector is loaded).
+    pub fn type_of(&self, name: &str) -> Option<sluice_compiler::def::ConnectorType> {
+        self.entries.load().get(name).map(|e| e.def.connector_type)
+    }
+
     fn entry(&self, name: &str) -> Result<Arc<Entry>, ConnectorError> {
         self.entries
             .load()

@@ -293,7 +293,9 @@ async fn validation_errors(db: Db) {
                   "headers": {"Authorization": "Bearer T0KEN", "Accept": "application/json"}}}});
     let w = s.admin("POST", "/workflows/validate", Some(creds)).await;
     let warnings = w.ok(200)["warnings"].as_array().unwrap().clone();
-    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    // The credential, then the connector that does not exist (yet).
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert_eq!(warnings[1]["field"], "tasks[1].function.input.connector");
     assert_eq!(
         warnings[0]["field"],
         "tasks[1].function.input.headers.Authorization"
@@ -1909,4 +1911,65 @@ async fn an_escaped_area_name_is_a_key_of_data() {
         "{}",
         r.text
     );
+}
+
+/// Validate, create and update warn about a connector that does not exist
+/// or is of another type than the function needs (the task would fail
+/// when it runs); a group's tasks are checked too.
+#[tokio::test]
+async fn connectors_named_by_tasks_are_checked_against_the_registry() {
+    let s = start(Db::Sqlite).await;
+    s.admin(
+        "POST",
+        "/connectors",
+        Some(json!({"name": "kv", "connector_type": "cache", "config": {"type": "cache", "backend": "memory"}})),
+    )
+    .await
+    .ok(201);
+    let def = json!({"workflow_id": "refs", "name": "refs", "tasks": [
+        {"id": "a", "name": "a", "function": {"name": "cache_read", "input": {"connector": "kv", "key": "k"}}},
+        {"id": "g", "tasks": [
+            {"id": "b", "name": "b", "function": {"name": "http_call", "input": {"connector": "kv"}}},
+            {"id": "c", "name": "c", "function": {"name": "db_read", "input": {"connector": "nowhere", "query": "SELECT 1"}}}
+        ]}
+    ]});
+    let expect = |body: &Json| {
+        let got: Vec<(String, String)> = body["warnings"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no warnings: {body}"))
+            .iter()
+            .map(|w| {
+                (
+                    w["field"].as_str().unwrap().to_owned(),
+                    w["message"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "tasks[1].tasks[0].function.input.connector".to_owned(),
+                    "connector 'kv' is of type cache; http_call needs a connector of type http"
+                        .to_owned()
+                ),
+                (
+                    "tasks[1].tasks[1].function.input.connector".to_owned(),
+                    "no connector named 'nowhere' exists; the task fails until one is created"
+                        .to_owned()
+                )
+            ],
+            "{body}"
+        );
+    };
+    let r = s
+        .admin("POST", "/workflows/validate", Some(def.clone()))
+        .await;
+    expect(r.ok(200));
+    let r = s.admin("POST", "/workflows", Some(def.clone())).await;
+    r.ok(201);
+    expect(&r.body);
+    let r = s.admin("PUT", "/workflows/refs", Some(def)).await;
+    r.ok(200);
+    expect(&r.body);
 }

@@ -654,6 +654,14 @@ fn other_connector_inputs() {
         )),
         &[(&p("topic"), "must not be empty")],
     );
+    check(
+        workflow_with(task(
+            "t",
+            "publish_kafka",
+            json!({"connector": "k", "topic": "bad topic!"}),
+        )),
+        &[(&p("topic"), crate::validate::KAFKA_TOPIC_RULE)],
+    );
 
     // `_logic` twins stand in for required static fields.
     check(
