@@ -390,6 +390,7 @@ pub fn compile_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
         task_count: 0,
         needs_io: false,
     };
+    cx.unknown_keys(obj, WORKFLOW_KEYS, "");
     let condition = cx.condition(obj.get("condition"), "condition");
     let body = match obj.get("tasks").and_then(Json::as_array) {
         Some(steps) => cx.block(steps, obj.get("loop"), "", "loop"),
@@ -1011,6 +1012,29 @@ fn publish_fn(input: &Map<String, Json>, p: &mut Problems) -> Option<(ReadPath, 
     let target = target_path(input, p);
     Some((ReadPath::in_data(source?), WritePath::in_data(target?)))
 }
+
+/// The fields a workflow may have (the spec's, the engine schema's, the
+/// server-managed ones an export carries, and `$schema` for editors).
+const WORKFLOW_KEYS: &[&str] = &[
+    "workflow_id",
+    "id",
+    "name",
+    "description",
+    "priority",
+    "condition",
+    "tasks",
+    "tags",
+    "continue_on_error",
+    "channel",
+    "loop",
+    "status",
+    "version",
+    "rollout_percentage",
+    "rollout",
+    "created_at",
+    "updated_at",
+    "$schema",
+];
 
 /// The fields a task or a group may have.
 const STEP_KEYS: &[&str] = &[

@@ -1847,7 +1847,7 @@ on_every_backend!(
 #[tokio::test]
 async fn create_and_update_answer_the_definitions_warnings() {
     let s = start(Db::Sqlite).await;
-    let def = json!({"workflow_id": "warned", "name": "w", "tasks": [
+    let def = json!({"workflow_id": "warned", "name": "w", "continue_on_eror": true, "tasks": [
         {"id": "t", "name": "t", "conditon": true,
          "function": {"name": "map", "input": {"mappings": [{"path": "x", "logic": 1}]}}}]});
     let r = s.admin("POST", "/workflows", Some(def.clone())).await;
@@ -1858,10 +1858,15 @@ async fn create_and_update_answer_the_definitions_warnings() {
         .iter()
         .map(|w| w["field"].as_str().unwrap())
         .collect();
-    assert_eq!(fields, ["tasks[0].conditon"], "{}", r.text);
+    assert_eq!(
+        fields,
+        ["continue_on_eror", "tasks[0].conditon"],
+        "{}",
+        r.text
+    );
     let r = s.admin("PUT", "/workflows/warned", Some(def)).await;
     r.ok(200);
-    assert_eq!(r.body["warnings"][0]["field"], "tasks[0].conditon");
+    assert_eq!(r.body["warnings"][1]["field"], "tasks[0].conditon");
     let clean = json!({"workflow_id": "clean", "name": "c", "tasks": [
         {"id": "t", "name": "t", "function": {"name": "log", "input": {"message": "m"}}}]});
     let r = s.admin("POST", "/workflows", Some(clean)).await;
