@@ -1001,7 +1001,20 @@ fn restore_masked(new: &mut Json, stored: &Json, shown: &Json) {
     match (new, stored, shown) {
         (Json::Object(new), Json::Object(stored), Json::Object(shown)) => {
             for (key, value) in new.iter_mut() {
-                if let (Some(stored), Some(shown)) = (stored.get(key), shown.get(key)) {
+                // A header's name may come back in another case (`x-api-key`
+                // for `X-Api-Key`): names are case-insensitive, so the
+                // stored one is found either way.
+                let stored_key = if stored.contains_key(key) {
+                    Some(key.as_str())
+                } else {
+                    stored
+                        .keys()
+                        .find(|k| k.eq_ignore_ascii_case(key))
+                        .map(String::as_str)
+                };
+                if let Some(k) = stored_key
+                    && let (Some(stored), Some(shown)) = (stored.get(k), shown.get(k))
+                {
                     restore_masked(value, stored, shown);
                 }
             }

@@ -1356,6 +1356,20 @@ async fn connector_round_trip_keeps_masked_secrets() {
         .definition;
     assert_eq!(stored["config"]["auth"]["token"], "s3cr3t");
     assert_eq!(stored["config"]["headers"]["x-api-key"], "k-1");
+    // A header name sent back in another case still finds its secret.
+    let mut recased = shown.clone();
+    recased["config"]["headers"] = json!({"X-Api-Key": "******"});
+    s.admin("PUT", "/connectors/billing", Some(recased))
+        .await
+        .ok(200);
+    let stored = s
+        .app
+        .store
+        .get_connector("billing")
+        .await
+        .unwrap()
+        .definition;
+    assert_eq!(stored["config"]["headers"]["X-Api-Key"], "k-1");
     shown["config"]["auth"]["token"] = json!("n3w");
     s.admin("PUT", "/connectors/billing", Some(shown))
         .await
