@@ -306,6 +306,8 @@ async fn serve(config: config::Config) -> Result<(), String> {
         .map_err(|e| format!("cannot listen on {addr} (server.host, server.port): {e}"))?;
     // The address actually bound (port 0 picks one).
     let addr = listener.local_addr().map_or(addr, |a| a.to_string());
+    // Held while the process serves.
+    let _sqlite_lock = lock_sqlite_file(&config.storage.url)?;
     let app = sluice::start(config).await?;
     tracing::info!(%addr, version = app::VERSION, "sluice is serving");
     server::run(listener, app.clone(), shutdown_signal()).await;
@@ -316,6 +318,44 @@ async fn serve(config: config::Config) -> Result<(), String> {
         tracing::warn!("storage connections not closed within 5 s");
     }
     Ok(())
+}
+
+/// SQLite serves one process: a second `sluice serve` on the same file
+/// would serve its own engine, never told of the first one's changes. An
+/// exclusive advisory lock on the database file (`flock`, which SQLite's
+/// own `fcntl` locks do not see) refuses it at start. The file is created
+/// here when missing, readable by its owner only, as the storage layer
+/// would create it.
+fn lock_sqlite_file(url: &str) -> Result<Option<std::fs::File>, String> {
+    use std::str::FromStr as _;
+    let is_sqlite = url
+        .split_once(':')
+        .is_some_and(|(s, _)| s.eq_ignore_ascii_case("sqlite"));
+    if !is_sqlite || url.contains(":memory:") || url.contains("mode=memory") {
+        return Ok(None);
+    }
+    let Ok(opts) = sqlx::sqlite::SqliteConnectOptions::from_str(url) else {
+        // The storage layer reports a bad URL with its own message.
+        return Ok(None);
+    };
+    let path = opts.get_filename();
+    let mut open = std::fs::OpenOptions::new();
+    open.read(true).write(true).create(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut open, 0o600);
+    let Ok(file) = open.open(path) else {
+        // Not creatable here (a missing directory): the storage layer says why.
+        return Ok(None);
+    };
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Err(format!(
+            "another sluice process is serving the SQLite database {} (SQLite serves one process;              use PostgreSQL or MySQL for several replicas)",
+            path.display()
+        )),
+        // A file system without locks: go on as before.
+        Err(std::fs::TryLockError::Error(_)) => Ok(None),
+    }
 }
 
 async fn shutdown_signal() {

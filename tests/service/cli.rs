@@ -460,3 +460,60 @@ fn config_is_refused_where_it_would_be_ignored() {
         );
     }
 }
+
+/// SQLite serves one process: a second `sluice serve` on the same database
+/// file is refused at start (it would serve an engine nobody tells of the
+/// first one's changes); once the first has stopped, it starts.
+#[test]
+fn a_second_serve_on_one_sqlite_file_is_refused() {
+    let dir = std::env::temp_dir().join(format!("sluice-lock-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}/shared.db", dir.display());
+    let serve = |port: u16| {
+        sluice()
+            .arg("serve")
+            .env("SERVICE_SERVER__PORT", port.to_string())
+            .env("SERVICE_STORAGE__URL", &url)
+            .env("SERVICE_STORAGE__BACKUP_DIR", dir.join("backups"))
+            .env("SERVICE_LOGGING__LEVEL", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let ready = |port: u16| {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let up = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok_and(|mut s| {
+                use std::io::{Read, Write};
+                let _ =
+                    s.write_all(b"GET /readyz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+                let mut answer = String::new();
+                let _ = s.read_to_string(&mut answer);
+                answer.starts_with("HTTP/1.1 200")
+            });
+            if up {
+                return;
+            }
+            assert!(std::time::Instant::now() < until, "port {port} never ready");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    let (p1, p2) = (crate::support::free_port(), crate::support::free_port());
+    let mut first = serve(p1);
+    ready(p1);
+    let second = serve(p2).wait_with_output().unwrap();
+    assert_eq!(second.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        stderr.contains("another sluice process is serving the SQLite database"),
+        "{stderr}"
+    );
+    let _ = first.kill();
+    let _ = first.wait();
+    let mut again = serve(p2);
+    ready(p2);
+    let _ = again.kill();
+    let _ = again.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
