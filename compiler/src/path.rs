@@ -67,11 +67,25 @@ pub enum PathError {
 
 impl Path {
     /// Splits a dotted path. Never fails: every string is a path.
+    ///
+    /// A backslash escapes what follows it (JSON Logic's path escaping,
+    /// `escaping.json` of the shared suite): `\.` is a dot inside a key
+    /// (`hello\.world` is the one key `hello.world`), `\/` a slash and
+    /// `\\` a backslash; before anything else it stays a backslash. A
+    /// path of dots alone names as many empty keys as it has dots (`.` is
+    /// the key `""`, `..` that key's own key `""`).
     pub fn parse(text: &str) -> Path {
         if text.is_empty() {
             return Path::default();
         }
-        let segments = text.split('.').map(Segment::parse).collect();
+        if !text.contains('\\') && !text.bytes().all(|b| b == b'.') {
+            let segments = text.split('.').map(Segment::parse).collect();
+            return Path { segments };
+        }
+        let segments = split_escaped(text)
+            .iter()
+            .map(|s| Segment::parse(s))
+            .collect();
         Path { segments }
     }
 
@@ -144,6 +158,44 @@ impl Path {
     }
 }
 
+/// Whether a path has an empty piece (`a..b`, `a.`; a path of dots alone),
+/// escapes read as [`Path::parse`] reads them (`a\\.` is the one key `a.`).
+pub fn has_empty_piece(text: &str) -> bool {
+    if text.is_empty() {
+        return true;
+    }
+    if text.contains('\\') || text.bytes().all(|b| b == b'.') {
+        split_escaped(text).iter().any(String::is_empty)
+    } else {
+        text.split('.').any(str::is_empty)
+    }
+}
+
+/// The keys of a path with escapes (see [`Path::parse`]).
+fn split_escaped(text: &str) -> Vec<String> {
+    let mut parts = Vec::new();
+    let mut current = String::new();
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.peek() {
+                Some(&next @ ('.' | '/' | '\\')) => {
+                    current.push(next);
+                    chars.next();
+                }
+                _ => current.push('\\'),
+            },
+            '.' => parts.push(std::mem::take(&mut current)),
+            other => current.push(other),
+        }
+    }
+    // A path of dots alone: one key per dot (`.` is `[""]`, not `["", ""]`).
+    if parts.len() != text.chars().count() {
+        parts.push(current);
+    }
+    parts
+}
+
 impl Segment {
     pub fn parse(text: &str) -> Segment {
         if let Some(rest) = text.strip_prefix('#') {
@@ -176,7 +228,17 @@ impl fmt::Display for Path {
             if s.index.is_none() && s.key.bytes().all(|b| b.is_ascii_digit()) && !s.key.is_empty() {
                 f.write_str("#")?;
             }
-            f.write_str(&s.key)?;
+            if s.key.contains(['.', '\\']) {
+                // Written back as it would be parsed (`hello\.world`).
+                for c in s.key.chars() {
+                    if c == '.' || c == '\\' {
+                        f.write_str("\\")?;
+                    }
+                    write!(f, "{c}")?;
+                }
+            } else {
+                f.write_str(&s.key)?;
+            }
         }
         Ok(())
     }
@@ -397,6 +459,34 @@ fn check_index(index: usize, path: &Path, depth: usize) -> Result<(), PathError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// JSON Logic's path escaping (the shared `escaping.json`): `\\.` a dot
+    /// in a key, `\\/` a slash, `\\\\` a backslash; dots alone name empty keys.
+    #[test]
+    fn backslashes_escape_dots_slashes_and_themselves() {
+        let keys = |t: &str| -> Vec<String> {
+            Path::parse(t)
+                .segments()
+                .iter()
+                .map(|s| s.key.to_string())
+                .collect()
+        };
+        assert_eq!(keys("."), [""]);
+        assert_eq!(keys(".."), ["", ""]);
+        assert_eq!(keys("hello\\.world"), ["hello.world"]);
+        assert_eq!(keys("..\\.key."), ["", "", ".key", ""]);
+        assert_eq!(keys("\\.."), [".", ""]);
+        assert_eq!(keys("\\\\.Hello"), ["\\", "Hello"]);
+        assert_eq!(keys("\\/"), ["/"]);
+        assert_eq!(keys("a\\b"), ["a\\b"]);
+        assert_eq!(keys("a.b"), ["a", "b"]);
+        // Written back as parsed.
+        for t in ["hello\\.world", "a.\\\\.b", "x.#1"] {
+            assert_eq!(Path::parse(t).to_string(), t);
+        }
+        assert!(has_empty_piece("a..b") && has_empty_piece("a.") && has_empty_piece(""));
+        assert!(!has_empty_piece("a\\.") && !has_empty_piece("\\.") && !has_empty_piece("#"));
+    }
     use serde_json::json;
 
     fn write(root: serde_json::Value, path: &str, value: serde_json::Value) -> serde_json::Value {

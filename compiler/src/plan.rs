@@ -983,7 +983,7 @@ pub fn json_type(v: &Json) -> &'static str {
 /// names it on purpose (`a.#.b`). The empty path (the whole area) is not
 /// one of them.
 pub fn has_empty_segment(path: &str) -> bool {
-    !path.is_empty() && path.split('.').any(str::is_empty)
+    !path.is_empty() && crate::path::has_empty_piece(path)
 }
 
 /// The message for a write path with an empty segment.

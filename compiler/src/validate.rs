@@ -423,7 +423,7 @@ fn check_loop(c: &mut Ctx, obj: &Map<String, Json>, at: &FieldPath) {
 /// A dotted write path: no empty segments, and never into the read-only
 /// `payload`.
 fn check_write_path(c: &mut Ctx, path: &str, at: &FieldPath) {
-    if path.split('.').any(str::is_empty) {
+    if crate::path::has_empty_piece(path) {
         c.push(at, "must be a dotted path without empty segments");
     } else if path == "payload" || path.starts_with("payload.") {
         c.push(at, "must not write into payload, which is read-only");

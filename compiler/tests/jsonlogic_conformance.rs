@@ -182,3 +182,29 @@ fn compat_tables() {
         "only {passed}/{total} compat-tables cases pass"
     );
 }
+
+/// The shared suite's `escaping.json` (json-logic's path escaping: `\.`,
+/// `\/`, `\\`, paths of dots alone): every case must pass.
+#[test]
+fn escaping() {
+    let cases = load(&shared_dir().join("escaping.json"));
+    let (mut total, mut passed) = (0, 0);
+    for case in cases.as_array().expect("escaping.json is an array") {
+        if case.is_string() {
+            continue;
+        }
+        total += 1;
+        let (rule, data) = (&case["rule"], case.get("data").unwrap_or(&Json::Null));
+        let expected = &case["result"];
+        match run(rule, data) {
+            (Outcome::Value(got), _) if same(&got, expected) => passed += 1,
+            (got, _) => println!(
+                "FAIL escaping.json \"{}\": rule {rule} data {data}: expected {expected}, got {got}",
+                case["description"]
+            ),
+        }
+    }
+    println!("escaping.json: {passed}/{total} passed");
+    assert_eq!(total, 13, "escaping.json should hold 13 cases");
+    assert_eq!(passed, total);
+}

@@ -345,6 +345,17 @@ fn walk_dotted<'a>(c: Cursor<'a>, path: &str, arena: &'a Bump) -> Option<Value<'
     if path.is_empty() {
         return Some(whole(c, arena));
     }
+    // Escapes (`hello\.world`) and paths of dots alone are split as
+    // `Path::parse` splits a constant path (rare: parsed here).
+    if path.contains('\\') || path.bytes().all(|b| b == b'.') {
+        let parsed = crate::path::Path::parse(path);
+        let (first, rest) = parsed.segments().split_first()?;
+        let v = match c {
+            Cursor::Frame(Frame::Data(v)) => step(v, &first.key, first.index)?,
+            other => first_step(other, &first.key, first.index)?,
+        };
+        return crate::path::get_segments(v, rest);
+    }
     // A piece is a plain key when it starts with `#`; only an array step
     // needs its index, so it is parsed only then. The walk goes by
     // reference and copies the found value once. Pieces are cut by a plain

@@ -784,6 +784,10 @@ fn computed_var_paths_split_like_constant_ones() {
         "a.b.01",
         "nope.x",
         "a.b.1.c.d",
+        "dot\\.key",
+        "a\\.b",
+        "..",
+        "back\\\\.x",
     ];
     for p in paths {
         let mut with_path = data.clone();
