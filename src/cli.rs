@@ -174,8 +174,8 @@ fn problems_of(
     }
 }
 
-/// `sluice lint <file>...`: prints the error envelope for each bad file;
-/// exit 1 if any is bad.
+/// `sluice lint <file>...`: prints the error envelope for each bad file
+/// (its name on stderr: `file: invalid`, or `file: ok`); exit 1 if any is bad.
 pub fn lint(files: &[std::path::PathBuf]) -> ExitCode {
     let mut bad = 0;
     for file in files {
@@ -200,9 +200,11 @@ pub fn lint(files: &[std::path::PathBuf]) -> ExitCode {
             }
         };
         match envelope {
-            Some(mut body) => {
+            Some(body) => {
                 bad += 1;
-                body["file"] = Json::String(file.display().to_string());
+                // The envelope exactly as the admin API answers it (the
+                // spec's "same envelope"); which file, on stderr like `ok`.
+                crate::errln!("{}: invalid", file.display());
                 crate::outln!(
                     "{}",
                     serde_json::to_string_pretty(&body).unwrap_or_default()
