@@ -66,7 +66,10 @@ struct Request {
 #[serde(deny_unknown_fields)]
 struct Expect {
     /// `completed`, `filtered`, `failed`, `unmatched`, or the HTTP status the
-    /// data plane would answer (200, 400, 404, 500, 502, 503, 504).
+    /// data plane would answer (200, 400, 404, 500, 502, 503, 504). Any
+    /// other word is an error in the test file, as a stub's unknown `kind`
+    /// is (a typo such as `complete` must not read as a failed case).
+    #[serde(default, deserialize_with = "expected_status")]
     status: Option<Json>,
     /// Subset match against the final `data`.
     data: Option<Json>,
@@ -74,6 +77,22 @@ struct Expect {
     errors: Option<Json>,
     /// Per connector name, what writes would have sent, in order.
     writes: Option<Map<String, Json>>,
+}
+
+fn expected_status<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Json>, D::Error> {
+    let v = Json::deserialize(d)?;
+    let ok = match &v {
+        Json::String(s) => ["completed", "filtered", "failed", "unmatched"].contains(&s.as_str()),
+        Json::Number(n) => n.as_u64().is_some_and(|n| (100..=599).contains(&n)),
+        _ => false,
+    };
+    if ok {
+        Ok(Some(v))
+    } else {
+        Err(serde::de::Error::custom(format!(
+            "expect.status must be completed, filtered, failed, unmatched or an HTTP status code, got {v}"
+        )))
+    }
 }
 
 /// One canned answer: used for a call when `match` is a subset of the call.

@@ -877,6 +877,24 @@ cases:
         "{stdout}"
     );
     assert!(stdout.ends_with("0 passed, 1 failed\n"), "{stdout}");
+    // And an expected status that is no status (`complete`).
+    std::fs::write(
+        dir.join("status.test.json"),
+        r#"{"workflow": "wf/w.json",
+            "cases": [{"name": "x", "request": {"data": {"id": 1}}, "expect": {"status": "complete"}}]}"#,
+    )
+    .unwrap();
+    let out = sluice()
+        .arg("test")
+        .arg(dir.join("status.test.json"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("FAIL") && stdout.contains("expect.status must be completed"),
+        "{stdout}"
+    );
     let empty = temp_dir();
     let out = sluice().arg("test").arg(&empty).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
