@@ -439,6 +439,7 @@ pub fn document(auth: &crate::config::AdminAuth) -> Json {
     // it (generated clients send unset fields as `null` where it does).
     for schema in schemas.values_mut() {
         not_nullable(schema);
+        sluice_compiler::schema::plain_descriptions(schema);
     }
     // Channels are paused through `PATCH .../status` (engine schema), and
     // show it, though a definition never sets its own status.

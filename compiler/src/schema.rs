@@ -58,6 +58,26 @@ fn generator() -> SchemaGenerator {
         .into_generator()
 }
 
+/// Descriptions come from doc comments, whose rustdoc links
+/// (``[`WorkflowDef::id`]``) mean nothing to a schema's reader: written as
+/// plain code spans.
+pub fn plain_descriptions(schema: &mut Json) {
+    match schema {
+        Json::Object(m) => {
+            for (k, v) in m.iter_mut() {
+                match v {
+                    Json::String(text) if k == "description" && text.contains("[`") => {
+                        *text = text.replace("[`", "`").replace("`]", "`");
+                    }
+                    other => plain_descriptions(other),
+                }
+            }
+        }
+        Json::Array(items) => items.iter_mut().for_each(plain_descriptions),
+        _ => {}
+    }
+}
+
 /// The JSON Schema of one kind of definition.
 pub fn definition_schema(kind: DefinitionKind) -> Json {
     let mut schema = match kind {
@@ -66,6 +86,7 @@ pub fn definition_schema(kind: DefinitionKind) -> Json {
         DefinitionKind::Connector => connector_schema(),
     };
     strip_null(&mut schema);
+    plain_descriptions(&mut schema);
     if let Json::Object(m) = &mut schema {
         // Files may name their schema; the key is ignored by the service.
         if let Some(Json::Object(props)) = m.get_mut("properties") {
@@ -349,6 +370,19 @@ fn strip_null(v: &mut Json) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// No rustdoc link syntax reaches a schema's descriptions.
+    #[test]
+    fn descriptions_hold_no_rustdoc_links() {
+        for kind in [
+            DefinitionKind::Workflow,
+            DefinitionKind::Channel,
+            DefinitionKind::Connector,
+        ] {
+            let text = definition_schema(kind).to_string();
+            assert!(!text.contains("[`"), "{}", kind.name());
+        }
+    }
 
     #[test]
     fn every_kind_has_a_2020_12_schema_that_allows_a_schema_key() {
