@@ -20,7 +20,7 @@ use crate::storage::{Audit, Kind, ListQuery, Status, Store};
 use http::Method;
 use serde_json::{Value as Json, json};
 use sluice_compiler::diag::Diagnostic;
-use sluice_compiler::plan::compile_workflow;
+use sluice_compiler::plan::{compile_new_workflow, compile_workflow};
 use sluice_compiler::validate;
 use sluice_runtime::connectors::CallScope;
 use sluice_runtime::exec::{self, Input, Meta, Options, PayloadFrom};
@@ -326,7 +326,7 @@ fn checked(
         obj.insert(id_field.into(), Json::String(id.clone()));
     }
     let (mut problems, warnings) = match kind {
-        Kind::Workflow => match compile_workflow(&def) {
+        Kind::Workflow => match compile_new_workflow(&def) {
             Ok(compiled) => (Vec::new(), compiled.warnings),
             Err(problems) => (problems, Vec::new()),
         },
@@ -637,7 +637,7 @@ async fn validate_workflow(app: &App, req: &Req) -> ApiResult {
             "a workflow definition must be a JSON object",
         ));
     }
-    match compile_workflow(&def) {
+    match compile_new_workflow(&def) {
         Ok(mut compiled) => {
             compiled.warnings.extend(connector_warnings(app, &def));
             api::ok(&json!({"valid": true, "warnings": compiled.warnings}))

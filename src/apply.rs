@@ -22,7 +22,7 @@
 
 use serde_json::{Value as Json, json};
 use sluice_compiler::def::{ChannelDef, ConnectorDef, WorkflowDef};
-use sluice_compiler::plan::compile_workflow;
+use sluice_compiler::plan::compile_new_workflow;
 use sluice_compiler::validate;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -203,7 +203,7 @@ fn local(kind: Kind, file: &Path) -> Result<Local, String> {
     }
     let problems = match kind {
         Kind::Connector => validate::validate_connector(&body),
-        Kind::Workflow => compile_workflow(&body).err().unwrap_or_default(),
+        Kind::Workflow => compile_new_workflow(&body).err().unwrap_or_default(),
         Kind::Channel => validate::validate_channel(&body),
     };
     if !problems.is_empty() {

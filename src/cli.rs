@@ -50,7 +50,7 @@ macro_rules! out {
 use crate::api::ApiError;
 use bumpalo::Bump;
 use serde_json::Value as Json;
-use sluice_compiler::plan::compile_workflow;
+use sluice_compiler::plan::{compile_new_workflow, compile_workflow};
 use sluice_compiler::{Value, logic, validate};
 use sluice_runtime::connectors::{CallScope, Services};
 use sluice_runtime::exec::{self, Input, Meta, Options, PayloadFrom};
@@ -167,7 +167,7 @@ fn problems_of(
     match kind {
         "connector" => (kind, validate::validate_connector(def), Vec::new()),
         "channel" => (kind, validate::validate_channel(def), Vec::new()),
-        _ => match compile_workflow(def) {
+        _ => match compile_new_workflow(def) {
             Ok(compiled) => (kind, Vec::new(), compiled.warnings),
             Err(problems) => (kind, problems, Vec::new()),
         },

@@ -745,6 +745,9 @@ async fn handle(
                             crate::queue::execute_guarded(app, channel, &claimed, &mut outcome)
                                 .await;
                         crate::queue::count_run(channel, &outcome, ok, started);
+                        if !ok {
+                            crate::queue::log_failure(&outcome, &claimed);
+                        }
                         ok
                     }
                 };

@@ -194,6 +194,18 @@ fn data_of(schema: Json) -> Json {
     json!({"type": "object", "required": ["data"], "properties": {"data": schema}})
 }
 
+/// `{data: <schema>}`, and for a workflow the definition's `warnings` when
+/// it has some (create and update).
+fn data_with_warnings(kind: &str, schema: Json) -> Json {
+    let mut out = data_of(schema);
+    if kind == "workflows" {
+        out["properties"]["warnings"] = json!({"type": "array", "items": {
+            "type": "object", "required": ["field", "message"],
+            "properties": {"field": {"type": "string"}, "message": {"type": "string"}}}});
+    }
+    out
+}
+
 /// `{data: [<schema>], total, limit, offset}`
 fn page_of(item: Json) -> Json {
     json!({"type": "object", "required": ["data", "total", "limit", "offset"], "properties": {
@@ -271,7 +283,7 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
                 "admin",
                 kind @ ("workflows" | "channels" | "connectors"),
             ],
-        ) => (Some(def(kind)), data_of(def(kind))),
+        ) => (Some(def(kind)), data_with_warnings(kind, def(kind))),
         (
             "get",
             [
@@ -282,7 +294,9 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
                 _,
             ],
         ) => (None, data_of(def(kind))),
-        ("put", ["api", "v1", "admin", kind, _]) => (Some(def(kind)), data_of(def(kind))),
+        ("put", ["api", "v1", "admin", kind, _]) => {
+            (Some(def(kind)), data_with_warnings(kind, def(kind)))
+        }
         ("delete", _) if seg.get(2) == Some(&"admin") => (None, json!({})),
         ("get", ["api", "v1", "admin", "engine", "status"]) => {
             (None, data_of(schema_ref("EngineStatus")))
@@ -383,8 +397,13 @@ fn fixed_schemas() -> Json {
         "Trace": {"type": "object", "properties": {
             "trace_id": string, "channel": string, "mode": string,
             "status": {"type": "string", "enum": ["pending", "running", "completed", "failed"]},
-            "workflow_id": string, "workflow_version": integer, "data": {}, "errors": {"type": "array", "items": task_error},
-            "created_at": string, "started_at": string, "completed_at": string, "duration_ms": {"type": "number"}, "attempts": integer,
+            // Null until the trace has run (or when no workflow matched).
+            "workflow_id": {"type": "string", "nullable": true},
+            "workflow_version": {"type": "integer", "nullable": true},
+            "data": {"nullable": true}, "errors": {"type": "array", "items": task_error},
+            "created_at": string, "started_at": {"type": "string", "nullable": true},
+            "completed_at": {"type": "string", "nullable": true},
+            "duration_ms": {"type": "number", "nullable": true}, "attempts": integer,
         }},
     })
 }

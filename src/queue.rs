@@ -376,13 +376,7 @@ async fn run(app: &App, c: Claimed) {
         recorded = app.store.fail_trace(&outcome, policy).await;
     }
     match recorded {
-        Ok(true) if !ok && crate::api::failure_log_allowed() => {
-            let first = outcome.errors.as_array().and_then(|e| e.first());
-            let field = |k: &str| first.and_then(|e| e[k].as_str()).unwrap_or("").to_owned();
-            tracing::warn!(trace_id = %c.trace_id, channel = %c.channel, attempt = c.attempt,
-                code = %field("code"), task_id = %field("task_id"), error = %field("message"),
-                "trace failed");
-        }
+        Ok(true) if !ok => log_failure(&outcome, &c),
         Ok(true) => {
             tracing::debug!(trace_id = %c.trace_id, attempt = c.attempt, ok, "trace finished")
         }
@@ -408,6 +402,19 @@ const META_FIELDS: &[&str] = &[
     "channel",
     "request_id",
 ];
+
+/// Logs a failed run with its first error (async traces and Kafka
+/// messages), at most ten failure lines a second.
+pub(crate) fn log_failure(outcome: &Outcome, c: &Claimed) {
+    if !crate::api::failure_log_allowed() {
+        return;
+    }
+    let first = outcome.errors.as_array().and_then(|e| e.first());
+    let field = |k: &str| first.and_then(|e| e[k].as_str()).unwrap_or("").to_owned();
+    tracing::warn!(trace_id = %c.trace_id, channel = %c.channel, attempt = c.attempt,
+        code = %field("code"), task_id = %field("task_id"), error = %field("message"),
+        "trace failed");
+}
 
 /// [`execute`], with a panic in the run turned into a failed run (an
 /// `INTERNAL_ERROR`, dead-lettered like any failure): a panicking run must

@@ -380,7 +380,17 @@ pub struct Compiled {
 /// Validates and compiles a workflow definition. Errors are every problem
 /// found, each with its field path.
 pub fn compile_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
-    let mut errors = validate::validate_workflow(def);
+    compile_checked(def, validate::validate_workflow(def))
+}
+
+/// [`compile_workflow`] for a definition being created or changed: also the
+/// rules a stored definition may predate ([`validate::validate_new_workflow`]).
+pub fn compile_new_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
+    compile_checked(def, validate::validate_new_workflow(def))
+}
+
+fn compile_checked(def: &Json, validated: Vec<Diagnostic>) -> Result<Compiled, Vec<Diagnostic>> {
+    let mut errors = validated;
     let Some(obj) = def.as_object() else {
         return Err(errors);
     };

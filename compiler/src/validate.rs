@@ -37,6 +37,10 @@ const ID_RULE: &str =
 #[derive(Default)]
 struct Ctx {
     out: Vec<Diagnostic>,
+    /// Also apply the rules added after definitions were first stored
+    /// (`validate_new_workflow`): a new definition must follow them, a
+    /// stored one still loads without (an upgrade must not stop serving).
+    strict: bool,
 }
 
 impl Ctx {
@@ -329,7 +333,23 @@ pub fn is_env_ref(s: &str) -> bool {
 
 /// Validates a workflow definition; empty means valid.
 pub fn validate_workflow(def: &Json) -> Vec<Diagnostic> {
-    let mut c = Ctx::default();
+    workflow_problems(def, false)
+}
+
+/// [`validate_workflow`] with the rules a stored definition may predate
+/// (session 20: a plain task's `loop`, a blank task or group name, a static
+/// `publish_kafka.topic` no broker takes). The admin API's create, update,
+/// import and validate and `sluice lint` apply them; engine loads do not, so
+/// a definition stored before them keeps being served as it was.
+pub fn validate_new_workflow(def: &Json) -> Vec<Diagnostic> {
+    workflow_problems(def, true)
+}
+
+fn workflow_problems(def: &Json, strict: bool) -> Vec<Diagnostic> {
+    let mut c = Ctx {
+        strict,
+        ..Ctx::default()
+    };
     let Some(obj) = c.root(def) else { return c.out };
     let root = FieldPath::root();
     no_nul(&mut c, def, &root);
@@ -487,7 +507,11 @@ impl StepWalker<'_> {
             too_deep = true;
         }
         self.step_id(obj, at);
-        self.c.string(obj, "name", at, false);
+        if self.c.strict {
+            self.c.nonempty_string(obj, "name", at, false);
+        } else {
+            self.c.string(obj, "name", at, false);
+        }
         self.c.string(obj, "description", at, false);
         self.c.boolean(obj, "terminal", at);
         self.c.boolean(obj, "continue_on_error", at);
@@ -507,14 +531,18 @@ impl StepWalker<'_> {
 
     fn task(&mut self, obj: &Map<String, Json>, at: &FieldPath) {
         self.step_id(obj, at);
-        self.c.nonempty_string(obj, "name", at, true);
+        if self.c.strict {
+            self.c.nonempty_string(obj, "name", at, true);
+        } else {
+            self.c.string(obj, "name", at, true);
+        }
         self.c.string(obj, "description", at, false);
         self.c.boolean(obj, "continue_on_error", at);
         self.c.boolean(obj, "terminal", at);
         self.c.one_of(obj, "halt_on", at, false, HaltOn::NAMES);
         // A task runs once per pass of what holds it; before session 20 a
         // task's own `loop` was kept and did nothing.
-        if obj.contains_key("loop") {
+        if self.c.strict && obj.contains_key("loop") {
             self.c.push(
                 &at.key("loop"),
                 "loop is allowed on the workflow and on groups, not on a task (put the task in a group: {\"id\": \"…\", \"loop\": {…}, \"tasks\": [the task]})",
@@ -589,6 +617,7 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
     // A static topic is checked as a Kafka channel's is (it failed only at
     // run time, with a 502 from the broker).
     if f == Function::PublishKafka
+        && c.strict
         && let Some(Json::String(topic)) = input.get("topic")
         && !topic.trim().is_empty()
         && !is_kafka_topic(topic)

@@ -674,10 +674,21 @@ fn offset_dt(t: time::OffsetDateTime) -> CellResult {
     t.to_offset(time::UtcOffset::UTC)
         .format(&time::format_description::well_known::Rfc3339)
         .map(Json::String)
-        .map_err(|e| format!("timestamp out of RFC 3339 range: {e}"))
+        .map_err(|_| {
+            "timestamp out of range: RFC 3339 has years 0000 to 9999 (cast it to text in the query)"
+                .to_owned()
+        })
 }
 
 fn date(d: time::Date) -> CellResult {
+    // RFC 3339's full-date has four digits; later years are no date a
+    // reader of the answer can parse (the `time` crate wrote `+10000-…`).
+    if d.year() > 9999 {
+        return Err(
+            "date out of range: RFC 3339 has years up to 9999 (cast it to text in the query)"
+                .into(),
+        );
+    }
     d.format(time::macros::format_description!("[year]-[month]-[day]"))
         .map(Json::String)
         .map_err(|e| format!("date out of range: {e}"))
@@ -707,10 +718,13 @@ fn pg_date(days: i32) -> CellResult {
         i32::MAX => Ok(Json::String("infinity".into())),
         i32::MIN => Ok(Json::String("-infinity".into())),
         _ => {
-            let julian = i32::try_from(EPOCH_JULIAN_DAY + i64::from(days))
-                .map_err(|_| "date out of range (cast it to text in the query)".to_owned())?;
-            let d = time::Date::from_julian_day(julian)
-                .map_err(|_| "date out of range (cast it to text in the query)".to_owned())?;
+            let out_of_range = || {
+                "date out of range: RFC 3339 has years up to 9999 (cast it to text in the query)"
+                    .to_owned()
+            };
+            let julian =
+                i32::try_from(EPOCH_JULIAN_DAY + i64::from(days)).map_err(|_| out_of_range())?;
+            let d = time::Date::from_julian_day(julian).map_err(|_| out_of_range())?;
             date(d)
         }
     }
@@ -1140,11 +1154,21 @@ mod tests {
                     "t": "24:00:00", "before": "1999-12-31", "early": "0001-01-01T00:00:00.000001Z",
                     "late": "23:59:59.25"})]
             );
-            let e = pool
-                .read("SELECT '5874897-12-31'::date AS far", &[])
-                .await
-                .unwrap_err();
-            assert!(e.message.contains("date out of range"), "{}", e.message);
+            for far in [
+                "'5874897-12-31'::date",
+                "'10000-01-01'::date",
+                "'10000-01-01'::timestamptz",
+            ] {
+                let e = pool
+                    .read(&format!("SELECT {far} AS far"), &[])
+                    .await
+                    .unwrap_err();
+                assert!(
+                    e.message.contains("out of range") && e.message.contains("cast it to text"),
+                    "{far}: {}",
+                    e.message
+                );
+            }
             // NUMERIC precision: integral values exact, others the nearest f64.
             let rows = pool
                 .read(

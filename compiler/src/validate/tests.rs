@@ -26,6 +26,31 @@ fn workflow(tasks: Json) -> Json {
     json!({"name": "w", "tasks": tasks})
 }
 
+/// The rules added in session 20 apply to new definitions only: a stored
+/// one with a plain task's `loop` or a blank task or group name still
+/// compiles (an upgrade must not stop serving it).
+#[test]
+fn newer_rules_spare_stored_definitions() {
+    let def = workflow(json!([
+        {"id": "a", "name": "", "loop": {"max": 2}, "function": {"name": "log", "input": {"message": "m"}}},
+        {"id": "g", "name": " ", "tasks": [{"id": "b", "name": "b", "function": {"name": "log", "input": {"message": "m"}}}]}
+    ]));
+    check(validate_workflow(&def), &[]);
+    assert!(crate::plan::compile_workflow(&def).is_ok());
+    check(
+        crate::validate::validate_new_workflow(&def),
+        &[
+            ("tasks[0].name", "must not be empty"),
+            (
+                "tasks[0].loop",
+                "loop is allowed on the workflow and on groups, not on a task (put the task in a group: {\"id\": \"…\", \"loop\": {…}, \"tasks\": [the task]})",
+            ),
+            ("tasks[1].name", "must not be empty"),
+        ],
+    );
+    assert!(crate::plan::compile_new_workflow(&def).is_err());
+}
+
 fn workflow_with(task: Json) -> Vec<Diagnostic> {
     validate_workflow(&workflow(json!([task])))
 }
@@ -654,14 +679,18 @@ fn other_connector_inputs() {
         )),
         &[(&p("topic"), "must not be empty")],
     );
+    // A static topic no broker takes: refused in a new definition; a
+    // stored one (checked before the rule) still loads.
+    let bad_topic = workflow(json!([task(
+        "t",
+        "publish_kafka",
+        json!({"connector": "k", "topic": "bad topic!"}),
+    )]));
     check(
-        workflow_with(task(
-            "t",
-            "publish_kafka",
-            json!({"connector": "k", "topic": "bad topic!"}),
-        )),
+        crate::validate::validate_new_workflow(&bad_topic),
         &[(&p("topic"), crate::validate::KAFKA_TOPIC_RULE)],
     );
+    check(validate_workflow(&bad_topic), &[]);
 
     // `_logic` twins stand in for required static fields.
     check(
