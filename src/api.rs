@@ -336,10 +336,12 @@ pub struct Failure {
 }
 
 /// At most ten failure lines a second (the second and the count so far,
-/// packed in one atomic).
-pub(crate) fn failure_log_allowed() -> bool {
+/// packed in one atomic). `Some(left_out)` when this line may be written:
+/// how many were left out since the last one written.
+pub(crate) fn failure_log_allowed() -> Option<u64> {
     use std::sync::atomic::{AtomicU64, Ordering};
     static WINDOW: AtomicU64 = AtomicU64::new(0);
+    static LEFT_OUT: AtomicU64 = AtomicU64::new(0);
     static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
     let second = START
         .get_or_init(std::time::Instant::now)
@@ -350,14 +352,15 @@ pub(crate) fn failure_log_allowed() -> bool {
         let (at, count) = (current >> 8, current & 0xff);
         let next = if at == second {
             if count >= 10 {
-                return false;
+                LEFT_OUT.fetch_add(1, Ordering::Relaxed);
+                return None;
             }
             current + 1
         } else {
             (second << 8) | 1
         };
         match WINDOW.compare_exchange_weak(current, next, Ordering::Relaxed, Ordering::Relaxed) {
-            Ok(_) => return true,
+            Ok(_) => return Some(LEFT_OUT.swap(0, Ordering::Relaxed)),
             Err(seen) => current = seen,
         }
     }

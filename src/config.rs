@@ -844,9 +844,19 @@ fn apply_env(
         }
         toml::Value::Array(_) => {
             // Arrays (kafka.topics) are given inline, as TOML: `[{topic = "t", channel = "c"}]`.
-            let doc: toml::Table = format!("v = {raw}")
-                .parse()
-                .map_err(|e| bad(&format!("expected a TOML array: {e}")))?;
+            // A bracketed IPv6 address alone (`[::1]`) is not TOML: a plain list of one.
+            let doc: toml::Table = match format!("v = {raw}").parse() {
+                Ok(doc) => doc,
+                Err(_) if !raw.contains(['"', '\'', '{', '=']) => {
+                    let mut doc = toml::Table::new();
+                    doc.insert(
+                        "v".into(),
+                        toml::Value::Array(vec![toml::Value::String(raw.trim().to_owned())]),
+                    );
+                    doc
+                }
+                Err(e) => return Err(bad(&format!("expected a TOML array: {e}"))),
+            };
             doc.get("v")
                 .cloned()
                 .ok_or_else(|| bad("expected a TOML array"))?
@@ -1035,6 +1045,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.server.trusted_proxies, ["127.0.0.1"]);
+        let c = load(None, &[("SERVICE_SERVER__TRUSTED_PROXIES", "[::1]")]).unwrap();
+        assert_eq!(c.server.trusted_proxies, ["[::1]"]);
         let e = load(
             Some("[server]\ntrusted_proxies = [\"10.0.0.0/8\", \"lb\"]\n"),
             &[],

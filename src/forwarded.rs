@@ -27,7 +27,12 @@ impl TrustedProxies {
     pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<TrustedProxies, String> {
         let mut nets = Vec::with_capacity(entries.len());
         for entry in entries {
+            // `[::1]`, as an IPv6 address is often written, is `::1`.
             let text = entry.as_ref().trim();
+            let text = text
+                .strip_prefix('[')
+                .and_then(|t| t.strip_suffix(']'))
+                .unwrap_or(text);
             let net = match text.parse::<IpNet>() {
                 Ok(net) => net.trunc(),
                 Err(_) => match text.parse::<IpAddr>() {
@@ -141,7 +146,9 @@ mod tests {
 
     #[test]
     fn entries_are_addresses_or_networks() {
-        assert!(TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1", "::1", "fd00::/8"]).is_ok());
+        assert!(
+            TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1", "::1", "fd00::/8", "[::1]"]).is_ok()
+        );
         let err = TrustedProxies::parse(&["10.0.0.0/8", "lb.internal"]).unwrap_err();
         assert!(err.contains("'lb.internal'"), "{err}");
         assert!(TrustedProxies::parse(&["10.0.0.0/33"]).is_err());

@@ -406,14 +406,14 @@ const META_FIELDS: &[&str] = &[
 /// Logs a failed run with its first error (async traces and Kafka
 /// messages), at most ten failure lines a second.
 pub(crate) fn log_failure(outcome: &Outcome, c: &Claimed) {
-    if !crate::api::failure_log_allowed() {
+    let Some(left_out) = crate::api::failure_log_allowed() else {
         return;
-    }
+    };
     let first = outcome.errors.as_array().and_then(|e| e.first());
     let field = |k: &str| first.and_then(|e| e[k].as_str()).unwrap_or("").to_owned();
     tracing::warn!(trace_id = %c.trace_id, channel = %c.channel, attempt = c.attempt,
         code = %field("code"), task_id = %field("task_id"), error = %field("message"),
-        "trace failed");
+        left_out, "trace failed");
 }
 
 /// [`execute`], with a panic in the run turned into a failed run (an

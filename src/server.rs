@@ -341,10 +341,11 @@ async fn handle(
     // A failure on our side or upstream is logged with its request id, at
     // most ten a second (an outage must not flood the log).
     if let Some(f) = response.extensions().get::<crate::api::Failure>()
-        && crate::api::failure_log_allowed()
+        && let Some(left_out) = crate::api::failure_log_allowed()
     {
+        // `left_out`: failure lines not written since the last one.
         tracing::warn!(request_id = %request_id, method = %method, route = %route,
-            code = f.code, task_id = %f.task_id, error = %f.message, "request failed");
+            code = f.code, task_id = %f.task_id, error = %f.message, left_out, "request failed");
     }
     crate::telemetry::record_http(
         &method,
