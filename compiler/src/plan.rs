@@ -409,6 +409,7 @@ fn compile_checked(def: &Json, validated: Vec<Diagnostic>) -> Result<Compiled, V
     errors.extend(cx.errors);
     if !errors.is_empty() {
         dedup(&mut errors);
+        document_order(&mut errors);
         return Err(errors);
     }
     let rollout = obj
@@ -488,6 +489,29 @@ fn reads_data(logic: &Logic) -> bool {
 }
 
 /// The validator and the compiler may both notice one problem; report it once.
+/// Diagnostics in document order (docs/decisions.md: root fields, then
+/// steps depth-first): the validator's and the compiler's lists are
+/// merged, a step's problems staying in the order found. Before, every
+/// JSONLogic problem came after every structural one (`condition` after
+/// `tasks[0].function.name`).
+fn document_order(errors: &mut [Diagnostic]) {
+    fn step_indexes(field: &str) -> Option<Vec<usize>> {
+        if !field.starts_with("tasks") {
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut rest = field;
+        while let Some(at) = rest.find("tasks[") {
+            rest = &rest[at + "tasks[".len()..];
+            let end = rest.find(']')?;
+            out.push(rest[..end].parse().ok()?);
+            rest = &rest[end..];
+        }
+        Some(out)
+    }
+    errors.sort_by_cached_key(|d| step_indexes(&d.field));
+}
+
 fn dedup(errors: &mut Vec<Diagnostic>) {
     let mut seen = std::collections::HashSet::new();
     errors.retain(|d| seen.insert((d.field.clone(), d.message.clone())));

@@ -51,6 +51,34 @@ fn newer_rules_spare_stored_definitions() {
     assert!(crate::plan::compile_new_workflow(&def).is_err());
 }
 
+/// Problems come in document order: root fields (a JSONLogic `condition`
+/// included), then steps depth-first, each step's in the order found.
+#[test]
+fn problems_come_in_document_order() {
+    let def = json!({"name": "w", "condition": {"nosuchop": [1]}, "tasks": [
+        {"id": "a", "name": "a", "function": {"name": "nosuchfn"}},
+        {"id": "g", "tasks": [
+            {"id": "b", "name": "b", "condition": {"nope": 1}, "function": {"name": "log", "input": {"message": "m"}}}
+        ]},
+        {"id": "c", "name": "c", "condition": {"alsonope": 1}, "function": {"name": "log", "input": {"message": "m"}}}
+    ]});
+    let fields: Vec<String> = crate::plan::compile_workflow(&def)
+        .err()
+        .unwrap()
+        .into_iter()
+        .map(|d| d.field)
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "condition",
+            "tasks[0].function.name",
+            "tasks[1].tasks[0].condition",
+            "tasks[2].condition"
+        ]
+    );
+}
+
 fn workflow_with(task: Json) -> Vec<Diagnostic> {
     validate_workflow(&workflow(json!([task])))
 }
