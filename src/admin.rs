@@ -330,7 +330,10 @@ fn checked(
             Ok(compiled) => (Vec::new(), compiled.warnings),
             Err(problems) => (problems, Vec::new()),
         },
-        Kind::Channel => (validate::validate_channel(&def), Vec::new()),
+        Kind::Channel => (
+            validate::validate_channel(&def),
+            validate::channel_warnings(&def),
+        ),
     };
     match id {
         Some(id) if problems.is_empty() => Ok((id, def, warnings)),

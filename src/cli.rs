@@ -166,7 +166,11 @@ fn problems_of(
     };
     match kind {
         "connector" => (kind, validate::validate_connector(def), Vec::new()),
-        "channel" => (kind, validate::validate_channel(def), Vec::new()),
+        "channel" => (
+            kind,
+            validate::validate_channel(def),
+            validate::channel_warnings(def),
+        ),
         _ => match compile_new_workflow(def) {
             Ok(compiled) => (kind, Vec::new(), compiled.warnings),
             Err(problems) => (kind, problems, Vec::new()),

@@ -194,11 +194,11 @@ fn data_of(schema: Json) -> Json {
     json!({"type": "object", "required": ["data"], "properties": {"data": schema}})
 }
 
-/// `{data: <schema>}`, and for a workflow the definition's `warnings` when
-/// it has some (create and update).
+/// `{data: <schema>}`, and for a workflow or a channel the definition's
+/// `warnings` when it has some (create and update).
 fn data_with_warnings(kind: &str, schema: Json) -> Json {
     let mut out = data_of(schema);
-    if kind == "workflows" {
+    if kind == "workflows" || kind == "channels" {
         out["properties"]["warnings"] = json!({"type": "array", "items": {
             "type": "object", "required": ["field", "message"],
             "properties": {"field": {"type": "string"}, "message": {"type": "string"}}}});

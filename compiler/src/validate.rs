@@ -695,6 +695,49 @@ pub const MIN_REQUESTS_PER_SECOND: f64 = 1.0 / 86_400.0;
 // ----------------------------------------------------------------- channels
 
 /// Validates a channel definition; empty means valid.
+/// The fields a channel may have (the spec's, the server-managed ones an
+/// export carries, and `$schema` for editors).
+const CHANNEL_KEYS: &[&str] = &[
+    "channel_id",
+    "name",
+    "description",
+    "channel_type",
+    "protocol",
+    "route_pattern",
+    "methods",
+    "workflow_id",
+    "config_json",
+    "validation_logic",
+    "priority",
+    "status",
+    "version",
+    "created_at",
+    "updated_at",
+    "$schema",
+];
+
+/// A channel's warnings: each top-level key it does not have (a misspelt
+/// `validaton_logic` would otherwise be stored and do nothing), as a
+/// workflow's unknown keys are warned of. (Inside `config_json` an unknown
+/// key is an error.)
+pub fn channel_warnings(def: &Json) -> Vec<Diagnostic> {
+    let Some(obj) = def.as_object() else {
+        return Vec::new();
+    };
+    obj.keys()
+        .filter(|k| !CHANNEL_KEYS.contains(&k.as_str()))
+        .map(|k| {
+            Diagnostic::new(
+                k,
+                format!(
+                    "unknown field, ignored; expected one of {}",
+                    CHANNEL_KEYS.join(", ")
+                ),
+            )
+        })
+        .collect()
+}
+
 pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {
     let mut c = Ctx::default();
     let Some(obj) = c.root(def) else { return c.out };

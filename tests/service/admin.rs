@@ -1881,6 +1881,24 @@ async fn create_and_update_answer_the_definitions_warnings() {
     let r = s.admin("PUT", "/workflows/warned", Some(def)).await;
     r.ok(200);
     assert_eq!(r.body["warnings"][1]["field"], "tasks[0].conditon");
+    // A channel's unknown top-level key too (`validaton_logic` would be
+    // stored and do nothing).
+    let r = s
+        .admin(
+            "POST",
+            "/channels",
+            Some(
+                json!({"channel_id": "warned", "name": "warned", "protocol": "http",
+                "workflow_id": "warned", "validaton_logic": {"var": "data.ok"}}),
+            ),
+        )
+        .await;
+    r.ok(201);
+    assert_eq!(
+        r.body["warnings"][0]["field"], "validaton_logic",
+        "{}",
+        r.text
+    );
     let clean = json!({"workflow_id": "clean", "name": "c", "tasks": [
         {"id": "t", "name": "t", "function": {"name": "log", "input": {"message": "m"}}}]});
     let r = s.admin("POST", "/workflows", Some(clean)).await;
