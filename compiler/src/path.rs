@@ -78,7 +78,7 @@ impl Path {
         if text.is_empty() {
             return Path::default();
         }
-        if !text.contains('\\') && !text.bytes().all(|b| b == b'.') {
+        if !needs_escape_split(text) {
             let segments = text.split('.').map(Segment::parse).collect();
             return Path { segments };
         }
@@ -164,11 +164,17 @@ pub fn has_empty_piece(text: &str) -> bool {
     if text.is_empty() {
         return true;
     }
-    if text.contains('\\') || text.bytes().all(|b| b == b'.') {
+    if needs_escape_split(text) {
         split_escaped(text).iter().any(String::is_empty)
     } else {
         text.split('.').any(str::is_empty)
     }
+}
+
+/// Whether `text` must be split by [`split_escaped`] rather than at every
+/// dot: it holds a backslash, or is dots alone.
+pub(crate) fn needs_escape_split(text: &str) -> bool {
+    text.contains('\\') || text.bytes().all(|b| b == b'.')
 }
 
 /// The keys of a path with escapes (see [`Path::parse`]).

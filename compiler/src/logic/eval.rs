@@ -347,7 +347,7 @@ fn walk_dotted<'a>(c: Cursor<'a>, path: &str, arena: &'a Bump) -> Option<Value<'
     }
     // Escapes (`hello\.world`) and paths of dots alone are split as
     // `Path::parse` splits a constant path (rare: parsed here).
-    if path.contains('\\') || path.bytes().all(|b| b == b'.') {
+    if crate::path::needs_escape_split(path) {
         let parsed = crate::path::Path::parse(path);
         let (first, rest) = parsed.segments().split_first()?;
         let v = match c {
