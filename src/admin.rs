@@ -751,15 +751,25 @@ async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
     let dry_run = dry_run_flag(req)?;
     let mut created = Vec::new();
     let mut failed = Vec::new();
+    // The same warnings create answers, per item (`index` as in `failed`).
+    let mut warned = Vec::new();
     // A dry run answers what the import would: the same checks, and the
     // conflicts with stored resources and with earlier items of the batch.
     let mut seen_ids = std::collections::HashSet::new();
     let mut seen_names = std::collections::HashSet::new();
     for (index, item) in items.into_iter().enumerate() {
         let (id, def) = match checked(kind, item, None)
-            .and_then(|(id, def, _)| storable(app, &def).map(|()| (id, def)))
+            .and_then(|(id, def, w)| storable(app, &def).map(|()| (id, def, w)))
         {
-            Ok(ok) => ok,
+            Ok((id, def, mut warnings)) => {
+                if kind == Kind::Workflow {
+                    warnings.extend(connector_warnings(app, &def));
+                }
+                if !warnings.is_empty() {
+                    warned.push(json!({"index": index, "details": warnings}));
+                }
+                (id, def)
+            }
             Err(e) => {
                 let details = e.details.unwrap_or_else(|| {
                     vec![Diagnostic {
@@ -805,7 +815,14 @@ async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
             }
         }
     }
-    api::ok(&json!({"created": created, "failed": failed, "dry_run": dry_run}))
+    // Warnings only for the items that were (or would be) created.
+    warned.retain(|w| !failed.iter().any(|f| f["index"] == w["index"]));
+    api::ok(&json!({
+        "created": created,
+        "failed": failed,
+        "warnings": warned,
+        "dry_run": dry_run,
+    }))
 }
 
 async fn export(app: &App, req: &Req) -> ApiResult {

@@ -364,6 +364,7 @@ fn fixed_schemas() -> Json {
         "ImportResult": {"type": "object", "properties": {
             "created": {"type": "array", "items": string},
             "failed": {"type": "array", "items": {"type": "object", "properties": {"index": integer, "details": {"type": "array", "items": diagnostic}}}},
+            "warnings": {"type": "array", "description": "Warnings of the items created (or that a dry run would create), as create answers them; absent for connectors.", "items": {"type": "object", "properties": {"index": integer, "details": {"type": "array", "items": diagnostic}}}},
             "dry_run": {"type": "boolean"},
         }},
         "ValidateResult": {"type": "object", "properties": {"valid": {"type": "boolean"}, "warnings": {"type": "array", "items": diagnostic}}},

@@ -1901,9 +1901,42 @@ async fn create_and_update_answer_the_definitions_warnings() {
     );
     let clean = json!({"workflow_id": "clean", "name": "c", "tasks": [
         {"id": "t", "name": "t", "function": {"name": "log", "input": {"message": "m"}}}]});
-    let r = s.admin("POST", "/workflows", Some(clean)).await;
+    let r = s.admin("POST", "/workflows", Some(clean.clone())).await;
     r.ok(201);
     assert!(r.body.get("warnings").is_none(), "{}", r.text);
+
+    // Import answers the same warnings per item, by index, for what it
+    // creates (a dry run for what it would); a failed item has none.
+    let misspelt = json!({"workflow_id": "imported", "name": "i", "descripton": "x",
+        "tasks": [{"id": "t", "name": "t",
+         "function": {"name": "http_call", "input": {"connector": "nowhere"}}}]});
+    let batch = json!([clean, misspelt, {"workflow_id": "broken", "nmae": "b"}]);
+    for dry in [true, false] {
+        let r = s
+            .admin(
+                "POST",
+                &format!("/workflows/import?dry_run={dry}"),
+                Some(batch.clone()),
+            )
+            .await;
+        let data = r.ok(200);
+        assert_eq!(data["created"], json!(["imported"]), "{}", r.text);
+        let warned = data["warnings"].as_array().unwrap();
+        assert_eq!(warned.len(), 1, "{}", r.text);
+        assert_eq!(warned[0]["index"], 1);
+        let fields: Vec<&str> = warned[0]["details"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["field"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            fields,
+            ["descripton", "tasks[0].function.input.connector"],
+            "{}",
+            r.text
+        );
+    }
 }
 
 /// A task's own `loop` is refused (it used to be kept and ignored), and a
