@@ -16,7 +16,7 @@ use crate::app::App;
 use crate::auth::Principal;
 use crate::engine::ReloadError;
 use crate::server::Req;
-use crate::storage::{Audit, Kind, ListQuery, Status, Store};
+use crate::storage::{Audit, Kind, ListQuery, Status, StorageError, Store};
 use http::Method;
 use serde_json::{Value as Json, json};
 use sluice_compiler::diag::Diagnostic;
@@ -595,7 +595,15 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
     };
     let record = app
         .store
-        .set_status(kind, id, target, version, rollout, audit(who, action))
+        .set_status_checked(
+            kind,
+            id,
+            target,
+            version,
+            rollout,
+            audit(who, action),
+            &|record| activatable(kind, record),
+        )
         .await?;
     if kind == Kind::Channel
         && target == Status::Active
@@ -620,6 +628,34 @@ async fn rollout(app: &App, req: &Req, id: &str, who: Principal) -> ApiResult {
         .await?;
     reload_after_change(app, who).await;
     api::ok(&record.to_json(Kind::Workflow))
+}
+
+/// Whether the engine can serve a stored version: a definition stored by an
+/// older release (or edited in the database) may no longer compile, and an
+/// active one that does not would fail every reload after it.
+fn activatable(kind: Kind, record: &crate::storage::Record) -> Result<(), StorageError> {
+    let def = record.to_json(kind);
+    let problems = match kind {
+        Kind::Workflow => match compile_workflow(&def) {
+            Ok(_) => return Ok(()),
+            Err(problems) => problems,
+        },
+        Kind::Channel => validate::validate_channel(&def),
+    };
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(StorageError::Invalid(
+        format!(
+            "{} '{}' version {} cannot be activated: its stored definition is invalid ({} problem{})",
+            kind.label(),
+            record.id,
+            record.version,
+            problems.len(),
+            if problems.len() == 1 { "" } else { "s" }
+        ),
+        problems,
+    ))
 }
 
 /// Lifecycle changes reload the engine (audit-logged). A failed reload leaves

@@ -237,6 +237,9 @@ impl From<StorageError> for ApiError {
             StorageError::NotFound(m) => ApiError::new(Code::NotFound, m),
             StorageError::Conflict(m) => ApiError::new(Code::Conflict, m),
             StorageError::BadRequest(m) => ApiError::new(Code::BadRequest, m),
+            StorageError::Invalid(m, details) => {
+                ApiError::new(Code::BadRequest, m).with_details(details)
+            }
             StorageError::Database(m) => {
                 tracing::error!(error = %m, "storage error");
                 ApiError::internal("storage error; see the service log")

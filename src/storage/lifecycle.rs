@@ -860,8 +860,25 @@ impl Store {
         rollout: Option<i64>,
         audit: Audit,
     ) -> Result<Record, StorageError> {
+        self.set_status_checked(kind, id, target, version, rollout, audit, &|_| Ok(()))
+            .await
+    }
+
+    /// `set_status`, with `check` run on the version the move activates
+    /// (as it is stored), inside the transaction: its error undoes the move.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn set_status_checked(
+        &self,
+        kind: Kind,
+        id: &str,
+        target: Status,
+        version: Option<i64>,
+        rollout: Option<i64>,
+        audit: Audit,
+        check: &(dyn Fn(&Record) -> Result<(), StorageError> + Send + Sync),
+    ) -> Result<Record, StorageError> {
         retry(|| {
-            self.apply_plan_once(kind, id, audit.clone(), move |rows| {
+            self.apply_plan_once(kind, id, audit.clone(), check, move |rows| {
                 plan_status(kind, id, rows, target, version, rollout)
             })
         })
@@ -883,7 +900,7 @@ impl Store {
             ));
         }
         retry(|| {
-            self.apply_plan_once(kind, id, audit.clone(), move |rows| {
+            self.apply_plan_once(kind, id, audit.clone(), &|_| Ok(()), move |rows| {
                 plan_rollout(kind, id, rows, percentage)
             })
         })
@@ -895,6 +912,7 @@ impl Store {
         kind: Kind,
         id: &str,
         audit: Audit,
+        check: &(dyn Fn(&Record) -> Result<(), StorageError> + Send + Sync),
         decide: F,
     ) -> Result<Record, StorageError>
     where
@@ -920,6 +938,9 @@ impl Store {
                 }
             }
             let record = record_from_row(&fetch_one!(&mut *tx, &k.get_version, id, plan.target)?)?;
+            if plan.changes.iter().any(|c| c.version == plan.target && c.to == Status::Active) {
+                check(&record)?;
+            }
             let archived: Vec<i64> = plan.changes.iter()
                 .filter(|c| c.to == Status::Archived && c.version != plan.target)
                 .map(|c| c.version).collect();

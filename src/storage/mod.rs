@@ -63,6 +63,10 @@ pub enum StorageError {
     Conflict(String),
     #[error("{0}")]
     BadRequest(String),
+    /// A 400 with a problem per field (a stored definition that cannot be
+    /// activated).
+    #[error("{0}")]
+    Invalid(String, Vec<sluice_compiler::diag::Diagnostic>),
     #[error("{0}")]
     Database(String),
 }

@@ -2043,3 +2043,65 @@ async fn connectors_named_by_tasks_are_checked_against_the_registry() {
     r.ok(200);
     expect(&r.body);
 }
+
+/// A stored version that no longer compiles (written by an older release,
+/// or edited in the database) is not activated: the move is undone and
+/// answered 400 with the definition's problems, and the engine keeps
+/// reloading. Before, the move was committed, answered 200, and every
+/// reload after it failed.
+#[tokio::test]
+async fn a_stored_version_that_does_not_compile_is_not_activated() {
+    use sqlx::Connection as _;
+    let s = start(Db::Sqlite).await;
+    s.admin("POST", "/workflows", Some(workflow("stale")))
+        .await
+        .ok(201);
+    let mut db = sqlx::SqliteConnection::connect(&s.app.config.storage.url)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE workflows SET definition = ? WHERE id = 'stale'")
+        .bind(
+            json!({"name": "stale", "tasks": [
+                {"id": "a", "name": "a", "function": {"name": "no_such_function", "input": {}}}]})
+            .to_string(),
+        )
+        .execute(&mut db)
+        .await
+        .unwrap();
+    let r = s
+        .admin(
+            "PATCH",
+            "/workflows/stale/status",
+            Some(json!({"status": "active"})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["tasks[0].function.name"], "{}", r.text);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("workflow 'stale' version 1 cannot be activated"),
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        s.admin("GET", "/workflows/stale", None).await.ok(200)["status"],
+        "draft"
+    );
+    // Nothing was recorded, and the next change reloads as usual.
+    let audit = s.admin("GET", "/audit-logs?action=activate", None).await;
+    assert_eq!(audit.body["total"], 0, "{}", audit.text);
+    s.admin("POST", "/workflows", Some(workflow("fresh")))
+        .await
+        .ok(201);
+    s.admin(
+        "PATCH",
+        "/workflows/fresh/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    let reload = s.admin("POST", "/engine/reload", None).await;
+    reload.ok(200);
+}
