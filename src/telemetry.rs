@@ -125,9 +125,14 @@ pub fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::Promethe
                 metrics::describe_counter!(*name, *help);
             }
             // Counters that only move on rare events are shown at zero from
-            // the start, so dashboards and alerts see them before they fire.
+            // the start, so dashboards and alerts see them before they fire:
+            // `errors_total` once per error code (every sample carries its
+            // `type`), the others without labels until their first event
+            // (their labels name connectors, channels and clients).
+            for code in crate::api::Code::ALL {
+                metrics::counter!(names::ERRORS_TOTAL, "type" => code.as_str()).increment(0);
+            }
             for name in [
-                names::ERRORS_TOTAL,
                 names::CIRCUIT_BREAKER_TRIPS_TOTAL,
                 names::CIRCUIT_BREAKER_REJECTIONS_TOTAL,
                 names::RATE_LIMIT_REJECTIONS_TOTAL,

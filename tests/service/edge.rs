@@ -272,6 +272,23 @@ async fn metrics_are_served_in_prometheus_format() {
         );
     }
     assert_eq!(sluice::telemetry::names::ALL.len(), 13);
+    // `errors_total` is shown at zero per error type, never as a sample
+    // without its `type` label.
+    let errors: Vec<&str> = r
+        .text
+        .lines()
+        .filter(|l| l.starts_with("errors_total"))
+        .collect();
+    assert!(
+        errors.iter().all(|l| l.starts_with("errors_total{type=\"")),
+        "{errors:?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|l| l.starts_with("errors_total{type=\"UPSTREAM_ERROR\"}")),
+        "{errors:?}"
+    );
 }
 
 #[tokio::test]

@@ -1228,10 +1228,12 @@ async fn messages_follow_the_rollout_see_masked_credentials_and_refusals_count()
         )),
         "{metrics}"
     );
-    assert!(
-        metrics.contains("errors_total{type=\"BAD_REQUEST\"}"),
-        "{metrics}"
-    );
+    // (At least these two: other tests of this process count there too.)
+    let bad_requests = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("errors_total{type=\"BAD_REQUEST\"} "))
+        .and_then(|n| n.parse::<f64>().ok());
+    assert!(bad_requests.is_some_and(|n| n >= 2.0), "{metrics}");
 }
 
 /// A Kafka channel's `validation_logic` judges each consumed message over
