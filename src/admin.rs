@@ -85,7 +85,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
             match *m {
                 Method::GET => get(app, req, kind, id).await,
                 Method::PUT => update(app, req, kind, id, who).await,
-                Method::DELETE => delete(app, kind, id, who).await,
+                Method::DELETE => delete(app, req, kind, id, who).await,
                 _ => not_allowed("GET, HEAD, PUT, DELETE"),
             }
         }
@@ -426,7 +426,15 @@ async fn update(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) -> A
     with_warnings(http::StatusCode::OK, record.to_json(kind), &warnings)
 }
 
-async fn delete(app: &App, kind: Kind, id: &str, who: Principal) -> ApiResult {
+async fn delete(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) -> ApiResult {
+    // DELETE removes every version (the spec's lifecycle table); a
+    // `?version=` meant for one version must not remove the live one.
+    if req.query("version").is_some() {
+        return Err(ApiError::bad_request(format!(
+            "DELETE removes every version of the {label}; it takes no version (archive a version with PATCH /{label}s/{{id}}/status instead)",
+            label = kind.label()
+        )));
+    }
     app.store.delete(kind, id, audit(who, "delete")).await?;
     reload_after_change(app, who).await;
     api::no_content()
@@ -544,6 +552,13 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
     };
     let rollout = if kind == Kind::Workflow {
         match percentage(&body, "rollout_percentage", false) {
+            Ok(Some(_)) if matches!(target, Some(Status::Archived | Status::Paused)) => {
+                problem(
+                    "rollout_percentage",
+                    "applies only when activating (status active)".into(),
+                );
+                None
+            }
             Ok(p) => p,
             Err(e) => {
                 for d in e.details.unwrap_or_default() {
@@ -583,6 +598,18 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
             }
         },
     };
+    // A misspelt key would otherwise change live traffic in a way the
+    // caller did not ask for (`rollout_percent` activating at 100 %).
+    // (A channel's `rollout_percentage` has its own message above.)
+    let known: &[&str] = match kind {
+        Kind::Workflow => &["status", "version", "rollout_percentage"],
+        Kind::Channel => &["status", "version"],
+    };
+    for key in body.as_object().into_iter().flat_map(|o| o.keys()) {
+        if !known.contains(&key.as_str()) && key != "rollout_percentage" {
+            problem(key, unknown_key_message(known));
+        }
+    }
     let Some(target) = target.filter(|_| problems.is_empty()) else {
         return Err(ApiError::invalid("request", problems));
     };
@@ -619,9 +646,33 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
     api::ok(&record.to_json(kind))
 }
 
+/// The message for a key a small control body (status, rollout) does not
+/// take.
+fn unknown_key_message(known: &[&str]) -> String {
+    format!("unknown field; expected {}", known.join(", "))
+}
+
 async fn rollout(app: &App, req: &Req, id: &str, who: Principal) -> ApiResult {
     let body = req.json()?;
-    let p = percentage(&body, "rollout_percentage", true)?.unwrap_or(100);
+    // Every problem at once: the percentage's and any other key.
+    let (p, mut problems) = match percentage(&body, "rollout_percentage", true) {
+        Ok(p) => (p.unwrap_or(100), Vec::new()),
+        Err(e) if e.details.is_none() => return Err(e),
+        Err(e) => (100, e.details.unwrap_or_default()),
+    };
+    problems.extend(
+        body.as_object()
+            .into_iter()
+            .flat_map(|o| o.keys())
+            .filter(|k| *k != "rollout_percentage")
+            .map(|k| Diagnostic {
+                field: k.clone(),
+                message: unknown_key_message(&["rollout_percentage"]),
+            }),
+    );
+    if !problems.is_empty() {
+        return Err(ApiError::invalid("request", problems));
+    }
     let record = app
         .store
         .set_rollout(Kind::Workflow, id, p, audit(who, "rollout"))
@@ -742,17 +793,25 @@ fn connector_warnings(app: &App, def: &Json) -> Vec<Diagnostic> {
 fn import_items(body: Json) -> Result<Vec<Json>, ApiError> {
     match body {
         Json::Array(items) => Ok(items),
-        Json::Object(mut obj) if obj.len() == 1 => match obj.remove("data") {
-            Some(Json::Array(items)) => Ok(items),
-            _ => Err(not_an_import()),
-        },
+        // An export's `{data}`, or a list's `{data, total, limit, offset}`
+        // (channels and connectors have no export of their own).
+        Json::Object(mut obj)
+            if obj
+                .keys()
+                .all(|k| matches!(k.as_str(), "data" | "total" | "limit" | "offset")) =>
+        {
+            match obj.remove("data") {
+                Some(Json::Array(items)) => Ok(items),
+                _ => Err(not_an_import()),
+            }
+        }
         _ => Err(not_an_import()),
     }
 }
 
 fn not_an_import() -> ApiError {
     ApiError::bad_request(
-        "import expects a JSON array of definitions (or an export's {\"data\": [...]})",
+        "import expects a JSON array of definitions (or an export's or a list's {\"data\": [...]})",
     )
 }
 
@@ -1201,18 +1260,28 @@ async fn engine_reload(app: &App, who: Principal) -> ApiResult {
     match app.changed(Some(audit(who, "reload"))).await {
         Ok(report) => api::ok(&report),
         Err(ReloadError::Storage(e)) => Err(e.into()),
-        Err(ReloadError::Invalid(problems)) => Err(ApiError::invalid("engine reload", problems)),
+        // The request is fine; what is stored cannot be served (edited in
+        // the database, or from an older release): a conflict of state.
+        Err(ReloadError::Invalid(problems)) => Err(ApiError::new(
+            api::Code::Conflict,
+            format!(
+                "the stored definitions cannot be loaded ({} problem{}); the previous engine keeps serving",
+                problems.len(),
+                if problems.len() == 1 { "" } else { "s" }
+            ),
+        )
+        .with_details(problems)),
     }
 }
 
-/// The actions an audit entry may record (shared decisions, plus `pause`).
+/// The actions an audit entry may record (shared decisions). Pausing is an
+/// `update` whose details carry the new status.
 pub(crate) const AUDIT_ACTIONS: &[&str] = &[
     "create",
     "update",
     "delete",
     "activate",
     "archive",
-    "pause",
     "rollout",
     "new_version",
     "import",

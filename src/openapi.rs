@@ -349,16 +349,16 @@ fn fixed_schemas() -> Json {
             "generation": integer, "workflows": integer, "active_workflows": integer, "channels": integer,
             "routes": integer, "duration_ms": {"type": "number"},
         }},
-        "StatusChange": {"type": "object", "required": ["status"], "properties": {
+        "StatusChange": {"type": "object", "required": ["status"], "additionalProperties": false, "properties": {
             "status": {"type": "string", "enum": ["active", "archived", "paused"]},
             "rollout_percentage": {"type": "integer", "minimum": 1, "maximum": 100},
             "version": {"type": "integer", "minimum": 1},
         }},
-        "ChannelStatusChange": {"type": "object", "required": ["status"], "properties": {
+        "ChannelStatusChange": {"type": "object", "required": ["status"], "additionalProperties": false, "properties": {
             "status": {"type": "string", "enum": ["active", "archived", "paused"]},
             "version": {"type": "integer", "minimum": 1},
         }},
-        "RolloutChange": {"type": "object", "required": ["rollout_percentage"], "properties": {
+        "RolloutChange": {"type": "object", "required": ["rollout_percentage"], "additionalProperties": false, "properties": {
             "rollout_percentage": {"type": "integer", "minimum": 1, "maximum": 100},
         }},
         "ImportResult": {"type": "object", "properties": {

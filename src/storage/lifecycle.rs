@@ -545,6 +545,17 @@ pub(crate) fn plan_rollout(
             kind.label()
         )));
     };
+    // The only active version serving everything has no other version to
+    // take the rest: lowering its share would send that part nowhere. (A
+    // version activated partly on purpose keeps its share adjustable.)
+    if older.is_empty() && newest.rollout == 100 && p < 100 {
+        return Err(conflict(format!(
+            "{} '{id}' version {} is the only active version: no other version would serve the remaining {}%; activate a new version with rollout_percentage to start a canary",
+            kind.label(),
+            newest.version,
+            100 - p
+        )));
+    }
     let mut changes = vec![Change {
         version: newest.version,
         from: Status::Active,

@@ -2104,4 +2104,166 @@ async fn a_stored_version_that_does_not_compile_is_not_activated() {
     .ok(200);
     let reload = s.admin("POST", "/engine/reload", None).await;
     reload.ok(200);
+    // An active definition edited in the database: the reload is refused
+    // as a conflict of state (the request is fine), with the problems.
+    sqlx::query("UPDATE workflows SET definition = ?, digest = NULL WHERE id = 'fresh'")
+        .bind(json!({"name": "fresh", "tasks": 7}).to_string())
+        .execute(&mut db)
+        .await
+        .unwrap();
+    let reload = s.admin("POST", "/engine/reload", None).await;
+    reload.error(409, "CONFLICT");
+    assert!(
+        reload.detail_fields()[0].starts_with("workflows['fresh']"),
+        "{}",
+        reload.text
+    );
+}
+
+/// Lifecycle bodies and parameters that would change live traffic in a way
+/// the caller did not ask for are refused: a misspelt key in a status or
+/// rollout body, a rollout that leaves part of the traffic to no version,
+/// `DELETE ?version=` (which would remove every version), and a rollout
+/// share on a move that is not an activation (reported with the body's
+/// other problems).
+#[tokio::test]
+async fn lifecycle_changes_refuse_what_they_would_not_do() {
+    let s = start(Db::Sqlite).await;
+    s.admin("POST", "/workflows", Some(workflow("lc")))
+        .await
+        .ok(201);
+    // `rollout_percent` used to be ignored: the draft went live at 100 %.
+    let r = s
+        .admin(
+            "PATCH",
+            "/workflows/lc/status",
+            Some(json!({"status": "active", "rollout_percent": 10})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["rollout_percent"], "{}", r.text);
+    assert_eq!(
+        s.admin("GET", "/workflows/lc", None).await.ok(200)["status"],
+        "draft"
+    );
+    s.admin(
+        "PATCH",
+        "/workflows/lc/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+
+    // The only active version, serving everything: nothing would take the rest.
+    let r = s
+        .admin(
+            "PATCH",
+            "/workflows/lc/rollout",
+            Some(json!({"rollout_percentage": 50})),
+        )
+        .await;
+    r.error(409, "CONFLICT");
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("only active version"),
+        "{}",
+        r.text
+    );
+    // Every problem of a rollout body at once.
+    let r = s
+        .admin(
+            "PATCH",
+            "/workflows/lc/rollout",
+            Some(json!({"rollout_percentage": 0, "version": 1})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(
+        r.detail_fields(),
+        ["rollout_percentage", "version"],
+        "{}",
+        r.text
+    );
+    // A canary's share can be moved either way.
+    s.admin("POST", "/workflows/lc/versions", None)
+        .await
+        .ok(201);
+    s.admin(
+        "PATCH",
+        "/workflows/lc/status",
+        Some(json!({"status": "active", "rollout_percentage": 10})),
+    )
+    .await
+    .ok(200);
+    for p in [40, 20] {
+        let r = s
+            .admin(
+                "PATCH",
+                "/workflows/lc/rollout",
+                Some(json!({"rollout_percentage": p})),
+            )
+            .await;
+        assert_eq!(r.ok(200)["rollout_percentage"], p, "{}", r.text);
+    }
+
+    // Archiving takes no share; reported with the body's other problems.
+    let r = s
+        .admin(
+            "PATCH",
+            "/workflows/lc/status",
+            Some(json!({"status": "archived", "rollout_percentage": 50, "version": "x"})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(
+        r.detail_fields(),
+        ["rollout_percentage", "version"],
+        "{}",
+        r.text
+    );
+
+    // DELETE removes every version, so a version is refused, not ignored.
+    s.admin("DELETE", "/workflows/lc?version=2", None)
+        .await
+        .error(400, "BAD_REQUEST");
+    s.admin("GET", "/workflows/lc/versions", None).await.ok(200);
+
+    // Pausing is recorded as `update`: `pause` is no audit action to filter on.
+    s.admin("GET", "/audit-logs?action=pause", None)
+        .await
+        .error(400, "BAD_REQUEST");
+}
+
+/// A list answer (`{data, total, limit, offset}`) is accepted as an import
+/// body, as an export's `{data}` is: channels and connectors have no export.
+#[tokio::test]
+async fn a_list_answer_imports_unchanged() {
+    let s = start(Db::Sqlite).await;
+    s.admin("POST", "/workflows", Some(workflow("wf")))
+        .await
+        .ok(201);
+    s.admin(
+        "POST",
+        "/channels",
+        Some(json!({"channel_id": "listed", "name": "listed", "workflow_id": "wf"})),
+    )
+    .await
+    .ok(201);
+    let listed = s.admin("GET", "/channels?limit=5", None).await;
+    listed.ok(200);
+    s.admin("DELETE", "/channels/listed", None).await;
+    let r = s
+        .admin("POST", "/channels/import", Some(listed.body.clone()))
+        .await;
+    assert_eq!(r.ok(200)["created"], json!(["listed"]), "{}", r.text);
+    // Anything else beside `data` is still refused.
+    s.admin(
+        "POST",
+        "/channels/import",
+        Some(json!({"data": [], "items": []})),
+    )
+    .await
+    .error(400, "BAD_REQUEST");
 }
