@@ -587,12 +587,15 @@ pub fn dry_run_answer(e: &Execution) -> Json {
                 FailureKind::Upstream => "UPSTREAM_ERROR",
                 FailureKind::Task => "TASK_ERROR",
             };
-            (
-                "failed",
-                vec![
-                    json!({"code": code, "task_id": f.task_id, "field": f.field, "message": f.message}),
-                ],
-            )
+            // A halting validation lists each failed rule, as the data
+            // plane's `details` and an async trace's `errors` do.
+            let item = |message: &str| json!({"code": code, "task_id": f.task_id, "field": f.field, "message": message});
+            let items = if f.messages.is_empty() {
+                vec![item(&f.message)]
+            } else {
+                f.messages.iter().map(|m| item(m)).collect()
+            };
+            ("failed", items)
         }
     };
     errors.splice(

@@ -595,7 +595,16 @@ impl Cx {
     /// Compiles a JSONLogic field whose problems are errors. Absent or
     /// constant-true compiles to `None` ("always").
     fn condition(&mut self, rule: Option<&Json>, field: &str) -> Option<Logic> {
-        let logic = self.logic(rule?, field)?;
+        let rule = rule?;
+        if rule.is_null() {
+            // A JSONLogic literal, and falsy: most likely meant as "none".
+            self.warnings.push(Diagnostic {
+                field: field.into(),
+                message: "null is a falsy JSONLogic literal: this never runs (omit the key to always run)"
+                    .into(),
+            });
+        }
+        let logic = self.logic(rule, field)?;
         if logic.is_always_true() {
             None
         } else {
@@ -1324,6 +1333,21 @@ mod tests {
             .map(|(p, l)| (WritePath::parse(p), logic::compile(l).unwrap()))
             .collect();
         batches(&compiled)
+    }
+
+    /// `"condition": null` is a valid rule (a falsy literal) that is most
+    /// likely meant as "no condition": a warning, on the workflow and on a
+    /// task, and nothing for an absent condition.
+    #[test]
+    fn a_null_condition_is_a_warning() {
+        let def = json!({"workflow_id": "w", "name": "w", "condition": null, "tasks": [
+            {"id": "a", "name": "a", "condition": null,
+             "function": {"name": "log", "input": {"message": "m"}}},
+            {"id": "b", "name": "b", "function": {"name": "log", "input": {"message": "m"}}}]});
+        let compiled = compile_workflow(&def).unwrap();
+        let fields: Vec<&str> = compiled.warnings.iter().map(|w| w.field.as_str()).collect();
+        assert_eq!(fields, ["condition", "tasks[0].condition"]);
+        assert!(compiled.warnings[0].message.contains("never runs"));
     }
 
     /// `cache_write.ttl_secs` is any positive number of seconds, kept to the

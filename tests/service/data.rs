@@ -247,6 +247,25 @@ async fn failures_map_to_statuses_and_errors_are_collected() {
         .map(|d| d["message"].clone())
         .collect();
     assert_eq!(messages, vec![json!("first"), json!("second")]);
+    // A dry run lists the same messages, one error each.
+    let dry = s
+        .admin("POST", "/workflows/strict/test", Some(json!({"data": {}})))
+        .await;
+    let messages: Vec<_> = dry.ok(200)["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["code"].clone(), d["message"].clone()))
+        .collect();
+    assert_eq!(
+        messages,
+        [
+            (json!("VALIDATION_ERROR"), json!("first")),
+            (json!("VALIDATION_ERROR"), json!("second"))
+        ],
+        "{}",
+        dry.text
+    );
 
     // continue_on_error collects TASK_ERROR entries with 200.
     let mut tolerant = tagging_workflow("tolerant", "t");
