@@ -120,7 +120,23 @@ impl CacheStore {
             Backend::Redis(m) => {
                 // The manager is a cheap handle over one multiplexed connection.
                 let mut conn = m.clone();
-                conn.get(key).await.map_err(redis_err)
+                let bytes: Option<Vec<u8>> = conn.get(key).await.map_err(redis_err)?;
+                // A value that is not text (written by another client) is
+                // this key's problem, not the server's: not retried, and not
+                // counted by the breaker (before, the client's conversion
+                // error was taken for a network failure).
+                bytes
+                    .map(|b| {
+                        String::from_utf8(b).map_err(|_| {
+                            ConnectorError::new(
+                                ConnectorErrorKind::Upstream,
+                                format!(
+                                    "redis: the value of key '{key}' is not UTF-8 text (cache_read reads text and JSON)"
+                                ),
+                            )
+                        })
+                    })
+                    .transpose()
             }
         }
     }
@@ -209,6 +225,30 @@ mod tests {
 
     fn prefix() -> String {
         format!("sluice_c_{}:", uuid::Uuid::new_v4().simple())
+    }
+
+    /// A Redis value that is not UTF-8 fails the read without a retry (so
+    /// the breaker does not count it), and the store stays usable.
+    #[tokio::test]
+    async fn redis_binary_value_is_not_retryable() {
+        let store = CacheStore::connect(&redis_cfg(REDIS_URL)).await.unwrap();
+        let p = prefix();
+        let client = redis::Client::open(REDIS_URL).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let _: () = redis::AsyncCommands::set(
+            &mut conn,
+            format!("{p}bin"),
+            vec![0xde_u8, 0xad, 0xbe, 0xef],
+        )
+        .await
+        .unwrap();
+        let e = store.get(&format!("{p}bin")).await.unwrap_err();
+        assert!(!e.retryable, "{e:?}");
+        assert!(e.message.contains("is not UTF-8 text"), "{}", e.message);
+        basics(&store, &p).await;
+        let _: () = redis::AsyncCommands::del(&mut conn, format!("{p}bin"))
+            .await
+            .unwrap();
     }
 
     /// Get/set/overwrite/missing, the same for both backends.

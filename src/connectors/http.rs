@@ -82,10 +82,13 @@ fn secret_value(connector: &str, header: &str, v: &str) -> Result<HeaderValue, C
 }
 
 impl HttpConn {
+    /// `from_env`: the values the config took from the environment, masked
+    /// like credentials wherever they would show.
     pub fn build(
         name: &str,
         cfg: &HttpConnector,
         settings: &HttpSettings,
+        from_env: &[String],
     ) -> Result<HttpConn, ConnectorError> {
         install_crypto_provider();
         let url = reqwest::Url::parse(&cfg.url)
@@ -113,7 +116,7 @@ impl HttpConn {
                 secrets.push(token.clone());
             }
             Some(HttpAuth::Basic { username, password }) => {
-                let encoded = base64(format!("{username}:{password}").as_bytes());
+                let encoded = base64(&format!("{username}:{password}"));
                 let v = secret_value(name, "authorization", &format!("Basic {encoded}"))?;
                 headers.insert(reqwest::header::AUTHORIZATION, v);
                 secrets.extend([password.clone(), encoded]);
@@ -124,19 +127,42 @@ impl HttpConn {
             }
         }
         if let Some(password) = url.password() {
+            let user = crate::server::decode(url.username());
+            let decoded = crate::server::decode(password);
+            // The client sends a URL's user and password as Basic auth, so
+            // an echo of the request shows them base64-encoded.
+            secrets.push(base64(&format!("{user}:{decoded}")));
             secrets.push(password.to_owned());
-            secrets.push(crate::server::decode(password).into_owned());
+            secrets.push(decoded.into_owned());
         }
-        for (k, v) in url.query_pairs() {
-            if is_secret_key(&k) {
-                secrets.push(v.into_owned());
+        // Secret query values as sent (percent-encoded) and decoded.
+        for pair in url.query().unwrap_or_default().split('&') {
+            if let Some((k, raw)) = pair.split_once('=')
+                && is_secret_key(&crate::server::decode(k))
+            {
+                secrets.push(raw.to_owned());
+                secrets.push(crate::server::decode(&raw.replace('+', " ")).into_owned());
             }
         }
         // A connector with credentials follows redirects within its origin
         // only (see `ssrf::redirect_policy`); so does a call whose task
         // adds a credential header (`strict`).
         let keep_origin = !secrets.is_empty();
-        let secrets = usable_secrets(secrets);
+        // What came from the environment is masked whatever its field: a
+        // URL's path and query alone too (a webhook URL's secret part,
+        // echoed as the request line).
+        for value in from_env {
+            secrets.push(value.clone());
+            if let Ok(u) = reqwest::Url::parse(value) {
+                if u.path().len() > 1 {
+                    secrets.push(u.path().to_owned());
+                }
+                if let Some(q) = u.query() {
+                    secrets.push(q.to_owned());
+                }
+            }
+        }
+        let secrets = super::secret_forms(secrets);
         let timeout = cfg
             .timeout_ms
             .map_or(settings.default_timeout, Duration::from_millis);
@@ -181,13 +207,8 @@ impl HttpConn {
     /// `text` with every credential of the connector (and `more`, the
     /// task's own credential header values) replaced by `******`.
     fn scrub(&self, text: String, more: &[String]) -> String {
-        let mut text = text;
-        for s in self.secrets.iter().chain(more) {
-            if text.contains(s.as_str()) {
-                text = text.replace(s.as_str(), sluice_compiler::validate::MASK);
-            }
-        }
-        text
+        let text = super::mask_values(&text, &self.secrets);
+        super::mask_values(&text, more)
     }
 
     /// [`Self::scrub`] over every string and key of an answer.
@@ -310,7 +331,7 @@ impl HttpConn {
             .map_err(|_| ConnectorError::other(format!("{what}: invalid method")))?;
         // A credential header the task adds: kept to the origin too, and
         // masked in error text like the connector's own.
-        let task_secrets = usable_secrets(
+        let task_secrets = super::secret_forms(
             req.headers
                 .iter()
                 .filter(|(k, _)| is_secret_header(k))
@@ -319,8 +340,7 @@ impl HttpConn {
                         v.clone(),
                         v.rsplit(' ').next().unwrap_or_default().to_owned(),
                     ]
-                })
-                .collect(),
+                }),
         );
         let client = if task_secrets.is_empty() {
             &self.client
@@ -408,27 +428,10 @@ async fn read_capped(
     Ok(body.freeze())
 }
 
-/// Standard base64 with padding (RFC 4648), for Basic auth; a dozen lines
-/// rather than a dependency for one header built once per connector.
-fn base64(input: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
-    for chunk in input.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+/// Standard base64 (RFC 4648, padded): how Basic auth sends `user:password`.
+fn base64(text: &str) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(text)
 }
 
 /// The response body as JSON when it parses, else as a string; an empty body
@@ -444,13 +447,6 @@ fn parse_body(bytes: &[u8]) -> Json {
 /// Secrets worth masking by value: at least 6 characters (shorter ones
 /// match ordinary words: a `X-Idempotency-Key: json` masked "invalid json"),
 /// longest first, each once.
-fn usable_secrets(mut secrets: Vec<String>) -> Vec<String> {
-    secrets.retain(|s| s.chars().count() >= 6);
-    secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
-    secrets.dedup();
-    secrets
-}
-
 /// The start of an error body, for the task error message.
 fn snippet(text: &str) -> String {
     const MAX: usize = 200;
@@ -567,7 +563,7 @@ mod tests {
 
     fn conn(url: &str, allow: bool) -> HttpConn {
         let cfg: HttpConnector = serde_json::from_value(serde_json::json!({"url": url})).unwrap();
-        HttpConn::build("api", &cfg, &settings(allow)).unwrap()
+        HttpConn::build("api", &cfg, &settings(allow), &[]).unwrap()
     }
 
     fn get(path: &str) -> HttpRequest {
@@ -597,7 +593,7 @@ mod tests {
 
     fn conn_with(config: serde_json::Value) -> HttpConn {
         let cfg: HttpConnector = serde_json::from_value(config).unwrap();
-        HttpConn::build("api", &cfg, &settings(true)).unwrap()
+        HttpConn::build("api", &cfg, &settings(true), &[]).unwrap()
     }
 
     /// An upstream that echoes the credentials it was sent in an error
@@ -633,6 +629,57 @@ mod tests {
                 .contains("denied for Bearer ****** with key ******"),
             "{}",
             e.message
+        );
+    }
+
+    /// An upstream that echoes the request it received (request line and
+    /// headers) in a 200 answer shows none of the connector's secrets in
+    /// the forms it was sent them: a URL's user and password as Basic
+    /// auth (base64), a percent-encoded query key as written, and any
+    /// value taken from the environment, a URL's path included.
+    #[tokio::test]
+    async fn encoded_and_environment_secrets_are_masked_in_an_echo() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 8192];
+            let n = sock.read(&mut buf).await.unwrap();
+            let got = String::from_utf8_lossy(&buf[..n]).into_owned();
+            let body = serde_json::json!({"echo": got}).to_string();
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            sock.write_all(reply.as_bytes()).await.unwrap();
+            got
+        });
+        // As if `url` and the `X-Tenant` header came from `env://` values.
+        let url = format!(
+            "http://alice:plainpw99@{addr}/hook/T0001/webhooksecretXYZ?api_key=Sekr%2Ft%2Bv%3Dal99"
+        );
+        let cfg: HttpConnector = serde_json::from_value(serde_json::json!({"url": url,
+            "headers": {"X-Tenant": "tenant-value-from-env"}}))
+        .unwrap();
+        let from_env = [url.clone(), "tenant-value-from-env".to_owned()];
+        let c = HttpConn::build("api", &cfg, &settings(true), &from_env).unwrap();
+        let mut req = get("");
+        req.path = None;
+        let answer = c.send(&CallScope::default(), &req).await.unwrap();
+        let sent = server.await.unwrap();
+        let basic = base64("alice:plainpw99");
+        for secret in [
+            basic.as_str(),
+            "Sekr%2Ft%2Bv%3Dal99",
+            "tenant-value-from-env",
+            "/hook/T0001/webhooksecretXYZ",
+        ] {
+            assert!(sent.contains(secret), "not sent: {secret} in {sent}");
+            assert!(!answer.to_string().contains(secret), "{secret}: {answer}");
+        }
+        assert!(
+            answer["echo"].as_str().unwrap().contains("Basic ******"),
+            "{answer}"
         );
     }
 
@@ -840,7 +887,7 @@ mod tests {
             ("foob", "Zm9vYg=="),
             ("user:pa ss", "dXNlcjpwYSBzcw=="),
         ] {
-            assert_eq!(base64(plain.as_bytes()), encoded);
+            assert_eq!(base64(plain), encoded);
         }
     }
 

@@ -46,6 +46,10 @@ pub struct QuietLog {
     /// never).
     last: AtomicU64,
     left_out: AtomicU64,
+    /// Values masked in every line (a connector's values taken from the
+    /// environment, its SASL password): librdkafka names brokers it cannot
+    /// resolve.
+    secrets: Vec<String>,
 }
 
 impl QuietLog {
@@ -62,7 +66,14 @@ impl QuietLog {
             started: Instant::now(),
             last: AtomicU64::new(0),
             left_out: AtomicU64::new(0),
+            secrets: Vec::new(),
         }
+    }
+
+    /// The same, masking `secrets` in every line.
+    pub fn masking(mut self, secrets: Vec<String>) -> QuietLog {
+        self.secrets = super::secret_forms(secrets);
+        self
     }
 
     /// `Some(lines left out since the last one)` when a line may be written.
@@ -92,6 +103,7 @@ impl QuietLog {
             return;
         }
         if let Some(left_out) = self.admit() {
+            let message = super::mask_values(message, &self.secrets);
             tracing::warn!(about = %self.about, left_out, "kafka client: {facility} {message}");
         }
     }
@@ -99,7 +111,8 @@ impl QuietLog {
     /// Writes a client error report.
     pub fn error_line(&self, error: &KafkaError, reason: &str) {
         if let Some(left_out) = self.admit() {
-            tracing::warn!(about = %self.about, left_out, "kafka client: {error}: {reason}");
+            let text = super::mask_values(&format!("{error}: {reason}"), &self.secrets);
+            tracing::warn!(about = %self.about, left_out, "kafka client: {text}");
         }
     }
 }
@@ -147,6 +160,7 @@ impl KafkaProducer {
         name: &str,
         cfg: &KafkaConnector,
         delivery_timeout: Duration,
+        from_env: &[String],
     ) -> Result<KafkaProducer, ConnectorError> {
         let brokers = cfg.brokers.list().join(",");
         let sasl = cfg.sasl.as_ref().map(|s| {
@@ -156,15 +170,20 @@ impl KafkaProducer {
                 s.password.as_str(),
             )
         });
+        // A broker list from the environment is masked whole and host by host.
+        let mut secrets: Vec<String> = from_env
+            .iter()
+            .flat_map(|v| std::iter::once(v.clone()).chain(v.split(',').map(str::to_owned)))
+            .collect();
+        secrets.extend(cfg.sasl.as_ref().map(|s| s.password.clone()));
+        let log = QuietLog::new(format!("connector '{name}'")).masking(secrets.clone());
         let producer = producer_config(&brokers, cfg.client_id.as_deref(), sasl, delivery_timeout)
-            .create_with_context::<_, FutureProducer<QuietLog>>(QuietLog::new(format!(
-                "connector '{name}'"
-            )))
+            .create_with_context::<_, FutureProducer<QuietLog>>(log)
             .map_err(|e| {
-                // librdkafka names the property, never its value.
-                ConnectorError::other(format!(
-                    "connector '{name}': cannot create a Kafka producer: {e}"
-                ))
+                // librdkafka names the property, never its value; masked
+                // all the same.
+                let message = format!("connector '{name}': cannot create a Kafka producer: {e}");
+                ConnectorError::other(super::mask_values(&message, &super::secret_forms(secrets)))
             })?;
         Ok(KafkaProducer {
             producer,

@@ -70,7 +70,9 @@ impl Entry {
 
     /// The typed config with every `env://VAR` string replaced by the
     /// variable's value. Errors name the variable, never a value.
-    fn resolved(&self) -> Result<ConnectorConfig, ConnectorError> {
+    /// The typed config, and the values taken from the environment (none
+    /// of which may appear in an answer, error or log line).
+    fn resolved(&self) -> Result<(ConnectorConfig, Vec<String>), ConnectorError> {
         if let Err(e) = &self.typed {
             return Err(ConnectorError::other(format!(
                 "connector '{}' has an invalid config: {e}",
@@ -78,46 +80,92 @@ impl Entry {
             )));
         }
         let mut def = self.def.clone();
-        def.config = resolve_env(&def.config, &self.name)?;
+        let mut from_env = Vec::new();
+        def.config = resolve_env(&def.config, &self.name, &mut from_env)?;
         // Only strings changed and they were strings before, so this parses
         // as the unresolved config did; a failure here says nothing secret.
-        def.typed().map_err(|_| {
+        let typed = def.typed().map_err(|_| {
             ConnectorError::other(format!(
                 "connector '{}': a value taken from the environment does not fit its field",
                 self.name
             ))
-        })
+        })?;
+        Ok((typed, from_env))
     }
 }
 
-/// Replaces `env://VAR` strings (whole strings only) at any depth.
-fn resolve_env(v: &Json, connector: &str) -> Result<Json, ConnectorError> {
+/// Replaces `env://VAR` strings (whole strings only) at any depth; the
+/// values put in are added to `from_env`.
+fn resolve_env(
+    v: &Json,
+    connector: &str,
+    from_env: &mut Vec<String>,
+) -> Result<Json, ConnectorError> {
     Ok(match v {
         Json::String(s) => match s.strip_prefix("env://") {
             None => v.clone(),
-            Some(var) => Json::String(std::env::var(var).map_err(|e| {
-                let why = match e {
-                    std::env::VarError::NotPresent => "is not set",
-                    std::env::VarError::NotUnicode(_) => "is not valid UTF-8",
-                };
-                ConnectorError::other(format!(
-                    "connector '{connector}': environment variable '{var}' {why}"
-                ))
-            })?),
+            Some(var) => {
+                let value = std::env::var(var).map_err(|e| {
+                    let why = match e {
+                        std::env::VarError::NotPresent => "is not set",
+                        std::env::VarError::NotUnicode(_) => "is not valid UTF-8",
+                    };
+                    ConnectorError::other(format!(
+                        "connector '{connector}': environment variable '{var}' {why}"
+                    ))
+                })?;
+                from_env.push(value.clone());
+                Json::String(value)
+            }
         },
         Json::Array(items) => Json::Array(
             items
                 .iter()
-                .map(|i| resolve_env(i, connector))
+                .map(|i| resolve_env(i, connector, from_env))
                 .collect::<Result<_, _>>()?,
         ),
         Json::Object(m) => Json::Object(
             m.iter()
-                .map(|(k, i)| Ok((k.clone(), resolve_env(i, connector)?)))
+                .map(|(k, i)| Ok((k.clone(), resolve_env(i, connector, from_env)?)))
                 .collect::<Result<_, ConnectorError>>()?,
         ),
         _ => v.clone(),
     })
+}
+
+/// The forms in which a secret can come back in an upstream's answer or a
+/// client's error text: as it is, JSON-escaped (an answer quoting it in a
+/// JSON string), and, for a URL taken from the environment, its path and
+/// query alone (an echo of the request line). Values shorter than six
+/// characters are left out (masking them would mask ordinary text), and
+/// the longest come first, so a longer form is masked before a part of it.
+pub(crate) fn secret_forms(values: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut out = Vec::new();
+    for v in values {
+        if let Ok(text) = serde_json::to_string(&v) {
+            let escaped = &text[1..text.len() - 1];
+            if escaped != v {
+                out.push(escaped.to_owned());
+            }
+        }
+        out.push(v);
+    }
+    out.retain(|s| s.chars().count() >= 6);
+    out.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    out.dedup();
+    out
+}
+
+/// `text` with every one of `secrets` (longest first) replaced by the mask.
+pub(crate) fn mask_values(text: &str, secrets: &[String]) -> String {
+    let mut text = std::borrow::Cow::Borrowed(text);
+    for s in secrets {
+        if text.contains(s.as_str()) {
+            text =
+                std::borrow::Cow::Owned(text.replace(s.as_str(), sluice_compiler::validate::MASK));
+        }
+    }
+    text.into_owned()
 }
 
 /// The process's connectors: registry, built clients and the call policy.
@@ -241,10 +289,14 @@ impl Connectors {
         entry
             .built
             .get_or_try_init(|| async {
-                Ok(match entry.resolved()? {
-                    ConnectorConfig::Http(cfg) => {
-                        Built::Http(http::HttpConn::build(&entry.name, &cfg, &self.http)?)
-                    }
+                let (config, from_env) = entry.resolved()?;
+                Ok(match config {
+                    ConnectorConfig::Http(cfg) => Built::Http(http::HttpConn::build(
+                        &entry.name,
+                        &cfg,
+                        &self.http,
+                        &from_env,
+                    )?),
                     ConnectorConfig::Db(cfg) => Built::Sql(sql::SqlPool::connect(&cfg).await?),
                     ConnectorConfig::Cache(cfg) => {
                         Built::Cache(cache::CacheStore::connect(&cfg).await?)
@@ -256,6 +308,7 @@ impl Connectors {
                         &entry.name,
                         &cfg,
                         self.http.default_timeout,
+                        &from_env,
                     )?),
                     ConnectorConfig::ObjectStorage(_) => {
                         return Err(ConnectorError::other(format!(
@@ -459,15 +512,34 @@ mod tests {
         // forbids it), so the test reads one every environment has.
         let path = std::env::var("PATH").unwrap();
         let v = json!({"a": "env://PATH", "b": ["env://PATH", 1], "c": "plain env://PATH"});
-        let r = resolve_env(&v, "c1").unwrap();
+        let mut from_env = Vec::new();
+        let r = resolve_env(&v, "c1", &mut from_env).unwrap();
         assert_eq!(r["a"], json!(path));
         assert_eq!(r["b"][0], json!(path));
         assert_eq!(r["c"], "plain env://PATH");
-        let e = resolve_env(&json!({"t": "env://SLUICE_SURELY_UNSET_VAR_1"}), "c1").unwrap_err();
+        // Every value put in is remembered, to be masked wherever it shows.
+        assert_eq!(from_env, [path.clone(), path]);
+        let e = resolve_env(
+            &json!({"t": "env://SLUICE_SURELY_UNSET_VAR_1"}),
+            "c1",
+            &mut from_env,
+        )
+        .unwrap_err();
         assert_eq!(
             e.message,
             "connector 'c1': environment variable 'SLUICE_SURELY_UNSET_VAR_1' is not set"
         );
         assert!(!e.retryable);
+    }
+
+    #[test]
+    fn secrets_are_masked_in_their_escaped_forms_too() {
+        let forms = secret_forms(["tok\"quote\\slash99".to_owned(), "short".to_owned()]);
+        assert_eq!(forms, ["tok\\\"quote\\\\slash99", "tok\"quote\\slash99"]);
+        let text = "denied: Bearer tok\\\"quote\\\\slash99 (raw tok\"quote\\slash99), short";
+        assert_eq!(
+            mask_values(text, &forms),
+            "denied: Bearer ****** (raw ******), short"
+        );
     }
 }

@@ -15,7 +15,7 @@
 //! | `BOOL`, MySQL `TINYINT(1)`/`BOOLEAN`, SQLite columns declared `BOOLEAN` | boolean |
 //! | `TIMESTAMPTZ`, MySQL `TIMESTAMP` | RFC 3339 string in UTC (`2026-11-22T10:15:00Z`, fraction only when non-zero) |
 //! | `TIMESTAMP` (PostgreSQL), `DATETIME` | RFC 3339 string, the zone-less value taken as UTC |
-//! | `DATE` / `TIME` | `YYYY-MM-DD` / `HH:MM:SS[.fraction]` (RFC 3339 full-date / partial-time; PostgreSQL's `24:00:00` as is) |
+//! | `DATE` / `TIME` | `YYYY-MM-DD` / `HH:MM:SS[.fraction]` (RFC 3339 full-date / partial-time; PostgreSQL's `24:00:00` as is; MySQL's durations as `[-]HHH:MM:SS`, e.g. `-02:30:00`, `838:59:59`) |
 //! | PostgreSQL `infinity` / `-infinity` (`DATE`, `TIMESTAMP`, `TIMESTAMPTZ`) | the strings `"infinity"` / `"-infinity"`; other values beyond year 9999 are an error suggesting a cast to text |
 //! | `JSON`/`JSONB` (PostgreSQL, MySQL) | the JSON value itself |
 //! | `BYTEA`, SQLite `BLOB` values, MySQL `GEOMETRY` | standard base64 string |
@@ -542,9 +542,9 @@ fn mysql_cell(row: &MySqlRow, i: usize, name: &str) -> CellResult {
         "TIMESTAMP" => offset_dt(de(row.try_get::<time::OffsetDateTime, _>(i))?)?,
         "DATETIME" => offset_dt(de(row.try_get::<time::PrimitiveDateTime, _>(i))?.assume_utc())?,
         "DATE" => date(de(row.try_get::<time::Date, _>(i))?)?,
-        // TIME spans -838:59:59..838:59:59 in MySQL; what `time::Time`
-        // cannot hold is an error naming the column.
-        "TIME" => time_of_day(de(row.try_get::<time::Time, _>(i))?)?,
+        // TIME spans -838:59:59..838:59:59 in MySQL (a duration as much
+        // as a time of day: TIMEDIFF, SEC_TO_TIME); all of it is read.
+        "TIME" => mysql_time(&de(row.try_get::<sqlx::mysql::types::MySqlTime, _>(i))?),
         "BIT" => {
             let b = bytes()?;
             if b.len() > 8 {
@@ -742,6 +742,27 @@ fn pg_time(micros: i64) -> CellResult {
     }
     let t = time::Time::MIDNIGHT + time::Duration::microseconds(micros);
     time_of_day(t)
+}
+
+/// A MySQL/MariaDB `TIME`: `[-]HH:MM:SS[.fraction]`, hours past 23 (up
+/// to 838) and negative values as the server writes them; within a day the
+/// same text as a time of day.
+fn mysql_time(t: &sqlx::mysql::types::MySqlTime) -> Json {
+    // `sign()`, not `MySqlTime::is_negative`, which in sqlx 0.8.6 answers
+    // `is_positive`.
+    let sign = if t.sign().is_negative() { "-" } else { "" };
+    let mut out = format!(
+        "{sign}{:02}:{:02}:{:02}",
+        t.hours(),
+        t.minutes(),
+        t.seconds()
+    );
+    if t.microseconds() != 0 {
+        let fraction = format!("{:06}", t.microseconds());
+        out.push('.');
+        out.push_str(fraction.trim_end_matches('0'));
+    }
+    Json::String(out)
 }
 
 fn time_of_day(t: time::Time) -> CellResult {
@@ -1342,6 +1363,15 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(rows, vec![json!({"i": 12345678901234567_i64, "small": 0.001, "nothing": null, "yes": 1})]);
+            // TIME is a duration as much as a time of day: past 24 hours,
+            // negative, with a fraction.
+            let rows = pool
+                .read("SELECT SEC_TO_TIME(90000) AS longer, TIMEDIFF('2024-01-01 10:00', '2024-01-01 12:30') AS back,
+                       CAST('-838:59:59' AS TIME) AS least, CAST('07:08:09.25' AS TIME(2)) AS frac, CAST('00:00:00' AS TIME) AS zero", &[])
+                .await
+                .unwrap();
+            assert_eq!(rows, vec![json!({"longer": "25:00:00", "back": "-02:30:00", "least": "-838:59:59",
+                "frac": "07:08:09.25", "zero": "00:00:00"})]);
             pool.write("INSERT INTO t (id, s) VALUES (2, 'x'), (3, 'x'), (4, 'y')", &[]).await.unwrap();
             let rows = pool
                 .read("SELECT id FROM t WHERE id > ? AND s = ? ORDER BY id", &[json!(2), json!("x")])
