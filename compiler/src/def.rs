@@ -817,6 +817,15 @@ pub struct CacheConnector {
 #[derive(Serialize, Deserialize, schemars::JsonSchema, Debug, Clone, PartialEq)]
 pub struct MongoConnector {
     pub connection_string: String,
+    /// How long to wait for a server to connect to (the driver's connect
+    /// and server-selection timeouts); default 5 s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub connect_timeout_ms: Option<u64>,
+    /// The limit of one whole `mongo_read` query; default 30 s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub query_timeout_ms: Option<u64>,
     #[serde(default)]
     pub retry: RetryPolicy,
 }

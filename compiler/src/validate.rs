@@ -1193,6 +1193,8 @@ pub fn validate_connector(def: &Json) -> Vec<Diagnostic> {
                         check_mongodb_hosts(&mut c, s, &at);
                     }
                 }
+                c.integer(cfg, "query_timeout_ms", &at, false, Some(1), None);
+                c.integer(cfg, "connect_timeout_ms", &at, false, Some(1), None);
             }
             ConnectorType::Kafka => check_kafka_connector(&mut c, cfg, &at),
             ConnectorType::ObjectStorage => {
@@ -1571,6 +1573,17 @@ pub fn is_secret_key(k: &str) -> bool {
     SECRET_KEYS.contains(&k.as_str()) || SECRET_SUFFIXES.iter().any(|s| k.ends_with(s))
 }
 
+/// Whether a URL query parameter of this name carries a credential: the
+/// key rule, plus the names signed and keyed URLs use (`sig` and
+/// `X-Amz-Signature` of a presigned or SAS URL, Azure Functions' `code`,
+/// `pwd`, `pass`, `auth`).
+pub fn is_secret_query_param(name: &str) -> bool {
+    let k = key_words(name);
+    is_secret_key(name)
+        || matches!(k.as_str(), "sig" | "code" | "pwd" | "pass" | "auth")
+        || k.ends_with("signature")
+}
+
 /// A key as the secret rule compares it: lowercase, without the `_` and `-`
 /// that separate its words.
 fn key_words(k: &str) -> String {
@@ -1732,7 +1745,7 @@ fn url_query_secrets(text: &str) -> Vec<std::ops::Range<usize>> {
     for pair in text[q..end].split('&') {
         if let Some((name, value)) = pair.split_once('=')
             && !value.is_empty()
-            && is_secret_key(name)
+            && is_secret_query_param(name)
         {
             let start = at + name.len() + 1;
             out.push(start..start + value.len());

@@ -6,8 +6,10 @@
 //! (`sluice_runtime::connectors`), so both backends behave the same way.
 //!
 //! The memory backend keeps at most `max_entries` entries (default
-//! [`DEFAULT_MAX_ENTRIES`]); past that, moka evicts by its TinyLFU policy, so
-//! a new key may be the one dropped. Each entry carries its own TTL. The
+//! [`DEFAULT_MAX_ENTRIES`]); past that, the least recently used entry is
+//! evicted (moka's LRU policy: its default, TinyLFU, may refuse a new key
+//! instead, so a write that succeeded read back as a miss). Each entry
+//! carries its own TTL. The
 //! memory cache belongs to one connector instance: it is not shared across
 //! processes and starts empty on restart.
 //!
@@ -86,6 +88,7 @@ impl CacheStore {
                 Backend::Memory(
                     moka::sync::Cache::builder()
                         .max_capacity(max)
+                        .eviction_policy(moka::policy::EvictionPolicy::lru())
                         .expire_after(PerEntryTtl)
                         .build(),
                 )
@@ -335,6 +338,14 @@ mod tests {
             }
         }
         assert!((1..=10).contains(&present), "{present} entries readable");
+        // The newest writes are the ones kept.
+        for i in 195..200 {
+            assert_eq!(
+                store.get(&format!("k{i}")).await.unwrap(),
+                Some(i.to_string()),
+                "k{i}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -8,7 +8,7 @@ use super::ssrf;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value as Json;
 use sluice_compiler::def::{HttpAuth, HttpConnector};
-use sluice_compiler::validate::{is_secret_header, is_secret_key};
+use sluice_compiler::validate::{is_secret_header, is_secret_query_param};
 use sluice_runtime::connectors::{CallScope, ConnectorError, ConnectorErrorKind, HttpRequest};
 use std::sync::{Arc, Once};
 use std::time::Duration;
@@ -138,7 +138,7 @@ impl HttpConn {
         // Secret query values as sent (percent-encoded) and decoded.
         for pair in url.query().unwrap_or_default().split('&') {
             if let Some((k, raw)) = pair.split_once('=')
-                && is_secret_key(&crate::server::decode(k))
+                && is_secret_query_param(&crate::server::decode(k))
             {
                 secrets.push(raw.to_owned());
                 secrets.push(crate::server::decode(&raw.replace('+', " ")).into_owned());

@@ -42,6 +42,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct MongoPool {
     client: mongodb::Client,
+    /// The limit of one whole `find` (`query_timeout_ms`, else
+    /// [`FIND_TIMEOUT`]).
+    find_timeout: Duration,
 }
 
 impl std::fmt::Debug for MongoPool {
@@ -64,12 +67,24 @@ impl MongoPool {
                 )
                 .retryable(retryable)
             })?;
+        // The connector's `connect_timeout_ms` bounds both waits for a
+        // server; without it the URL's own settings, else our defaults.
+        if let Some(ms) = cfg.connect_timeout_ms {
+            let d = Duration::from_millis(ms);
+            opts.server_selection_timeout = Some(d);
+            opts.connect_timeout = Some(d);
+        }
         opts.server_selection_timeout
             .get_or_insert(SERVER_SELECTION_TIMEOUT);
         opts.connect_timeout.get_or_insert(CONNECT_TIMEOUT);
         opts.app_name.get_or_insert_with(|| "sluice".to_owned());
         let client = mongodb::Client::with_options(opts).map_err(mongo_err)?;
-        Ok(MongoPool { client })
+        Ok(MongoPool {
+            client,
+            find_timeout: cfg
+                .query_timeout_ms
+                .map_or(FIND_TIMEOUT, Duration::from_millis),
+        })
     }
 
     /// Documents of `database.collection` matching `filter`, in the server's
@@ -81,13 +96,19 @@ impl MongoPool {
         filter: Json,
     ) -> Result<Vec<Json>, ConnectorError> {
         let filter = filter_doc(filter)?;
-        match tokio::time::timeout(FIND_TIMEOUT, self.find_inner(database, collection, filter))
-            .await
+        match tokio::time::timeout(
+            self.find_timeout,
+            self.find_inner(database, collection, filter),
+        )
+        .await
         {
             Ok(r) => r,
             Err(_) => Err(ConnectorError::new(
                 ConnectorErrorKind::Timeout,
-                format!("mongodb find timed out after {} s", FIND_TIMEOUT.as_secs()),
+                format!(
+                    "mongodb find timed out after {} ms",
+                    self.find_timeout.as_millis()
+                ),
             )),
         }
     }
@@ -191,6 +212,8 @@ mod tests {
     fn cfg(url: &str) -> MongoConnector {
         MongoConnector {
             connection_string: url.to_owned(),
+            connect_timeout_ms: None,
+            query_timeout_ms: None,
             retry: Default::default(),
         }
     }
@@ -325,5 +348,41 @@ mod tests {
         let e = MongoPool::connect(&cfg("mongo://nope")).await.unwrap_err();
         assert_eq!(e.kind, ConnectorErrorKind::Other);
         assert!(!e.retryable);
+    }
+
+    /// The connector's `connect_timeout_ms` bounds the wait for a server
+    /// (it was accepted and ignored: 5 s), and `query_timeout_ms` a whole
+    /// query.
+    #[tokio::test]
+    async fn the_connectors_timeouts_apply() {
+        let mut c = cfg("mongodb://127.0.0.1:1/");
+        c.connect_timeout_ms = Some(300);
+        let pool = MongoPool::connect(&c).await.unwrap();
+        let started = std::time::Instant::now();
+        pool.find("x", "y", json!({})).await.unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        // A server that accepts and never answers: the query's own limit
+        // ends the wait.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((sock, _)) = listener.accept().await {
+                open.push(sock);
+            }
+        });
+        let mut c = cfg(&format!("mongodb://127.0.0.1:{port}/"));
+        c.query_timeout_ms = Some(300);
+        let pool = MongoPool::connect(&c).await.unwrap();
+        let started = std::time::Instant::now();
+        let e = pool.find("x", "y", json!({})).await.unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::Timeout, "{e:?}");
+        assert!(e.message.contains("after 300 ms"), "{}", e.message);
+        assert!(started.elapsed() < Duration::from_secs(2));
+        held.abort();
     }
 }

@@ -786,16 +786,21 @@ fn time_of_day(t: time::Time) -> CellResult {
 /// they were all busy: a timeout.
 fn acquire_err(e: sqlx::Error, open: u32, cause: Option<&str>) -> ConnectorError {
     match e {
-        sqlx::Error::PoolTimedOut if open == 0 => ConnectorError::new(
-            ConnectorErrorKind::Upstream,
-            match cause {
-                Some(why) => format!(
+        sqlx::Error::PoolTimedOut if open == 0 => match cause {
+            Some(why) => ConnectorError::new(
+                ConnectorErrorKind::Upstream,
+                format!(
                     "cannot connect to the database: {why} (no connection within connect_timeout_ms)"
                 ),
-                None => "cannot connect to the database (no connection within connect_timeout_ms)"
-                    .to_owned(),
-            },
-        )
+            ),
+            // Nothing refused the connection: the server did not answer in
+            // time, so the connector's own timeout ran out (504, as for
+            // every connector timeout).
+            None => ConnectorError::new(
+                ConnectorErrorKind::Timeout,
+                "cannot connect to the database: no answer within connect_timeout_ms",
+            ),
+        }
         .retryable(true),
         e => sql_err(e),
     }
@@ -1474,5 +1479,31 @@ mod tests {
                 e.message
             );
         }
+    }
+
+    /// A server that accepts the connection and never answers: the
+    /// connector's own connect timeout ran out, a `Timeout` (504).
+    #[tokio::test]
+    async fn a_silent_server_is_a_connect_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((sock, _)) = listener.accept().await {
+                open.push(sock);
+            }
+        });
+        for url in [
+            format!("postgres://postgres@127.0.0.1:{port}/test"),
+            format!("mysql://root@127.0.0.1:{port}/test"),
+        ] {
+            let mut c = cfg(&url);
+            c.connect_timeout_ms = Some(300);
+            let pool = SqlPool::connect(&c).await.expect("lazy: no connection yet");
+            let e = pool.read("SELECT 1", &[]).await.unwrap_err();
+            assert_eq!(e.kind, ConnectorErrorKind::Timeout, "{url}: {e:?}");
+            assert!(e.retryable, "{url}: {e:?}");
+        }
+        held.abort();
     }
 }

@@ -1984,4 +1984,14 @@ fn url_query_credentials_are_masked() {
     ] {
         assert_eq!(mask_url_credentials(plain), None, "{plain}");
     }
+    // Signed and keyed URLs (SAS, presigned S3, Azure Functions).
+    assert_eq!(
+        mask_url_credentials(
+            "https://a.example.com/f?sv=2022&sig=S1GN&X-Amz-Signature=AB12&code=FNKEY&pwd=PW&auth=AU"
+        )
+        .as_deref(),
+        Some(
+            "https://a.example.com/f?sv=2022&sig=******&X-Amz-Signature=******&code=******&pwd=******&auth=******"
+        )
+    );
 }
