@@ -438,15 +438,23 @@ async fn run_sync(
     // task that failed under `continue_on_error`, perhaps for a moment)
     // would be served for the whole TTL.
     let clean = execution.as_ref().is_ok_and(|e| e.errors.is_empty());
+    // An open breaker's 503 says when to come back: at the latest when its
+    // cooldown has run out (a half-open probe may close it then).
+    let breaker_retry = app
+        .config
+        .engine
+        .circuit_breaker
+        .recovery_timeout_secs
+        .max(1);
     let body = match traced {
-        None => respond(channel, execution?, engine_lock_ms)?,
+        None => respond(channel, execution?, engine_lock_ms, breaker_retry)?,
         Some(traced) => {
             // The task records outlive the execution `respond` consumes.
             let tasks = execution
                 .as_ref()
                 .map(|e| e.tasks.clone())
                 .unwrap_or_default();
-            let answer = execution.and_then(|e| respond(channel, e, engine_lock_ms));
+            let answer = execution.and_then(|e| respond(channel, e, engine_lock_ms, breaker_retry));
             end_span(
                 traced,
                 req,
@@ -508,6 +516,7 @@ fn respond(
     channel: &Channel,
     execution: Execution,
     engine_lock_ms: Option<f64>,
+    breaker_retry_secs: u64,
 ) -> Result<Bytes, ApiError> {
     if execution.matched.is_none() {
         return Err(ApiError::not_found(unmatched_message(
@@ -532,9 +541,14 @@ fn respond(
                 .collect()
         };
         let message = format!("task '{}' failed: {}", f.task_id, f.message);
-        return Err(ApiError::new(code, message)
+        let error = ApiError::new(code, message)
             .with_details(details)
-            .with_task(f.task_id.clone()));
+            .with_task(f.task_id.clone());
+        return Err(if code == Code::ServiceUnavailable {
+            error.with_retry_after(breaker_retry_secs)
+        } else {
+            error
+        });
     }
     // The envelope goes around the serialized data in its own buffer: its
     // opening was written before the data (`Options::data_prefix`).

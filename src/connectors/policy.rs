@@ -397,11 +397,31 @@ impl Policy {
     {
         let breaker = self.breakers.breaker(&scope.channel, connector);
         let mut retries = 0u32;
+        // The failure a retry is about to repeat: when the breaker opens
+        // before the retry, the call fails with it (the cause), not with
+        // the breaker's refusal.
+        let mut last: Option<ConnectorError> = None;
         loop {
             let permit = match &breaker {
                 Some(b) => match self.breakers.admit(b) {
                     Ok(p) => Some(p),
-                    Err(e) => return (Err(e), retries),
+                    Err(refused) => {
+                        let Some(mut cause) = last else {
+                            return (Err(refused), retries);
+                        };
+                        // The refused retry was not made.
+                        let made = retries - 1;
+                        let after = match made {
+                            0 => String::new(),
+                            1 => "after 1 retry; ".to_owned(),
+                            n => format!("after {n} retries; "),
+                        };
+                        cause.message = format!(
+                            "{} ({after}then the circuit breaker '{}' opened)",
+                            cause.message, b.key
+                        );
+                        return (Err(cause), made);
+                    }
                 },
                 None => None,
             };
@@ -419,6 +439,7 @@ impl Policy {
                 Err(e) if e.retryable && retries < retry.max_retries => {
                     tokio::time::sleep(backoff(retry, retries)).await;
                     retries += 1;
+                    last = Some(e);
                 }
                 Err(mut e) => {
                     if retries > 0 {
@@ -517,6 +538,40 @@ mod tests {
         assert_eq!(r.unwrap(), 7);
     }
 
+    /// A breaker that opens during one call's retries ends the call with
+    /// the failure that opened it (and says so), not the breaker's refusal:
+    /// the caller learns the cause. The next call is refused as open.
+    #[tokio::test]
+    async fn a_breaker_opening_during_retries_keeps_the_cause() {
+        let policy = Policy::new(&cfg(2, 30));
+        let p = RetryPolicy {
+            max_retries: 5,
+            retry_delay_ms: 1,
+        };
+        let n = AtomicUsize::new(0);
+        let e = policy
+            .call(&scope(), "c", &p, || async {
+                n.fetch_add(1, Ordering::Relaxed);
+                Err::<(), _>(upstream())
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(n.load(Ordering::Relaxed), 2);
+        assert_eq!(e.kind, ConnectorErrorKind::Upstream, "{e:?}");
+        assert!(
+            e.message.starts_with(&upstream().message)
+                && e.message
+                    .ends_with("(after 1 retry; then the circuit breaker 'ch:c' opened)"),
+            "{}",
+            e.message
+        );
+        let e = policy
+            .call(&scope(), "c", &p, || async { Ok(()) })
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::CircuitOpen);
+    }
+
     #[tokio::test]
     async fn breaker_opens_at_the_threshold_probes_once_and_closes() {
         let policy = Policy::new(&cfg(3, 0));
@@ -571,9 +626,11 @@ mod tests {
             max_retries: 5,
             retry_delay_ms: 1,
         };
-        // The first failure opens it, which also stops the retries.
+        // The first failure opens it, which also stops the retries; the
+        // call fails with that failure.
         let e = policy.call(&scope(), "c", &p, op).await.unwrap_err();
-        assert_eq!(e.kind, ConnectorErrorKind::CircuitOpen);
+        assert_eq!(e.kind, ConnectorErrorKind::Upstream);
+        assert_eq!(e.message, "boom (then the circuit breaker 'ch:c' opened)");
         assert_eq!(n.load(Ordering::Relaxed), 1);
         // Still cooling down: listed as open.
         assert_eq!(policy.breakers.list()[0]["state"], "open");

@@ -605,6 +605,19 @@ async fn circuit_breaker_opens_probes_and_closes() {
     run(&s, "brk", json!({})).await.error(502, "UPSTREAM_ERROR");
     let r = run(&s, "brk", json!({})).await;
     r.error(503, "SERVICE_UNAVAILABLE");
+    // When to come back: at the latest when the cooldown has run out.
+    assert_eq!(
+        r.headers["retry-after"],
+        s.app
+            .config
+            .engine
+            .circuit_breaker
+            .recovery_timeout_secs
+            .max(1)
+            .to_string(),
+        "{}",
+        r.text
+    );
     assert_eq!(hits(), 2, "an open breaker does not call the upstream");
     let r = s.admin("GET", "/connectors/circuit-breakers", None).await;
     let b = &r.ok(200)[0];
