@@ -370,9 +370,7 @@ async fn list(app: &App, req: &Req, kind: Kind) -> ApiResult {
 
 async fn create(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
     let (id, def, mut warnings) = checked(kind, req.json()?, None)?;
-    if kind == Kind::Workflow {
-        warnings.extend(connector_warnings(app, &def));
-    }
+    warnings.extend(reference_warnings(app, kind, &def).await?);
     storable(app, &def)?;
     let record = app
         .store
@@ -415,9 +413,7 @@ async fn get(app: &App, req: &Req, kind: Kind, id: &str) -> ApiResult {
 
 async fn update(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) -> ApiResult {
     let (_, def, mut warnings) = checked(kind, req.json()?, Some(id))?;
-    if kind == Kind::Workflow {
-        warnings.extend(connector_warnings(app, &def));
-    }
+    warnings.extend(reference_warnings(app, kind, &def).await?);
     storable(app, &def)?;
     let record = app
         .store
@@ -736,6 +732,31 @@ async fn validate_workflow(app: &App, req: &Req) -> ApiResult {
     }
 }
 
+/// Warnings about what a definition names that does not exist (yet): a
+/// workflow's connectors, a channel's `workflow_id`.
+async fn reference_warnings(
+    app: &App,
+    kind: Kind,
+    def: &Json,
+) -> Result<Vec<Diagnostic>, ApiError> {
+    if kind == Kind::Workflow {
+        return Ok(connector_warnings(app, def));
+    }
+    let Some(workflow) = def.get("workflow_id").and_then(Json::as_str) else {
+        return Ok(Vec::new());
+    };
+    match app.store.get(Kind::Workflow, workflow, None).await {
+        Ok(_) => Ok(Vec::new()),
+        Err(StorageError::NotFound(_)) => Ok(vec![Diagnostic {
+            field: "workflow_id".into(),
+            message: format!(
+                "no workflow '{workflow}' exists; the channel answers 404 until one is created and activated"
+            ),
+        }]),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Warnings about the connectors a workflow's tasks name: one that does
 /// not exist (yet: it may be created after the workflow), or one of
 /// another type than the function calls. Either fails the task when it
@@ -857,9 +878,7 @@ async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
             .and_then(|(id, def, w)| storable(app, &def).map(|()| (id, def, w)))
         {
             Ok((id, def, mut warnings)) => {
-                if kind == Kind::Workflow {
-                    warnings.extend(connector_warnings(app, &def));
-                }
+                warnings.extend(reference_warnings(app, kind, &def).await?);
                 if !warnings.is_empty() {
                     warned.push(json!({"index": index, "details": warnings}));
                 }

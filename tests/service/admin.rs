@@ -1899,6 +1899,24 @@ async fn create_and_update_answer_the_definitions_warnings() {
         "{}",
         r.text
     );
+    // A channel naming a workflow that does not exist: stored, and warned.
+    let r = s
+        .admin(
+            "POST",
+            "/channels",
+            Some(json!({"channel_id": "orphan", "name": "orphan", "workflow_id": "nowhere"})),
+        )
+        .await;
+    r.ok(201);
+    assert_eq!(r.body["warnings"][0]["field"], "workflow_id", "{}", r.text);
+    assert!(
+        r.body["warnings"][0]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("no workflow 'nowhere' exists"),
+        "{}",
+        r.text
+    );
     let clean = json!({"workflow_id": "clean", "name": "c", "tasks": [
         {"id": "t", "name": "t", "function": {"name": "log", "input": {"message": "m"}}}]});
     let r = s.admin("POST", "/workflows", Some(clean.clone())).await;
