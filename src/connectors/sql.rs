@@ -40,6 +40,11 @@
 //! matching SQL type; arrays and objects bind as their JSON text (on
 //! PostgreSQL write `CAST($1 AS JSONB)` to store them in a JSONB column). A
 //! PostgreSQL null is sent untyped so the server infers its type from context.
+//! A PostgreSQL string is sent as `text` (parameters travel in binary form,
+//! so the server cannot parse an untyped one as another type): compare or
+//! store it in a column of another type with a cast, `WHERE id = $1::int`,
+//! `$1::uuid`, `$1::date`, `$1::numeric` (a path parameter is always a
+//! string). MySQL and MariaDB convert by themselves.
 //!
 //! Timeouts: `connect_timeout_ms` bounds waiting for a pooled connection
 //! (including connecting); `query_timeout_ms` bounds each query. A query that
