@@ -208,6 +208,14 @@ fn write_element(
     match value {
         Value::Array(items) => {
             for item in *items {
+                // Repeated elements flatten one level; a second would be
+                // merged into the first, and could not be read back.
+                if let Value::Array(_) = item {
+                    return Err(format!(
+                        "'{name}' holds an array inside an array, which has no XML form: \
+                         wrap each inner array in an object ({{\"item\": [...]}})"
+                    ));
+                }
                 write_element(name, item, out, depth + 1)?;
             }
         }
@@ -221,14 +229,14 @@ fn write_element(
                     out.push(' ');
                     out.push_str(attr);
                     out.push_str("=\"");
-                    push_scalar(v, out, true);
+                    push_scalar(attr, v, out, true)?;
                     out.push('"');
                 }
             }
             out.push('>');
             for (k, v) in members.iter() {
                 if *k == "#text" {
-                    push_scalar(v, out, false);
+                    push_scalar(name, v, out, false)?;
                 } else if !k.starts_with('@') {
                     write_element(k, v, out, depth + 1)?;
                 }
@@ -248,7 +256,7 @@ fn write_element(
             out.push('<');
             out.push_str(name);
             out.push('>');
-            push_scalar(scalar, out, false);
+            push_scalar(name, scalar, out, false)?;
             out.push_str("</");
             out.push_str(name);
             out.push('>');
@@ -257,7 +265,11 @@ fn write_element(
     Ok(())
 }
 
-fn push_scalar(v: &Value<'_>, out: &mut String, attribute: bool) {
+/// Writes a scalar's text, escaped. A character XML 1.0 cannot carry at
+/// all (a control character other than tab, line feed and carriage
+/// return, or U+FFFE/U+FFFF), even as a character reference, is an error
+/// naming the element or attribute: the document would not parse.
+fn push_scalar(name: &str, v: &Value<'_>, out: &mut String, attribute: bool) -> Result<(), String> {
     let text: std::borrow::Cow<'_, str> = match v {
         Value::Null => "".into(),
         Value::Bool(b) => if *b { "true" } else { "false" }.into(),
@@ -266,11 +278,21 @@ fn push_scalar(v: &Value<'_>, out: &mut String, attribute: bool) {
             v.to_json_string().into()
         }
     };
+    if let Some(c) = text
+        .chars()
+        .find(|c| matches!(c, '\0'..='\x08' | '\x0B' | '\x0C' | '\x0E'..='\x1F' | '\u{FFFE}' | '\u{FFFF}'))
+    {
+        return Err(format!(
+            "'{name}' holds the character U+{:04X}, which XML 1.0 cannot carry",
+            u32::from(c)
+        ));
+    }
     if attribute {
         out.push_str(&quick_xml::escape::escape(text.as_ref()));
     } else {
         out.push_str(&quick_xml::escape::partial_escape(text.as_ref()));
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -343,5 +365,28 @@ mod tests {
             to_xml(&wrapped, "root").unwrap(),
             "<root><item>1</item><item>2</item></root>"
         );
+    }
+
+    /// What XML cannot carry is refused, naming where, rather than written
+    /// into a document other parsers reject (a control character) or that
+    /// reads back as something else (an array inside an array, flattened).
+    #[test]
+    fn what_xml_cannot_carry_is_refused() {
+        let arena = Bump::new();
+        let ctl = json!({"ctl": "a\u{1}b"});
+        let e = to_xml(&Value::from_json(&ctl, &arena), "root").unwrap_err();
+        assert_eq!(
+            e,
+            "'ctl' holds the character U+0001, which XML 1.0 cannot carry"
+        );
+        let attr = json!({"@id": "x\u{1F}"});
+        let e = to_xml(&Value::from_json(&attr, &arena), "root").unwrap_err();
+        assert!(e.starts_with("'id' holds the character U+001F"), "{e}");
+        let nested = json!({"arr": [1, [2, 3]]});
+        let e = to_xml(&Value::from_json(&nested, &arena), "root").unwrap_err();
+        assert!(e.starts_with("'arr' holds an array inside an array"), "{e}");
+        // Tab, line feed and carriage return are characters XML keeps.
+        let ok = json!({"t": "a\tb\nc\rd"});
+        assert!(to_xml(&Value::from_json(&ok, &arena), "root").is_ok());
     }
 }
