@@ -201,6 +201,7 @@ impl ApiError {
             code: self.code.as_str(),
             task_id: self.task_id.clone().unwrap_or_default(),
             message: self.message.clone(),
+            channel: String::new(),
         });
         if failure.is_none() {
             tracing::debug!(code = self.code.as_str(), error = %self.message, "request refused");
@@ -336,6 +337,8 @@ pub struct Failure {
     pub code: &'static str,
     pub task_id: String,
     pub message: String,
+    /// The data-plane channel that failed (empty elsewhere).
+    pub channel: String,
 }
 
 /// At most ten failure lines a second (the second and the count so far,

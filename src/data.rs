@@ -158,6 +158,10 @@ pub async fn handle(
     };
     // CORS headers go on errors too, so a browser client can read them.
     let mut response = result.unwrap_or_else(ApiError::into_response);
+    // A failure's log line names the channel (the route label is shared).
+    if let Some(f) = response.extensions_mut().get_mut::<crate::api::Failure>() {
+        f.channel.clone_from(&channel.name);
+    }
     governance::decorate(channel, &req.headers, &mut response);
     Ok(response)
 }

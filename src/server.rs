@@ -345,7 +345,8 @@ async fn handle(
     {
         // `left_out`: failure lines not written since the last one.
         tracing::warn!(request_id = %request_id, method = %method, route = %route,
-            code = f.code, task_id = %f.task_id, error = %f.message, left_out, "request failed");
+            channel = %f.channel, code = f.code, task_id = %f.task_id, error = %f.message,
+            left_out, "request failed");
     }
     crate::telemetry::record_http(
         &method,

@@ -1017,6 +1017,7 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
     assert!(
         line.contains("0b6f7a52-3c1e-4f5a-9d7e-2a1b3c4d5e6f")
             && line.contains("UPSTREAM_ERROR")
+            && line.contains("channel=f ")
             && line.contains("Connection refused"),
         "{line}"
     );
