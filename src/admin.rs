@@ -968,19 +968,12 @@ async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
             "the body must be a JSON object {\"data\": …, \"metadata\"?: {…}}",
         ));
     }
-    if let Some(meta) = body.get("metadata")
-        && !meta.is_object()
-        && !meta.is_null()
-    {
-        return Err(ApiError::invalid(
-            "request",
-            vec![Diagnostic::type_mismatch(
-                &sluice_compiler::diag::FieldPath::root().key("metadata"),
-                "object",
-                meta,
-            )],
-        ));
+    let meta = body.get("metadata").unwrap_or(&Json::Null);
+    let problems = crate::data::metadata_problems(meta);
+    if !problems.is_empty() {
+        return Err(ApiError::invalid("request", problems));
     }
+    let meta_str = |k: &str| crate::data::metadata_str(meta, k);
     // A version that is not one used to run the latest instead.
     let version = version_param(req)?;
     let record = app.store.get(Kind::Workflow, id, version).await?;
@@ -1004,9 +997,9 @@ async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
             headers: &h,
             query: &q,
             path: &p,
-            method: "POST",
-            channel: "",
-            request_id: req.request_id.as_str(),
+            method: meta_str("method").unwrap_or("POST"),
+            channel: meta_str("channel").unwrap_or(""),
+            request_id: meta_str("request_id").unwrap_or(req.request_id.as_str()),
             extra: &[],
         },
         bucket: None,

@@ -269,10 +269,9 @@ fn dry_run_answer(
         None => Json::Null,
     };
     // As `POST /workflows/{id}/test` checks its `metadata`.
-    if !(meta.is_object() || meta.is_null()) {
-        let at = sluice_compiler::diag::FieldPath::root().key("metadata");
-        let problem = sluice_compiler::diag::Diagnostic::type_mismatch(&at, "object", &meta);
-        return Err(ApiError::invalid("request", vec![problem]).body());
+    let problems = crate::data::metadata_problems(&meta);
+    if !problems.is_empty() {
+        return Err(ApiError::invalid("request", problems).body());
     }
     let pairs = |area| crate::data::metadata_pairs(&meta, area);
     let (headers, query, path) = (pairs("headers"), pairs("query"), pairs("path"));
@@ -289,9 +288,9 @@ fn dry_run_answer(
             headers: &h,
             query: &q,
             path: &p,
-            method: "POST",
-            channel: "",
-            request_id: "dry-run",
+            method: crate::data::metadata_str(&meta, "method").unwrap_or("POST"),
+            channel: crate::data::metadata_str(&meta, "channel").unwrap_or(""),
+            request_id: crate::data::metadata_str(&meta, "request_id").unwrap_or("dry-run"),
             extra: &[],
         },
         bucket: None,

@@ -632,6 +632,48 @@ pub fn dry_run_answer(e: &Execution) -> Json {
     })
 }
 
+/// What a dry run's (or a test case's) `metadata` may hold: what a
+/// request's does (shared decisions), the three maps and `method`,
+/// `channel`, `request_id` as strings (defaults POST, none, the run's own
+/// id). Anything else is a problem, not dropped: a misspelt key would run
+/// the workflow on other metadata than the writer meant. `null` is none.
+pub fn metadata_problems(meta: &Json) -> Vec<Diagnostic> {
+    const KEYS: [&str; 6] = [
+        "headers",
+        "query",
+        "path",
+        "method",
+        "channel",
+        "request_id",
+    ];
+    let root = sluice_compiler::diag::FieldPath::root().key("metadata");
+    let Some(members) = meta.as_object() else {
+        return if meta.is_null() {
+            Vec::new()
+        } else {
+            vec![Diagnostic::type_mismatch(&root, "object", meta)]
+        };
+    };
+    let mut problems = Vec::new();
+    for (k, v) in members {
+        let at = root.key(k);
+        if !KEYS.contains(&k.as_str()) {
+            problems.push(Diagnostic::new(
+                at,
+                format!("unknown field; expected {}", KEYS.join(", ")),
+            ));
+        } else if KEYS[3..].contains(&k.as_str()) && !v.is_string() {
+            problems.push(Diagnostic::type_mismatch(&at, "string", v));
+        }
+    }
+    problems
+}
+
+/// A string member of a dry run's `metadata` (`method`, `channel`, `request_id`).
+pub fn metadata_str<'m>(meta: &'m Json, key: &str) -> Option<&'m str> {
+    meta.get(key).and_then(Json::as_str)
+}
+
 /// `{headers, query, path}` of a dry-run's `metadata` as owned pairs (header
 /// names lowercased; non-string values as JSON text).
 pub fn metadata_pairs(meta: &Json, area: &str) -> Vec<(String, String)> {

@@ -95,7 +95,13 @@ impl ChannelInvoker for Invoker {
         // Outside clients are identified by IP; a caller channel is its own
         // client, so a callee's rate limit meters each calling channel.
         let client = format!("channel:{}", scope.channel);
-        let request_id = uuid::Uuid::new_v4().to_string();
+        // The caller's request id, so the callee's log lines and its
+        // `metadata.request_id` name the same request.
+        let request_id = req
+            .request_id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let headers = [("x-request-id", request_id.as_str())];
         let view = View {
             client_ip: &client,
             method: "POST",
@@ -143,7 +149,7 @@ impl ChannelInvoker for Invoker {
             body: &body,
             payload_from: PayloadFrom::Whole,
             meta: Meta {
-                headers: &[],
+                headers: &headers,
                 query: &[],
                 path: &[],
                 method: "POST",

@@ -57,7 +57,8 @@ struct Case {
 struct Request {
     #[serde(default)]
     data: Json,
-    /// `{headers?, query?, path?}`, as the data plane passes them.
+    /// `{headers?, query?, path?, method?, channel?, request_id?}`, as the
+    /// data plane passes them.
     #[serde(default)]
     metadata: Json,
 }
@@ -423,9 +424,9 @@ fn run_case(
             headers: &h,
             query: &q,
             path: &p,
-            method: "POST",
-            channel: "",
-            request_id: "sluice-test",
+            method: crate::data::metadata_str(meta, "method").unwrap_or("POST"),
+            channel: crate::data::metadata_str(meta, "channel").unwrap_or(""),
+            request_id: crate::data::metadata_str(meta, "request_id").unwrap_or("sluice-test"),
             extra: &[],
         },
         bucket: None,
@@ -518,14 +519,24 @@ fn load(path: &Path) -> Result<TestFile, String> {
         path.extension().and_then(|e| e.to_str()),
         Some("yaml" | "yml")
     );
-    if yaml {
+    let file: TestFile = if yaml {
         let value: serde_norway::Value =
             serde_norway::from_str(&text).map_err(|e| format!("not valid YAML: {e}"))?;
-        serde_path_to_error::deserialize(value).map_err(|e| format!("not a test file: {e}"))
+        serde_path_to_error::deserialize(value).map_err(|e| format!("not a test file: {e}"))?
     } else {
         let de = &mut serde_json::Deserializer::from_str(&text);
-        serde_path_to_error::deserialize(de).map_err(|e| format!("not a test file: {e}"))
+        serde_path_to_error::deserialize(de).map_err(|e| format!("not a test file: {e}"))?
+    };
+    // A case's metadata is checked as the test endpoint checks a dry run's.
+    for (i, case) in file.cases.iter().enumerate() {
+        if let Some(p) = crate::data::metadata_problems(&case.request.metadata).first() {
+            return Err(format!(
+                "not a test file: cases[{i}].request.{}: {}",
+                p.field, p.message
+            ));
+        }
     }
+    Ok(file)
 }
 
 /// Files under `dir` (recursively, in name order) whose name `keep` accepts.

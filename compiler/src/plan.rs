@@ -112,7 +112,9 @@ pub struct Task {
     /// Where the task sits in the definition, e.g. `tasks[1].tasks[0]`.
     pub field: Box<str>,
     pub condition: Option<Logic>,
-    pub continue_on_error: bool,
+    /// The task's own `continue_on_error`; unset, the workflow's applies
+    /// (an explicit `false` makes this task halt under a tolerant workflow).
+    pub continue_on_error: Option<bool>,
     pub terminal: bool,
     /// `halt_on: failure`: a failure halts even under `continue_on_error`.
     pub halt_on_failure: bool,
@@ -711,7 +713,7 @@ impl Cx {
             id,
             field: field.into(),
             condition,
-            continue_on_error: bool_field(obj, "continue_on_error"),
+            continue_on_error: obj.get("continue_on_error").and_then(Json::as_bool),
             terminal: bool_field(obj, "terminal"),
             halt_on_failure: str_field(obj, "halt_on") == Some("failure"),
             function,

@@ -124,6 +124,9 @@ pub struct InvokeRequest {
     /// chosen for the same caller as the caller's was (a canary at 30%
     /// sees the same 30% of callers through a `channel_call`).
     pub bucket: Option<u8>,
+    /// The calling request's id: the callee runs under the same one (its
+    /// `metadata.request_id`), so one request's log lines share it.
+    pub request_id: Option<String>,
 }
 
 #[async_trait]

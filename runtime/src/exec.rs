@@ -822,13 +822,28 @@ impl<'a> Machine<'a> {
                     }
                     Ok(false) => self.record_skipped_group(group),
                     Err(message) => {
-                        self.status = Some(Status::Failed(Failure {
-                            kind: FailureKind::Task,
-                            task_id: group.id.to_string(),
-                            field: group.field.to_string(),
-                            message: format!("group condition failed: {message}"),
-                            messages: Vec::new(),
-                        }));
+                        // The group's tasks did not run; under the
+                        // workflow's `continue_on_error` the error is
+                        // collected and the pipeline goes on, as for a
+                        // task's condition (a group has no setting of its
+                        // own).
+                        self.record_skipped_group(group);
+                        let message = format!("group condition failed: {message}");
+                        if self.plan.continue_on_error {
+                            self.errors.push(ErrorItem {
+                                code: "TASK_ERROR",
+                                task_id: group.id.to_string(),
+                                message,
+                            });
+                        } else {
+                            self.status = Some(Status::Failed(Failure {
+                                kind: FailureKind::Task,
+                                task_id: group.id.to_string(),
+                                field: group.field.to_string(),
+                                message,
+                                messages: Vec::new(),
+                            }));
+                        }
                     }
                 },
                 Step::Task(task) => {
@@ -1082,7 +1097,9 @@ impl<'a> Machine<'a> {
     /// `halt_on: failure`) or collect and continue.
     fn task_failed(&mut self, task: &Task, e: TaskError) -> Flow {
         self.record(task, TaskStatus::Failed);
-        let tolerate = task.continue_on_error || self.plan.continue_on_error;
+        let tolerate = task
+            .continue_on_error
+            .unwrap_or(self.plan.continue_on_error);
         if task.halt_on_failure || !tolerate {
             return Flow::Stop(Status::Failed(Failure {
                 kind: e.kind,
@@ -1455,11 +1472,21 @@ impl<'a> Machine<'a> {
                     Some(s) => self.source(s, arena)?,
                     None => self.ctx.payload.to_json(),
                 };
+                let request_id = match self.ctx.metadata {
+                    Value::Object(members) => members.iter().find_map(|(k, v)| match v {
+                        Value::Str(id) if *k == "request_id" && !id.is_empty() => {
+                            Some((*id).to_owned())
+                        }
+                        _ => None,
+                    }),
+                    _ => None,
+                };
                 IoRequest::Invoke(InvokeRequest {
                     channel,
                     data,
                     timeout_ms: p.timeout_ms,
                     bucket: self.bucket,
+                    request_id,
                 })
             }
             _ => return Err("not a connector function".into()),

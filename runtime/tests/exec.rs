@@ -376,6 +376,56 @@ fn a_failing_task_halts_by_default_and_is_collected_under_continue_on_error() {
     assert_eq!(r.data(), json!({"ran": true}));
 }
 
+/// A task's explicit `continue_on_error: false` halts under a tolerant
+/// workflow; a group condition that fails to evaluate is collected like a
+/// task's under the workflow's `continue_on_error` (its tasks skipped), and
+/// halts without it.
+#[test]
+fn continue_on_error_reaches_group_conditions_and_a_task_can_opt_out() {
+    let after = task(
+        "after",
+        "map",
+        json!({"mappings": [{"path": "ran", "logic": true}]}),
+    );
+    let mut strict = task(
+        "strict",
+        "map",
+        json!({"mappings": [{"path": "x", "logic": {"throw": "boom"}}]}),
+    );
+    strict["continue_on_error"] = json!(false);
+    let mut def = wf(json!([strict, after.clone()]));
+    def["continue_on_error"] = json!(true);
+    let r = run(&plan(def), json!({}));
+    assert!(
+        matches!(r.exec.status, Status::Failed(_)),
+        "{:?}",
+        r.exec.status
+    );
+
+    let group = json!({"id": "g", "name": "g", "condition": {"<": [{"var": "data.a"}, "abc"]},
+        "tasks": [task("inner", "map", json!({"mappings": [{"path": "inner", "logic": 1}]}))]});
+    let mut def = wf(json!([group.clone(), after.clone()]));
+    def["continue_on_error"] = json!(true);
+    let r = run(&plan(def), json!({"a": 1}));
+    assert_eq!(r.exec.status, Status::Completed);
+    assert_eq!(
+        (r.exec.errors[0].code, r.exec.errors[0].task_id.as_str()),
+        ("TASK_ERROR", "g")
+    );
+    assert!(
+        r.exec.errors[0]
+            .message
+            .starts_with("group condition failed")
+    );
+    assert_eq!(r.data(), json!({"ran": true}));
+
+    let r = run(&plan(wf(json!([group, after]))), json!({"a": 1}));
+    let Status::Failed(f) = &r.exec.status else {
+        panic!("{:?}", r.exec.status)
+    };
+    assert_eq!((f.task_id.as_str(), f.field.as_str()), ("g", "tasks[0]"));
+}
+
 #[test]
 fn halt_on_failure_wins_over_continue_on_error() {
     let mut bad = task(

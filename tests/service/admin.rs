@@ -1524,6 +1524,40 @@ async fn dry_run_body_is_checked() {
     s.admin("POST", "/workflows/w/test", Some(json!({"data": {}})))
         .await
         .ok(200);
+    // `method`, `channel` and `request_id` are taken as a request's; other
+    // keys and other types are refused.
+    let r = s
+        .admin(
+            "POST",
+            "/workflows/w/test",
+            Some(json!({"data": {}, "metadata": {"extra": 5, "method": 7}})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(
+        r.detail_fields(),
+        ["metadata.extra", "metadata.method"],
+        "{}",
+        r.text
+    );
+    s.admin(
+        "POST",
+        "/workflows",
+        Some(json!({"workflow_id": "meta", "name": "meta", "tasks": [
+            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+                {"path": "seen", "logic": {"cat": [{"var": "metadata.method"}, " ",
+                    {"var": "metadata.channel"}, " ", {"var": "metadata.request_id"}]}}]}}}]})),
+    )
+    .await
+    .ok(201);
+    let r = s
+        .admin(
+            "POST",
+            "/workflows/meta/test",
+            Some(json!({"data": {}, "metadata": {"method": "GET", "channel": "orders", "request_id": "r-1"}})),
+        )
+        .await;
+    assert_eq!(r.ok(200)["data"]["seen"], "GET orders r-1", "{}", r.text);
 }
 
 /// Traffic between versions follows `rollout_percentage` alone: an engine

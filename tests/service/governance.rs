@@ -1154,7 +1154,9 @@ fn pricing() -> Json {
         "tasks": [{"id": "price", "name": "price", "function": {"name": "map", "input": {"mappings": [
             {"path": "total", "logic": {"*": [{"var": "payload.qty"}, {"var": "payload.price"}]}},
             {"path": "seen", "logic": {"var": "payload"}},
-            {"path": "channel", "logic": {"var": "metadata.channel"}}
+            {"path": "channel", "logic": {"var": "metadata.channel"}},
+            {"path": "request", "logic": {"var": "metadata.request_id"}},
+            {"path": "request_header", "logic": {"var": "metadata.headers.x-request-id"}}
         ]}}}]
     })
 }
@@ -1173,11 +1175,21 @@ async fn channel_call_runs_the_callee_in_process() {
         named("plain", "plain", json!({})),
     )
     .await;
-    let r = post_with(&s, "plain", json!({"qty": 3, "price": 5}), &[]).await;
+    let id = "7b1d2c3e-4f5a-4b6c-8d7e-9f0a1b2c3d4e";
+    let r = post_with(
+        &s,
+        "plain",
+        json!({"qty": 3, "price": 5}),
+        &[("x-request-id", id)],
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.text);
     assert_eq!(r.body["data"]["total"], 15);
     assert_eq!(r.body["data"]["channel"], "pricing");
     assert_eq!(r.body["data"]["seen"], json!({"qty": 3, "price": 5}));
+    // The callee runs under the caller's request id.
+    assert_eq!(r.body["data"]["request"], id, "{}", r.text);
+    assert_eq!(r.body["data"]["request_header"], id, "{}", r.text);
 
     // data_logic, channel_logic and response_path.
     s.deploy(
