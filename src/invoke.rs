@@ -224,16 +224,20 @@ impl ChannelInvoker for Invoker {
                 FailureKind::Task | FailureKind::Validation => ConnectorErrorKind::Other,
             };
             // A failure from further down the chain already names the
-            // whole chain, which holds this one: not repeated at each level.
-            let chain = if f.message.contains(&named) {
-                String::new()
-            } else {
-                format!(" ({named})")
-            };
+            // failing channel, its task and the whole chain (which holds
+            // this one): it goes up as it is, not wrapped once per level
+            // (the runtime puts its `channel_call: ` back on).
+            if f.message.contains(&named) {
+                let inner = f
+                    .message
+                    .strip_prefix("channel_call: ")
+                    .unwrap_or(&f.message);
+                return Err(ConnectorError::new(kind, inner.to_owned()));
+            }
             return Err(ConnectorError::new(
                 kind,
                 format!(
-                    "channel '{callee}': task '{}' failed: {}{chain}",
+                    "channel '{callee}': task '{}' failed: {} ({named})",
                     f.task_id, f.message
                 ),
             ));

@@ -1367,8 +1367,10 @@ async fn channel_call_cycles_and_depth_are_task_errors_naming_the_chain() {
         .to_owned();
     assert!(message.contains("max_channel_call_depth"), "{message}");
     assert!(message.contains("c1 -> c2 -> c3 -> leaf"), "{message}");
-    // The chain is named once, not again at each level it came up through.
+    // The chain is named once, not again at each level it came up through,
+    // and neither is a prefix per level.
     assert_eq!(message.matches("c1 -> c2").count(), 1, "{message}");
+    assert_eq!(message.matches("channel_call: ").count(), 1, "{message}");
     // Depth 2 is fine.
     let r = post_with(&s, "c2", json!({"x": 1}), &[]).await;
     assert_eq!(r.status, 200, "{}", r.text);
