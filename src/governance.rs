@@ -514,9 +514,13 @@ impl Governance {
         };
         let cache = match cfg.cache.as_ref().filter(|c| c.enabled) {
             Some(c) if stage == Stage::Run && !view.profile => {
-                let key = compact_key(
-                    key_of(&rules.cache_key).unwrap_or_else(|| default_cache_key(view)),
-                );
+                // The method is part of every key: a `key_logic` names
+                // which requests of one method share an answer (a HEAD's
+                // answer, or a GET's, is no answer to a POST).
+                let key = compact_key(match key_of(&rules.cache_key) {
+                    Some(k) => format!("{} {k}", view.method),
+                    None => default_cache_key(view),
+                });
                 let kind = if view.internal { "call" } else { "http" };
                 // The versions this bucket runs; a request without a bucket
                 // runs whichever plan comes first, its own variant.
@@ -1003,8 +1007,22 @@ fn eval_key(rule: &Logic, root: Value<'_>, arena: &Bump) -> Option<String> {
     }
 }
 
-/// The default cache key: method, path, query and body.
+/// The default cache key: method, path, query and body. The decoded query
+/// names and values are escaped where they hold the key's own separators
+/// (`%`, `&`, `=`, a line feed), so two different queries never make one
+/// key: `?a=1&b=2` and `?a=1%26b=2` did.
 fn default_cache_key(view: &View<'_>) -> String {
+    fn push_escaped(key: &mut String, text: &str) {
+        for c in text.chars() {
+            match c {
+                '%' => key.push_str("%25"),
+                '&' => key.push_str("%26"),
+                '=' => key.push_str("%3D"),
+                '\n' => key.push_str("%0A"),
+                c => key.push(c),
+            }
+        }
+    }
     let mut key = String::with_capacity(view.target.len() + view.body.len() + 32);
     key.push_str(view.method);
     key.push(' ');
@@ -1014,9 +1032,9 @@ fn default_cache_key(view: &View<'_>) -> String {
         if i > 0 {
             key.push('&');
         }
-        key.push_str(k);
+        push_escaped(&mut key, k);
         key.push('=');
-        key.push_str(v);
+        push_escaped(&mut key, v);
     }
     key.push('\n');
     key.push_str(&String::from_utf8_lossy(view.body));

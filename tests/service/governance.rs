@@ -583,6 +583,23 @@ async fn the_response_cache_serves_hits_without_running_the_workflow_body(gov: G
         )
         .await;
     assert_ne!(query.body["data"]["rid"], first.body["data"]["rid"]);
+    // Queries that decode alike pair by pair are different keys (they
+    // made one key: `?a=1&b=2` was answered `?a=1%26b=2`'s entry).
+    let mut rids = Vec::new();
+    for target in ["?a=1&b=2", "?a=1%26b=2", "?k%3Dv=1", "?k=v%3D1"] {
+        let r = s
+            .send(
+                "POST",
+                &format!("/api/v1/data/cached{target}"),
+                Some(json!({"data": {"q": 1}})),
+                &[],
+            )
+            .await;
+        assert_eq!(r.headers["x-cache"], "miss", "{target}");
+        rids.push(r.body["data"]["rid"].clone());
+    }
+    rids.dedup();
+    assert_eq!(rids.len(), 4);
     // The entry expires with its TTL.
     tokio::time::sleep(Duration::from_millis(1300)).await;
     let fresh = post_with(&s, "cached", json!({"q": 1}), &[]).await;
