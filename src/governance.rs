@@ -1073,7 +1073,7 @@ pub fn decorate(channel: &Channel, request: &http::HeaderMap, response: &mut Htt
     headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, value);
     headers.insert(
         header::ACCESS_CONTROL_EXPOSE_HEADERS,
-        HeaderValue::from_static("x-request-id, retry-after"),
+        HeaderValue::from_static("x-request-id, retry-after, x-cache"),
     );
 }
 

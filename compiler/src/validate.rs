@@ -991,11 +991,8 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
         unknown_keys(c, cors, &at, crate::def::CorsConfig::KEYS);
         if let Some(origins) = c.string_array(cors, "allowed_origins", &at, true) {
             for (i, o) in origins.iter().enumerate() {
-                if !is_origin(o) {
-                    c.push(
-                        &at.key("allowed_origins").index(i),
-                        "must be '*' or an origin such as https://app.example.com (scheme, host, optional port; no path)",
-                    );
+                if let Err(why) = check_origin(o) {
+                    c.push(&at.key("allowed_origins").index(i), why);
                 }
             }
         }
@@ -1009,7 +1006,11 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
                 }
             }
         }
-        c.string_array(cors, "allowed_headers", &at, false);
+        if let Some(headers) = c.string_array(cors, "allowed_headers", &at, false) {
+            for (i, h) in headers.iter().enumerate() {
+                check_header_name(c, h, &at.key("allowed_headers").index(i));
+            }
+        }
         c.integer(cors, "max_age_secs", &at, false, Some(0), None);
     }
     if let Some(topic) = c.nonempty_string(cfg, "topic", at, kafka)
@@ -1056,19 +1057,57 @@ fn logic(c: &mut Ctx, obj: &Map<String, Json>, key: &str, at: &FieldPath) {
 }
 
 /// `*`, or `scheme://host[:port]` as a browser sends it in `Origin`.
-fn is_origin(o: &str) -> bool {
+/// `*`, or an origin as a browser sends it in `Origin` (origins are
+/// compared as text, so one a browser never sends would never match):
+/// `scheme://host[:port]`, no path, no user, and no port a browser leaves
+/// out (the scheme's default) or could not send (empty, 0, past 65535,
+/// leading zeros).
+fn check_origin(o: &str) -> Result<(), &'static str> {
+    const SHAPE: &str = "must be '*' or an origin such as https://app.example.com (scheme, host, optional port; no path)";
     if o == "*" {
-        return true;
+        return Ok(());
     }
     let Some((scheme, rest)) = o.split_once("://") else {
-        return false;
+        return Err(SHAPE);
     };
-    !scheme.is_empty()
-        && scheme
+    if scheme.is_empty()
+        || !scheme
             .chars()
             .all(|ch| ch.is_ascii_alphanumeric() || "+-.".contains(ch))
-        && !rest.is_empty()
-        && !rest.contains(['/', '?', '#', ' '])
+        || rest.is_empty()
+        || rest.contains(['/', '?', '#', ' '])
+    {
+        return Err(SHAPE);
+    }
+    if rest.contains('@') {
+        return Err("must not hold a user name: browsers send an origin as scheme://host[:port]");
+    }
+    // The port follows the last ':' outside an IPv6 literal's brackets.
+    let port = match rest.rfind(':') {
+        Some(i) if !rest[i..].contains(']') => Some(&rest[i + 1..]),
+        _ => None,
+    };
+    let Some(port) = port else {
+        return Ok(());
+    };
+    let valid = !port.is_empty()
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && !port.starts_with('0')
+        && port.parse::<u32>().is_ok_and(|p| (1..=65535).contains(&p));
+    if !valid {
+        return Err("has a port no browser sends: 1 to 65535, without leading zeros");
+    }
+    let default = match scheme.to_ascii_lowercase().as_str() {
+        "http" | "ws" => "80",
+        "https" | "wss" => "443",
+        _ => "",
+    };
+    if port == default {
+        return Err(
+            "names the scheme's default port, which browsers leave out of Origin: write it without the port",
+        );
+    }
+    Ok(())
 }
 
 /// Every string (and key) holding a NUL character, at its path: no

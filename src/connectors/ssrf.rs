@@ -34,7 +34,7 @@ pub fn refusal(ip: IpAddr) -> Option<&'static str> {
 }
 
 fn v4_refusal(ip: Ipv4Addr) -> Option<&'static str> {
-    let [a, b, ..] = ip.octets();
+    let [a, b, c, _] = ip.octets();
     Some(if ip.is_loopback() {
         "loopback"
     } else if ip.is_private() {
@@ -46,6 +46,13 @@ fn v4_refusal(ip: Ipv4Addr) -> Option<&'static str> {
         "unspecified"
     } else if a == 100 && (b & 0xc0) == 64 {
         "shared address space (CGNAT, 100.64.0.0/10)"
+    } else if a == 198 && (b & 0xfe) == 18 {
+        // Not routed on the Internet; in practice inside some networks.
+        "benchmarking (198.18.0.0/15)"
+    } else if (a, b, c) == (192, 0, 0) {
+        "IETF protocol assignments (192.0.0.0/24)"
+    } else if matches!((a, b, c), (192, 0, 2) | (198, 51, 100) | (203, 0, 113)) {
+        "documentation (TEST-NET)"
     } else if ip.is_multicast() {
         "multicast"
     } else if ip.is_broadcast() || a >= 240 {
@@ -88,6 +95,8 @@ fn v6_refusal(ip: Ipv6Addr) -> Option<&'static str> {
         "site-local"
     } else if ip.is_multicast() {
         "multicast"
+    } else if s[0] == 0x2001 && s[1] == 0x0db8 {
+        "documentation (2001:db8::/32)"
     } else {
         return None;
     })
@@ -255,6 +264,11 @@ mod tests {
             ("0.0.0.0", "unspecified"),
             ("0.1.2.3", "unspecified"),
             ("100.64.0.1", "shared address space (CGNAT, 100.64.0.0/10)"),
+            ("198.18.0.1", "benchmarking (198.18.0.0/15)"),
+            ("198.19.255.1", "benchmarking (198.18.0.0/15)"),
+            ("192.0.0.1", "IETF protocol assignments (192.0.0.0/24)"),
+            ("192.0.2.2", "documentation (TEST-NET)"),
+            ("203.0.113.9", "documentation (TEST-NET)"),
             (
                 "100.127.255.254",
                 "shared address space (CGNAT, 100.64.0.0/10)",
@@ -268,6 +282,7 @@ mod tests {
             ("fc00::1", "unique-local"),
             ("fd12:3456::1", "unique-local"),
             ("ff02::1", "multicast"),
+            ("2001:db8::1", "documentation (2001:db8::/32)"),
             ("::ffff:127.0.0.1", "loopback"),
             ("::ffff:10.0.0.1", "private (RFC 1918)"),
             ("::ffff:169.254.169.254", "link-local"),

@@ -1159,6 +1159,35 @@ fn channel_config_json() {
         ],
         "{found:#?}"
     );
+    // Origins a browser never sends, and header names that are no tokens.
+    let found = cfg(json!({"cors": {
+        "allowed_origins": ["https://a.com:443", "http://a.com:80", "https://a.com:", "https://u@a.com",
+                            "https://a.com:99999", "https://a.com:0", "http://a.com:080",
+                            "http://[::1]:8080", "capacitor://localhost", "https://a.com:8443"],
+        "allowed_headers": ["x-ok", "x\r\ny: z", "", "bad header", "x-é"]}}));
+    let fields: Vec<&str> = found.iter().map(|d| d.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        [
+            "config_json.cors.allowed_origins[0]",
+            "config_json.cors.allowed_origins[1]",
+            "config_json.cors.allowed_origins[2]",
+            "config_json.cors.allowed_origins[3]",
+            "config_json.cors.allowed_origins[4]",
+            "config_json.cors.allowed_origins[5]",
+            "config_json.cors.allowed_origins[6]",
+            "config_json.cors.allowed_headers[1]",
+            "config_json.cors.allowed_headers[2]",
+            "config_json.cors.allowed_headers[3]",
+            "config_json.cors.allowed_headers[4]",
+        ],
+        "{found:#?}"
+    );
+    assert!(
+        found[0].message.contains("default port"),
+        "{}",
+        found[0].message
+    );
     check(
         cfg(json!({"rate_limit": {}, "cors": {}, "timeout_ms": "5"})),
         &[
