@@ -687,7 +687,23 @@ fn activatable(kind: Kind, record: &crate::storage::Record) -> Result<(), Storag
             Ok(_) => return Ok(()),
             Err(problems) => problems,
         },
-        Kind::Channel => validate::validate_channel(&def),
+        // What the engine needs to load it (as `engine::build_channel`
+        // reads it), not the rules for new definitions: an older version
+        // stored under laxer rules can still be rolled back to.
+        Kind::Channel => match serde_json::from_value::<sluice_compiler::def::ChannelDef>(def) {
+            Err(e) => vec![Diagnostic::new("", e.to_string())],
+            Ok(c) => match c
+                .validation_logic
+                .as_ref()
+                .map(sluice_compiler::logic::compile)
+            {
+                Some(Err(e)) => vec![Diagnostic::new(
+                    "validation_logic",
+                    format!("invalid JSONLogic: {}", e.message),
+                )],
+                _ => Vec::new(),
+            },
+        },
     };
     if problems.is_empty() {
         return Ok(());
