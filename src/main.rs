@@ -308,7 +308,8 @@ async fn serve(config: config::Config) -> Result<(), String> {
     let addr = listener.local_addr().map_or(addr, |a| a.to_string());
     // Held while the process serves.
     let _sqlite_lock = lock_sqlite_file(&config.storage.url)?;
-    let app = sluice::start(config).await?;
+    // Probes are answered (not ready) while storage and the engine come up.
+    let app = server::while_starting(&listener, sluice::start(config)).await?;
     tracing::info!(%addr, version = app::VERSION, "sluice is serving");
     server::run(listener, app.clone(), shutdown_signal()).await;
     // Leaves a SQLite database whole in its file (bounded: a connection
@@ -350,7 +351,8 @@ fn lock_sqlite_file(url: &str) -> Result<Option<std::fs::File>, String> {
     match file.try_lock() {
         Ok(()) => Ok(Some(file)),
         Err(std::fs::TryLockError::WouldBlock) => Err(format!(
-            "another sluice process is serving the SQLite database {} (SQLite serves one process;              use PostgreSQL or MySQL for several replicas)",
+            "another sluice process is serving the SQLite database {} (SQLite serves one process; \
+             use PostgreSQL or MySQL for several replicas)",
             path.display()
         )),
         // A file system without locks: go on as before.

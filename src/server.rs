@@ -145,6 +145,67 @@ impl Req {
     }
 }
 
+/// Answers on `listener` while `starting` runs (storage, migrations, the
+/// first engine load), so probes get an answer rather than a connection
+/// that hangs: `/healthz` 200 (the process is alive), `/readyz` and
+/// `/health` 503 in their usual shapes, anything else 503
+/// `SERVICE_UNAVAILABLE` with `Retry-After: 1`. Each connection is closed
+/// after its answer, so none outlives start-up.
+pub async fn while_starting<T>(listener: &TcpListener, starting: impl Future<Output = T>) -> T {
+    tokio::pin!(starting);
+    loop {
+        tokio::select! {
+            biased;
+            out = &mut starting => return out,
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                };
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                        Ok::<_, Infallible>(starting_answer(req.uri().path()))
+                    });
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(false)
+                        .serve_connection(TokioIo::new(stream), service);
+                    let _ = tokio::time::timeout(Duration::from_secs(10), conn).await;
+                });
+            }
+        }
+    }
+}
+
+fn starting_answer(path: &str) -> HttpResponse {
+    use serde_json::json;
+    let unavailable = http::StatusCode::SERVICE_UNAVAILABLE;
+    let mut response = match path {
+        "/healthz" => crate::api::json_response(http::StatusCode::OK, &json!({"status": "ok"})),
+        "/readyz" => crate::api::json_response(
+            unavailable,
+            &json!({"status": "not_ready", "checks": {
+                "startup": false, "engine": false, "database": false, "synced": false}}),
+        ),
+        "/health" => crate::api::json_response(
+            unavailable,
+            &json!({"status": "degraded", "version": crate::app::VERSION, "uptime_seconds": 0,
+                    "workflows_loaded": 0,
+                    "components": {"database": "starting", "engine": "not_loaded"}}),
+        ),
+        _ => crate::api::json_response(
+            unavailable,
+            &json!({"error": {"code": "SERVICE_UNAVAILABLE",
+                    "message": "the service is starting; retry shortly"}}),
+        ),
+    };
+    if path != "/healthz" {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    response
+}
+
 /// Serves until `shutdown` completes, then lets in-flight requests finish for
 /// up to `server.shutdown_drain_secs`.
 pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()>) {
@@ -428,7 +489,7 @@ async fn read_and_route(
     caller_request_id: bool,
     started: Instant,
 ) -> HttpResponse {
-    let (parts, body) = req.into_parts();
+    let (parts, mut body) = req.into_parts();
     // Credentials before anything about the body (the router checks them
     // again with the full request; this costs the data plane nothing).
     let path = parts.uri.path();
@@ -449,6 +510,7 @@ async fn read_and_route(
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit as u64) {
+        drain_refused(&mut body, &parts.headers).await;
         return early(app, &parts, too_large(limit));
     }
     // A body announced by its length is judged by its headers before it is
@@ -456,33 +518,39 @@ async fn read_and_route(
     // sending it (hyper sends the 100 when the body is first read).
     let announced = declared.is_some_and(|len| len > 0);
     if announced && let Some(refused) = unsupported_body(&parts.headers) {
+        drain_refused(&mut body, &parts.headers).await;
         return early(app, &parts, refused.into_response());
     }
     // A body that came with its head (nearly all) is read in the first
     // poll, and no timer is made for it; otherwise the rest must arrive
     // within the read timeout, counted from the request's arrival.
-    let mut reading = std::pin::pin!(read_body(body, limit));
-    let first = std::future::poll_fn(|cx| Poll::Ready(reading.as_mut().poll(cx))).await;
-    let read = match first {
-        Poll::Ready(read) => read,
-        Poll::Pending => {
-            let secs = app.config.server.request_read_timeout_secs;
-            let deadline = (started + Duration::from_secs(secs)).into();
-            match tokio::time::timeout_at(deadline, reading).await {
-                Ok(read) => read,
-                Err(_) => {
-                    return ApiError::new(
-                        Code::RequestTimeout,
-                        format!("the request body was not received within {secs} s"),
-                    )
-                    .into_response();
+    let read = {
+        let mut reading = std::pin::pin!(read_body(&mut body, limit));
+        let first = std::future::poll_fn(|cx| Poll::Ready(reading.as_mut().poll(cx))).await;
+        match first {
+            Poll::Ready(read) => read,
+            Poll::Pending => {
+                let secs = app.config.server.request_read_timeout_secs;
+                let deadline = (started + Duration::from_secs(secs)).into();
+                match tokio::time::timeout_at(deadline, reading).await {
+                    Ok(read) => read,
+                    Err(_) => {
+                        return ApiError::new(
+                            Code::RequestTimeout,
+                            format!("the request body was not received within {secs} s"),
+                        )
+                        .into_response();
+                    }
                 }
             }
         }
     };
     let body = match read {
         Ok(body) => body,
-        Err(BodyError::TooLarge) => return early(app, &parts, too_large(limit)),
+        Err(BodyError::TooLarge) => {
+            drain_refused(&mut body, &parts.headers).await;
+            return early(app, &parts, too_large(limit));
+        }
         Err(BodyError::Read(e)) => {
             return ApiError::bad_request(format!("could not read the request body: {e}"))
                 .into_response();
@@ -563,7 +631,34 @@ enum BodyError {
 /// Reads the whole body, at most `limit` bytes. A body that arrives in one
 /// frame (the usual case) is kept as hyper's buffer, without a copy or an
 /// intermediate list; only a body in several frames is joined.
-async fn read_body(mut body: Incoming, limit: usize) -> Result<Bytes, BodyError> {
+/// Reads and drops what is left of a refused body (at most 16 MiB, for at
+/// most 5 s) before the refusal is sent: most clients send their whole
+/// body before they read the answer, and a connection closed with unread
+/// data is reset under them, so they never saw the 413. A client that
+/// waits for `100 Continue` has sent nothing and is not asked to.
+async fn drain_refused(body: &mut Incoming, headers: &HeaderMap) {
+    const CAP: usize = 16 << 20;
+    let expects = headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if expects {
+        return;
+    }
+    let read = async {
+        let mut n = 0usize;
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Ok(data) = frame.into_data() {
+                n += data.len();
+                if n > CAP {
+                    break;
+                }
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(5), read).await;
+}
+
+async fn read_body(body: &mut Incoming, limit: usize) -> Result<Bytes, BodyError> {
     let mut first: Option<Bytes> = None;
     let mut joined: Option<bytes::BytesMut> = None;
     let mut len = 0usize;

@@ -1024,3 +1024,106 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
     assert!(!log.contains('\u{1b}'), "colour codes in a file:\n{log}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// While start-up waits on its database, the port answers: `/healthz` 200,
+/// `/readyz` and `/health` 503, anything else 503 with `Retry-After`.
+/// Before, connections were accepted by the kernel and never answered, so
+/// a probe with a short timeout failed instead of seeing "not ready".
+#[tokio::test]
+async fn probes_are_answered_while_starting() {
+    use std::process::{Command, Stdio};
+    crate::support::install_crypto();
+    // A "database" that accepts connections and never answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let db_port = silent.local_addr().unwrap().port();
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((sock, _)) = silent.accept().await {
+            open.push(sock);
+        }
+    });
+    let port = crate::support::free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("serve")
+        .env("SERVICE_SERVER__PORT", port.to_string())
+        .env(
+            "SERVICE_STORAGE__URL",
+            format!("postgres://postgres@127.0.0.1:{db_port}/x"),
+        )
+        .env("SERVICE_LOGGING__LEVEL", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let c = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let healthz = loop {
+        match c.get(format!("{base}/healthz")).send().await {
+            Ok(r) => break r,
+            Err(e) => {
+                assert!(std::time::Instant::now() < until, "no answer: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert_eq!(healthz.status(), 200);
+    let ready = c.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let body: serde_json::Value = ready.json().await.unwrap();
+    assert_eq!(body["status"], "not_ready");
+    let health = c.get(format!("{base}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 503);
+    let other = c
+        .get(format!("{base}/api/v1/admin/workflows"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 503);
+    assert_eq!(other.headers()["retry-after"], "1");
+    assert_eq!(other.headers()["x-content-type-options"], "nosniff");
+    let body: serde_json::Value = other.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "SERVICE_UNAVAILABLE");
+    let _ = child.kill();
+    let _ = child.wait();
+    held.abort();
+}
+
+/// A client that sends its whole over-limit body before it reads (most
+/// do) gets the 413: the rest of the body is read and dropped first. Before,
+/// the connection was closed with the body unread and reset under the
+/// client, which saw a broken pipe instead of the answer.
+#[tokio::test]
+async fn an_oversized_body_sent_whole_still_gets_its_413() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = start(Db::Sqlite).await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    // Over the 1 MiB limit (413), and under it with a refused type (415).
+    for (content_type, size) in [("application/json", 12 << 20), ("text/plain", 1_000_000)] {
+        let body = vec![b'x'; size];
+        let mut sock = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let head = format!(
+            "POST /api/v1/data/anything HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        sock.write_all(head.as_bytes()).await.unwrap();
+        sock.write_all(&body)
+            .await
+            .unwrap_or_else(|e| panic!("{content_type}: the body could not be sent whole: {e}"));
+        let mut answer = vec![0u8; 512];
+        let n = sock.read(&mut answer).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+        let expected = if content_type == "application/json" {
+            "413"
+        } else {
+            "415"
+        };
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {expected}")),
+            "{content_type}: {answer}"
+        );
+    }
+}
