@@ -426,8 +426,16 @@ impl Config {
         for (name, raw) in overrides {
             apply_env(&defaults, &mut merged, &name, &raw)?;
         }
-        let config: Config =
-            serde_path_to_error::deserialize(toml::Value::Table(merged)).map_err(|e| {
+        // Level and format names in any case (`DEBUG`, `Json`).
+        if let Some(toml::Value::Table(logging)) = merged.get_mut("logging") {
+            for key in ["level", "format"] {
+                if let Some(toml::Value::String(v)) = logging.get_mut(key) {
+                    *v = v.to_ascii_lowercase();
+                }
+            }
+        }
+        let mut config: Config = serde_path_to_error::deserialize(toml::Value::Table(merged))
+            .map_err(|e| {
                 let key = e.path().to_string();
                 // serde quotes the value (`invalid type: integer `1234`,
                 // expected a string`); not for a secret.
@@ -464,8 +472,33 @@ impl Config {
                     }
                 }
             })?;
+        config.normalize();
         config.check()?;
         Ok(config)
+    }
+
+    /// Surrounding whitespace is no part of a URL or a key (a secret read
+    /// from a file often ends in a line break): the storage URL kept it
+    /// in its file name, and a key with it could never match a header
+    /// (HTTP strips it), so every admin call was refused. The storage URL's
+    /// scheme is read in any case, as URL schemes are.
+    fn normalize(&mut self) {
+        for value in [
+            &mut self.storage.url,
+            &mut self.admin_auth.api_key,
+            &mut self.admin_auth.read_only_api_key,
+        ] {
+            let trimmed = value.trim();
+            if trimmed.len() != value.len() {
+                *value = trimmed.to_owned();
+            }
+        }
+        if let Some((scheme, _)) = self.storage.url.split_once(':')
+            && scheme.bytes().any(|b| b.is_ascii_uppercase())
+        {
+            let lower = scheme.to_ascii_lowercase();
+            self.storage.url.replace_range(..scheme.len(), &lower);
+        }
     }
 
     /// Rules the types cannot express.
@@ -500,6 +533,12 @@ impl Config {
         }
         if let Err(why) = check_storage_scheme(&self.storage.url) {
             return fail("storage.url", &why);
+        }
+        if self.storage.backup_dir.trim().is_empty() {
+            return fail(
+                "storage.backup_dir",
+                "must not be empty (the directory backups are written to and listed from)",
+            );
         }
         if self.ingest.max_payload_size == 0 {
             return fail("ingest.max_payload_size", "must be at least 1");
@@ -758,10 +797,25 @@ fn check_storage_scheme(url: &str) -> Result<(), String> {
                 "names no database file (sqlite://path/to/file.db, or sqlite::memory:)".into(),
             );
         }
-        return Ok(());
+        use std::str::FromStr as _;
+        return sqlx::sqlite::SqliteConnectOptions::from_str(url)
+            .map(|_| ())
+            .map_err(|e| format!("is not a valid URL: {e}"));
     }
     if known.iter().any(|k| k.eq_ignore_ascii_case(scheme)) {
-        return Ok(());
+        // Parsed as the storage layer will, so a bad port or option is a
+        // configuration error (exit 2), not a failure to open storage.
+        // sqlx's messages name the part, never the password.
+        use std::str::FromStr as _;
+        let url = url.to_owned();
+        let parsed =
+            if scheme.eq_ignore_ascii_case("mysql") || scheme.eq_ignore_ascii_case("mariadb") {
+                let url = format!("mysql{}", &url[scheme.len()..]);
+                sqlx::mysql::MySqlConnectOptions::from_str(&url).map(|_| ())
+            } else {
+                sqlx::postgres::PgConnectOptions::from_str(&url).map(|_| ())
+            };
+        return parsed.map_err(|e| format!("is not a valid URL: {e}"));
     }
     let looks_like_scheme = !scheme.is_empty()
         && scheme.len() <= 16
@@ -1029,6 +1083,46 @@ mod tests {
                 "{url}"
             );
         }
+    }
+
+    /// A storage URL that will not parse is a configuration error (exit 2)
+    /// naming the key, without the password; whitespace around the URL and
+    /// the keys is dropped, the scheme is read in any case, and so are log
+    /// level and format names; an empty backup directory is refused.
+    #[test]
+    fn values_are_normalised_and_bad_urls_refused_at_load() {
+        for url in [
+            "postgres://u:hunter2@127.0.0.1:notaport/db",
+            "postgres://u:hunter2@127.0.0.1/db?sslmode=bogus",
+            "sqlite://x.db?mode=bogus",
+        ] {
+            let e = load(None, &[("SERVICE_STORAGE__URL", url)])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("storage.url") && e.contains("is not a valid URL"),
+                "{url}: {e}"
+            );
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+        let c = load(
+            None,
+            &[
+                ("SERVICE_STORAGE__URL", "SQLITE://ws.db\n"),
+                ("SERVICE_ADMIN_AUTH__API_KEY", " abc123 \n"),
+                ("SERVICE_LOGGING__LEVEL", "DEBUG"),
+                ("SERVICE_LOGGING__FORMAT", "Json"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.storage.url, "sqlite://ws.db");
+        assert_eq!(c.admin_auth.api_key, "abc123");
+        assert_eq!(c.logging.level, LogLevel::Debug);
+        assert_eq!(c.logging.format, LogFormat::Json);
+        let e = load(None, &[("SERVICE_STORAGE__BACKUP_DIR", " ")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("storage.backup_dir"), "{e}");
     }
 
     #[test]

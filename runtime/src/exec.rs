@@ -1243,6 +1243,10 @@ impl<'a> Machine<'a> {
                     }
                 }
                 let fields_json = fields_text;
+                // One log line per `log` task: a line break in the message
+                // (from request data) would start a line of its own that
+                // reads like the service's (the fields are JSON, escaped).
+                let text = one_line(text);
                 let workflow = &*self.plan.workflow_id;
                 let task_id = &*task.id;
                 match level {
@@ -1570,6 +1574,25 @@ fn function_name(f: &FunctionPlan) -> &'static str {
 
 /// Text form of a value for messages and keys: strings as they are,
 /// everything else as JSON.
+/// `text` with its line breaks and other control characters (tab aside)
+/// written as escapes (`\n`, `\r`, `\u{1b}`), so it stays one log line.
+fn one_line(text: String) -> String {
+    if !text.chars().any(|c| c.is_control() && c != '\t') {
+        return text;
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push(c),
+            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 fn display(v: &Value<'_>) -> String {
     match v {
         Value::Str(s) => (*s).to_owned(),
@@ -1589,6 +1612,18 @@ fn display_json(v: &Json) -> String {
 /// gives in binary floating point).
 pub fn millis(d: std::time::Duration) -> f64 {
     d.as_micros() as f64 / 1000.0
+}
+
+#[cfg(test)]
+mod one_line_tests {
+    #[test]
+    fn a_log_message_stays_one_line() {
+        assert_eq!(super::one_line("plain\ttext".into()), "plain\ttext");
+        assert_eq!(
+            super::one_line("hello\n2026-11-27T00:00:00Z ERROR sluice: FORGED\r\u{1b}[31m".into()),
+            "hello\\n2026-11-27T00:00:00Z ERROR sluice: FORGED\\r\\u{1b}[31m"
+        );
+    }
 }
 
 #[cfg(test)]
