@@ -1251,6 +1251,8 @@ pub fn validate_connector(def: &Json) -> Vec<Diagnostic> {
     // `retry` applies to every connector type.
     if let Some(r) = c.object(cfg, "retry", &at, false) {
         let at = at.key("retry");
+        // A misspelt `max_retry` was stored and the default 3 retries ran.
+        unknown_keys(&mut c, r, &at, &["max_retries", "retry_delay_ms"]);
         let max = i64::from(RetryPolicy::MAX_RETRIES_LIMIT);
         c.integer(r, "max_retries", &at, false, Some(0), Some(max));
         c.integer(r, "retry_delay_ms", &at, false, Some(0), None);

@@ -1533,6 +1533,13 @@ fn retry_settings() {
         ],
     );
     check(
+        with_retry(json!({"max_retry": 5})),
+        &[(
+            "config.retry.max_retry",
+            "unknown field; expected one of max_retries, retry_delay_ms",
+        )],
+    );
+    check(
         with_retry(json!({"max_retries": 1.5, "retry_delay_ms": "100"})),
         &[
             ("config.retry.max_retries", "expected integer, got number"),
