@@ -855,11 +855,18 @@ fn not_an_import() -> ApiError {
 /// `?dry_run=`: `true` or `false` (`1` and `0` too); anything else is a 400,
 /// so a misspelt dry run never writes.
 fn dry_run_flag(req: &Req) -> Result<bool, ApiError> {
-    match req.query("dry_run") {
+    bool_flag(req, "dry_run")
+}
+
+/// A boolean query parameter: `true` or `false` (`1`, `0` too); absent is
+/// false; anything else is a 400 naming it (`?connectors=yes` was read as
+/// false without a word).
+fn bool_flag(req: &Req, name: &str) -> Result<bool, ApiError> {
+    match req.query(name) {
         None | Some("false" | "0") => Ok(false),
         Some("true" | "1") => Ok(true),
         Some(other) => Err(ApiError::bad_request(format!(
-            "dry_run must be true or false (or 1, 0), got '{other}'"
+            "{name} must be true or false (or 1, 0), got '{other}'"
         ))),
     }
 }
@@ -1024,7 +1031,7 @@ async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
     // dry-run has no side effects on the connectors' targets.
     let options = Options {
         record_tasks: true,
-        skip_connectors: req.query("connectors") != Some("true"),
+        skip_connectors: !bool_flag(req, "connectors")?,
         ..Options::default()
     };
     let scope = CallScope::default();

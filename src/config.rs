@@ -811,7 +811,14 @@ fn check_storage_scheme(url: &str) -> Result<(), String> {
         let parsed =
             if scheme.eq_ignore_ascii_case("mysql") || scheme.eq_ignore_ascii_case("mariadb") {
                 let url = format!("mysql{}", &url[scheme.len()..]);
-                sqlx::mysql::MySqlConnectOptions::from_str(&url).map(|_| ())
+                match sqlx::mysql::MySqlConnectOptions::from_str(&url) {
+                    // Without one, the migrations failed with a misleading
+                    // message about their lock.
+                    Ok(o) if o.get_database().is_none_or(str::is_empty) => {
+                        return Err("names no database (mysql://user@host:3306/dbname)".into());
+                    }
+                    other => other.map(|_| ()),
+                }
             } else {
                 sqlx::postgres::PgConnectOptions::from_str(&url).map(|_| ())
             };
@@ -994,6 +1001,13 @@ mod tests {
         assert!(!c.engine.circuit_breaker.enabled);
         assert_eq!(c.engine.circuit_breaker.failure_threshold, 7);
         assert_eq!(c.logging.format, LogFormat::Json);
+        let e = load(
+            None,
+            &[("SERVICE_STORAGE__URL", "mysql://root@127.0.0.1:3306/")],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("names no database"), "{e}");
     }
 
     #[test]

@@ -63,6 +63,11 @@ const OPERATIONS: &[(&str, &str, &str, &str, bool, u16)] = &[
     ("put", "/api/v1/data/{path}", "data", "Process a request via REST route matching", true, 200),
     ("patch", "/api/v1/data/{path}", "data", "Process a request via REST route matching", true, 200),
     ("delete", "/api/v1/data/{path}", "data", "Process a request via REST route matching", false, 200),
+    ("get", "/api/v1/data/{path}/async", "data", "Submit a route-matched request asynchronously (returns a trace id)", false, 202),
+    ("post", "/api/v1/data/{path}/async", "data", "Submit a route-matched request asynchronously (returns a trace id)", true, 202),
+    ("put", "/api/v1/data/{path}/async", "data", "Submit a route-matched request asynchronously (returns a trace id)", true, 202),
+    ("patch", "/api/v1/data/{path}/async", "data", "Submit a route-matched request asynchronously (returns a trace id)", true, 202),
+    ("delete", "/api/v1/data/{path}/async", "data", "Submit a route-matched request asynchronously (returns a trace id)", false, 202),
 ];
 
 /// The query parameters of an operation, as the handlers read them.
@@ -185,6 +190,10 @@ fn query_params(method: &str, path: &str) -> Vec<Json> {
     out
 }
 
+fn integer_schema() -> Json {
+    json!({"type": "integer"})
+}
+
 fn schema_ref(name: &str) -> Json {
     json!({"$ref": format!("#/components/schemas/{name}")})
 }
@@ -225,10 +234,11 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
     };
     match (method, seg.as_slice()) {
         ("get", ["health"]) => (None, schema_ref("Health")),
-        ("get", ["healthz" | "readyz"]) => (
+        ("get", ["healthz"]) => (
             None,
             json!({"type": "object", "properties": {"status": {"type": "string"}}}),
         ),
+        ("get", ["readyz"]) => (None, schema_ref("Readiness")),
         ("get", ["metrics" | "docs"]) => (None, json!({"type": "string"})),
         ("get", ["api", "v1", "openapi.json"]) => (None, json!({"type": "object"})),
         ("get", ["api", "v1", "admin", "connectors", "circuit-breakers"]) => {
@@ -312,7 +322,10 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
         ("get", ["api", "v1", "admin", "backups"]) => (None, page_of(schema_ref("Backup"))),
         ("get", ["api", "v1", "data", "traces"]) => (None, page_of(schema_ref("Trace"))),
         ("get", ["api", "v1", "data", "traces", _]) => (None, schema_ref("Trace")),
-        ("post", ["api", "v1", "data", _, "async"]) => {
+        ("get" | "delete", ["api", "v1", "data", _, "async"]) => {
+            (None, schema_ref("TraceAccepted"))
+        }
+        (_, ["api", "v1", "data", _, "async"]) => {
             (Some(schema_ref("DataRequest")), schema_ref("TraceAccepted"))
         }
         ("get" | "delete", ["api", "v1", "data", ..]) => (None, schema_ref("DataResponse")),
@@ -348,6 +361,14 @@ fn fixed_schemas() -> Json {
         "ReloadReport": {"type": "object", "properties": {
             "generation": integer, "workflows": integer, "active_workflows": integer, "channels": integer,
             "routes": integer, "duration_ms": {"type": "number"},
+            "compiled": {"type": "integer", "description": "Workflow versions compiled by this reload (the others were reused)."},
+        }},
+        "Readiness": {"type": "object", "required": ["status", "checks"], "properties": {
+            "status": {"type": "string", "enum": ["ready", "not_ready"]},
+            "checks": {"type": "object", "properties": {
+                "startup": {"type": "boolean"}, "engine": {"type": "boolean"},
+                "database": {"type": "boolean"}, "synced": {"type": "boolean"},
+            }},
         }},
         "StatusChange": {"type": "object", "required": ["status"], "additionalProperties": false, "properties": {
             "status": {"type": "string", "enum": ["active", "archived", "paused"]},
@@ -370,7 +391,12 @@ fn fixed_schemas() -> Json {
         "ValidateResult": {"type": "object", "properties": {"valid": {"type": "boolean"}, "warnings": {"type": "array", "items": diagnostic}}},
         "DryRunRequest": {"type": "object", "properties": {
             "data": {"description": "The payload (what parse_json reads as `payload`)."},
-            "metadata": {"type": "object", "properties": {"headers": {"type": "object"}, "query": {"type": "object"}, "path": {"type": "object"}}},
+            "metadata": {"type": "object", "additionalProperties": false, "properties": {
+                "headers": {"type": "object"}, "query": {"type": "object"}, "path": {"type": "object"},
+                "method": {"type": "string", "description": "Default POST."},
+                "channel": {"type": "string", "description": "Default empty."},
+                "request_id": {"type": "string", "description": "Default: this request's id."},
+            }},
         }},
         "DryRunResult": {"type": "object", "properties": {
             "matched": {"type": "boolean"}, "status": {"type": "string", "enum": ["completed", "filtered", "failed"]},
@@ -382,13 +408,19 @@ fn fixed_schemas() -> Json {
         }},
         "FunctionSchema": {"type": "object", "properties": {"name": string, "kind": string, "fields": {"type": "array", "items": {"type": "object", "properties": {
             "name": string, "type": string, "required": {"type": "boolean"}, "description": string, "category": string,
+            "default": {"description": "The value taken when the field is absent."},
+            "constraint": {"type": "string", "description": "A rule beyond the type (e.g. string_map)."},
         }}}}},
         "AuditEntry": {"type": "object", "properties": {
             "id": integer, "principal": string, "action": string, "resource_type": string, "resource_id": string,
             "version": integer, "details": {"type": "object"}, "created_at": string,
         }},
         "Backup": {"type": "object", "properties": {"filename": string, "size_bytes": integer, "created_at": string}},
-        "CircuitBreaker": {"type": "object", "properties": {"key": string, "state": {"type": "string", "enum": ["closed", "open", "half_open"]}}},
+        "CircuitBreaker": {"type": "object", "properties": {
+            "key": string, "state": {"type": "string", "enum": ["closed", "open", "half_open"]},
+            "channel": string, "connector": string, "consecutive_failures": integer,
+            "opened_at": {"type": "string", "description": "When it last opened (RFC 3339); absent if never."},
+        }},
         "DataRequest": {"type": "object", "properties": {"data": {"description": "The payload."}}},
         "DataResponse": {"type": "object", "required": ["status", "data", "errors"], "properties": {
             "status": {"type": "string", "enum": ["ok"]}, "data": {}, "errors": {"type": "array", "items": task_error},
@@ -511,9 +543,31 @@ pub fn document(auth: &crate::config::AdminAuth) -> Json {
                     "content": {"application/json": {"schema": schema_ref("Error")}}});
             }
         }
+        // A data-plane body may be empty (no payload); an import body is
+        // an array or an export's or a list's `{data: [...]}`.
+        let request = match request {
+            Some(r) if path.ends_with("/import") => Some(json!({"oneOf": [r, {
+                "type": "object", "required": ["data"],
+                "properties": {"data": r, "total": integer_schema(), "limit": integer_schema(), "offset": integer_schema()},
+            }]})),
+            other => other,
+        };
         if let Some(request) = request {
+            let required = !path.starts_with("/api/v1/data/");
             op["requestBody"] =
-                json!({"required": true, "content": {"application/json": {"schema": request}}});
+                json!({"required": required, "content": {"application/json": {"schema": request}}});
+        }
+        // Health and readiness answer 503 in their own shapes, not errors.
+        match *path {
+            "/health" => {
+                op["responses"]["503"] = json!({"description": "Degraded",
+                    "content": {"application/json": {"schema": schema_ref("Health")}}});
+            }
+            "/readyz" => {
+                op["responses"]["503"] = json!({"description": "Not ready",
+                    "content": {"application/json": {"schema": schema_ref("Readiness")}}});
+            }
+            _ => {}
         }
         let entry = paths.entry(path.to_string()).or_insert_with(|| json!({}));
         entry[*method] = op;

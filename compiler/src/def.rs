@@ -509,6 +509,7 @@ pub struct RateLimitConfig {
     #[schemars(range(min = crate::validate::MIN_REQUESTS_PER_SECOND))]
     pub requests_per_second: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub burst: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_logic: Option<Json>,
@@ -536,8 +537,10 @@ pub struct DedupConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_logic: Option<Json>,
     #[serde(default = "DedupConfig::default_header")]
+    #[schemars(length(min = 1))]
     pub header: String,
     #[serde(default = "DedupConfig::default_window_secs")]
+    #[schemars(range(min = 1))]
     pub window_secs: u64,
     /// With a shared governance backend: let requests through unchecked
     /// while the backend is unreachable (default: refuse them with 503).

@@ -179,6 +179,12 @@ const TIMEOUT_CODE: i32 = 50;
 fn mongo_err(e: mongodb::error::Error) -> ConnectorError {
     let labelled = e.contains_label(RETRYABLE_ERROR);
     let (kind, retryable) = match &*e.kind {
+        // No server was found within the connect timeout: refused (the
+        // driver keeps trying until the timeout) is an upstream failure;
+        // no answer at all is the connector's own timeout running out (504).
+        ErrorKind::ServerSelection { message, .. } if !message.contains("refused") => {
+            (ConnectorErrorKind::Timeout, true)
+        }
         ErrorKind::ServerSelection { .. }
         | ErrorKind::Io(_)
         | ErrorKind::ConnectionPoolCleared { .. }
@@ -359,7 +365,9 @@ mod tests {
         c.connect_timeout_ms = Some(300);
         let pool = MongoPool::connect(&c).await.unwrap();
         let started = std::time::Instant::now();
-        pool.find("x", "y", json!({})).await.unwrap_err();
+        let e = pool.find("x", "y", json!({})).await.unwrap_err();
+        // Refused: an upstream failure, not a timeout.
+        assert_eq!(e.kind, ConnectorErrorKind::Upstream, "{e:?}");
         assert!(
             started.elapsed() < Duration::from_secs(2),
             "{:?}",
@@ -375,6 +383,13 @@ mod tests {
                 open.push(sock);
             }
         });
+        // Connecting to it runs out of the connector's connect timeout:
+        // a timeout (504), not an upstream failure.
+        let mut c = cfg(&format!("mongodb://127.0.0.1:{port}/"));
+        c.connect_timeout_ms = Some(300);
+        let pool = MongoPool::connect(&c).await.unwrap();
+        let e = pool.find("x", "y", json!({})).await.unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::Timeout, "{e:?}");
         let mut c = cfg(&format!("mongodb://127.0.0.1:{port}/"));
         c.query_timeout_ms = Some(300);
         let pool = MongoPool::connect(&c).await.unwrap();

@@ -512,6 +512,29 @@ async fn openapi_offers_what_the_server_accepts() {
         .await;
     let e = r.error(400, "BAD_REQUEST");
     assert_eq!(e["details"][0]["field"], "description", "{e}");
+    // Session 21: route-matched async submission is declared; health and
+    // readiness declare their 503 shapes; bounds the server enforces are
+    // in the schema; dry-run metadata lists what it takes.
+    for method in ["get", "post", "put", "patch", "delete"] {
+        let op = &spec["paths"]["/api/v1/data/{path}/async"][method];
+        assert!(op["responses"].get("202").is_some(), "{method}: {op}");
+    }
+    assert!(
+        spec["paths"]["/health"]["get"]["responses"]
+            .get("503")
+            .is_some()
+    );
+    assert!(
+        spec["paths"]["/readyz"]["get"]["responses"]
+            .get("503")
+            .is_some()
+    );
+    let dedup = schemas["DedupConfig"].to_string();
+    assert!(dedup.contains("\"minimum\":1"), "{dedup}");
+    assert_eq!(
+        schemas["DryRunRequest"]["properties"]["metadata"]["properties"]["method"]["type"],
+        "string"
+    );
 }
 
 /// A workflow that nests a value deeper on every loop pass (here 2 × 10,000
