@@ -632,20 +632,23 @@ pub fn dry_run_answer(e: &Execution) -> Json {
     })
 }
 
+/// The members of a request's metadata the runtime's `Meta` has fields
+/// for: the three maps, then the three strings.
+pub(crate) const METADATA_FIELDS: [&str; 6] = [
+    "headers",
+    "query",
+    "path",
+    "method",
+    "channel",
+    "request_id",
+];
+
 /// What a dry run's (or a test case's) `metadata` may hold: what a
 /// request's does (shared decisions), the three maps and `method`,
 /// `channel`, `request_id` as strings (defaults POST, none, the run's own
 /// id). Anything else is a problem, not dropped: a misspelt key would run
 /// the workflow on other metadata than the writer meant. `null` is none.
 pub fn metadata_problems(meta: &Json) -> Vec<Diagnostic> {
-    const KEYS: [&str; 6] = [
-        "headers",
-        "query",
-        "path",
-        "method",
-        "channel",
-        "request_id",
-    ];
     let root = sluice_compiler::diag::FieldPath::root().key("metadata");
     let Some(members) = meta.as_object() else {
         return if meta.is_null() {
@@ -657,12 +660,12 @@ pub fn metadata_problems(meta: &Json) -> Vec<Diagnostic> {
     let mut problems = Vec::new();
     for (k, v) in members {
         let at = root.key(k);
-        if !KEYS.contains(&k.as_str()) {
+        if !METADATA_FIELDS.contains(&k.as_str()) {
             problems.push(Diagnostic::new(
                 at,
-                format!("unknown field; expected {}", KEYS.join(", ")),
+                format!("unknown field; expected {}", METADATA_FIELDS.join(", ")),
             ));
-        } else if KEYS[3..].contains(&k.as_str()) && !v.is_string() {
+        } else if METADATA_FIELDS[3..].contains(&k.as_str()) && !v.is_string() {
             problems.push(Diagnostic::type_mismatch(&at, "string", v));
         }
     }

@@ -394,14 +394,7 @@ async fn run(app: &App, c: Claimed) {
 
 /// Members of stored metadata the runtime's `Meta` has fields for; any other
 /// string member (a Kafka message's `key`, `topic`, ...) is passed as extra.
-const META_FIELDS: &[&str] = &[
-    "headers",
-    "query",
-    "path",
-    "method",
-    "channel",
-    "request_id",
-];
+const META_FIELDS: &[&str] = &crate::data::METADATA_FIELDS;
 
 /// Logs a failed run with its first error (async traces and Kafka
 /// messages), at most ten failure lines a second.

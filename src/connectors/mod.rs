@@ -501,6 +501,22 @@ impl DocumentStore for Connectors {
     }
 }
 
+/// A TCP server that accepts connections and never answers (a database or
+/// broker that hangs), for the connectors' timeout tests: its port, and
+/// the task holding the connections (abort it when done).
+#[cfg(test)]
+pub(crate) async fn silent_server() -> (u16, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((sock, _)) = listener.accept().await {
+            open.push(sock);
+        }
+    });
+    (port, held)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -375,14 +375,7 @@ mod tests {
         );
         // A server that accepts and never answers: the query's own limit
         // ends the wait.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let held = tokio::spawn(async move {
-            let mut open = Vec::new();
-            while let Ok((sock, _)) = listener.accept().await {
-                open.push(sock);
-            }
-        });
+        let (port, held) = crate::connectors::silent_server().await;
         // Connecting to it runs out of the connector's connect timeout:
         // a timeout (504), not an upstream failure.
         let mut c = cfg(&format!("mongodb://127.0.0.1:{port}/"));

@@ -1490,14 +1490,7 @@ mod tests {
     /// connector's own connect timeout ran out, a `Timeout` (504).
     #[tokio::test]
     async fn a_silent_server_is_a_connect_timeout() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let held = tokio::spawn(async move {
-            let mut open = Vec::new();
-            while let Ok((sock, _)) = listener.accept().await {
-                open.push(sock);
-            }
-        });
+        let (port, held) = crate::connectors::silent_server().await;
         for url in [
             format!("postgres://postgres@127.0.0.1:{port}/test"),
             format!("mysql://root@127.0.0.1:{port}/test"),
