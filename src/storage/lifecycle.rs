@@ -859,9 +859,8 @@ impl Store {
         })
     }
 
-    /// Moves a version to `target` (see `plan_status` for the listed moves and
-    /// how the version is chosen when `version` is `None`). Returns the target
-    /// version as stored afterwards.
+    /// [`Self::set_status_checked`] with no check: the storage tests' form.
+    #[cfg(test)]
     pub async fn set_status(
         &self,
         kind: Kind,
@@ -875,8 +874,11 @@ impl Store {
             .await
     }
 
-    /// `set_status`, with `check` run on the version the move activates
-    /// (as it is stored), inside the transaction: its error undoes the move.
+    /// Moves a version to `target` (see `plan_status` for the listed moves and
+    /// how the version is chosen when `version` is `None`), with `check` run
+    /// on the version the move activates (as it is stored), inside the
+    /// transaction: its error undoes the move. Returns the target version as
+    /// stored afterwards.
     #[allow(clippy::too_many_arguments)]
     pub async fn set_status_checked(
         &self,
