@@ -321,6 +321,26 @@ impl Drop for Running {
     }
 }
 
+/// One request counted against `server.max_in_flight` until it is dropped.
+struct InFlight<'a> {
+    count: &'a std::sync::atomic::AtomicU64,
+    /// How many were in flight before this one.
+    before: u64,
+}
+
+impl<'a> InFlight<'a> {
+    fn enter(count: &'a std::sync::atomic::AtomicU64) -> Self {
+        let before = count.fetch_add(1, Ordering::AcqRel);
+        InFlight { count, before }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Serves a connection and closes it when, over a whole `period`, no
 /// request began while none was running: a client that sends nothing, or
 /// too slowly to complete a request head, or stays idle between requests,
@@ -367,9 +387,14 @@ async fn handle(
     let route = crate::router::route_label(req.uri().path());
     // Load shedding: past `server.max_in_flight` requests, answer 503 at
     // once (health and metrics stay reachable).
-    let counted = !is_operational(req.uri().path());
-    let shed =
-        counted && app.in_flight.fetch_add(1, Ordering::AcqRel) >= app.config.server.max_in_flight;
+    // The count is taken back when the guard drops: when the answer is
+    // ready, or when the client goes away and hyper drops this future
+    // mid-request (a counter decremented after the `await` would keep every
+    // abandoned request for good, until the service shed everything).
+    let counted = (!is_operational(req.uri().path())).then(|| InFlight::enter(&app.in_flight));
+    let shed = counted
+        .as_ref()
+        .is_some_and(|c| c.before >= app.config.server.max_in_flight);
     let response = if shed {
         ApiError::new(
             Code::ServiceUnavailable,
@@ -389,8 +414,8 @@ async fn handle(
         .instrument(span)
         .await
     };
-    if counted {
-        app.in_flight.fetch_sub(1, Ordering::AcqRel);
+    if let Some(counted) = counted {
+        drop(counted);
         // One yield before the response is written: the worker first runs
         // every other request that is ready, then the answers of that pass go
         // out together. Under load the client is woken once per batch, not

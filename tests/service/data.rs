@@ -636,6 +636,53 @@ async fn load_is_shed_past_max_in_flight() {
     assert_eq!(status, 200);
 }
 
+/// A client that gives up mid-request (its timeout, a closed tab) no
+/// longer counts against `server.max_in_flight`: the count used to be
+/// taken back only after the handler finished, so a dropped request kept
+/// its place for good and the service ended up shedding everything.
+#[tokio::test]
+async fn an_abandoned_request_leaves_the_in_flight_count() {
+    let s = start_with(Db::Sqlite, |c| {
+        c.server.max_in_flight = 1;
+        c.security.allow_private_networks = true;
+    })
+    .await;
+    let upstream = slow_upstream(std::time::Duration::from_millis(1500)).await;
+    deploy_io_slow(&s, "hog", &upstream, json!({"timeout_ms": 30000})).await;
+    for attempt in 0..3 {
+        let gave_up = s
+            .client
+            .post(format!("{}/api/v1/data/hog", s.base))
+            .header("content-type", "application/json")
+            .body(items(1).to_string())
+            .timeout(std::time::Duration::from_millis(300))
+            .send()
+            .await;
+        assert!(gave_up.is_err(), "attempt {attempt}: {gave_up:?}");
+        // Its place comes back without waiting for its upstream call
+        // (1.5 s).
+        let app = s.app.clone();
+        let freed = tokio::task::spawn_blocking(move || {
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < std::time::Duration::from_secs(1) {
+                if app.in_flight.load(Ordering::Acquire) == 0 {
+                    return true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            false
+        })
+        .await
+        .unwrap();
+        assert!(
+            freed,
+            "attempt {attempt}: the abandoned request still counts as in flight"
+        );
+    }
+    let r = s.post("/api/v1/data/hog", items(1)).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
 /// Waits (up to 10 s) until the server is serving at least one request. It
 /// watches from a blocking thread: while a CPU-bound workflow occupies a
 /// runtime worker, tokio timers may not fire, so an async poll loop could
