@@ -265,6 +265,19 @@ impl moka::Expiry<String, Stored> for PerEntry {
     }
 }
 
+/// The in-memory dedup windows, at most `capacity` keys. The least recently
+/// used goes first when full: moka's default policy (TinyLFU) refuses a new
+/// key whose frequency is no higher than the keys it would push out, which
+/// for once-seen dedup keys is every new key: a full store forgot new
+/// requests (their duplicates ran again) and kept the old ones.
+fn dedup_store(capacity: u64) -> Cache<String, Duration> {
+    Cache::builder()
+        .max_capacity(capacity)
+        .eviction_policy(moka::policy::EvictionPolicy::lru())
+        .expire_after(PerEntry)
+        .build()
+}
+
 /// Governance state that outlives engine snapshots.
 pub struct Governance {
     epoch: Instant,
@@ -326,10 +339,7 @@ impl Governance {
                 .max_capacity(MAX_BUCKETS)
                 .time_to_idle(BUCKET_IDLE)
                 .build(),
-            seen: Cache::builder()
-                .max_capacity(MAX_DEDUP_KEYS)
-                .expire_after(PerEntry)
-                .build(),
+            seen: dedup_store(MAX_DEDUP_KEYS),
             responses: Cache::builder()
                 .max_capacity(MAX_CACHE_BYTES)
                 .weigher(|k: &String, v: &Stored| {
@@ -405,20 +415,23 @@ impl Governance {
         // 1. Deduplication.
         let mut claimed = None;
         if let Some((key, window, fail_open)) = keys.dedup.as_ref() {
-            let fresh = match &self.shared {
+            // Whether the key is new, and whether this request now holds it.
+            let (fresh, holds) = match &self.shared {
                 None => {
                     let entry = self.seen.entry(key.clone()).or_insert(*window);
-                    entry.is_fresh()
+                    (entry.is_fresh(), true)
                 }
                 Some(shared) => match shared.claim(key, *window).await {
-                    Ok(fresh) => fresh,
+                    Ok(fresh) => (fresh, true),
                     Err(e) => {
                         shared.failed("deduplication", *fail_open, &e);
                         if !fail_open {
                             return Err(unavailable(channel, "deduplication"));
                         }
-                        // Unchecked: there is no key to give back.
-                        true
+                        // Unchecked, so nothing is held: giving the key
+                        // back would delete a claim another request (an
+                        // earlier attempt of this client) holds.
+                        (true, false)
                     }
                 },
             };
@@ -432,7 +445,9 @@ impl Governance {
                     ),
                 ));
             }
-            claimed = Some(key.as_str());
+            if holds {
+                claimed = Some(key.as_str());
+            }
         }
         let mut rest = self.admit_rest(channel, &keys).await;
         match (&mut rest, claimed) {
@@ -1173,6 +1188,26 @@ mod tests {
         assert_ne!(ka, kb);
         // Stable: the same key (on any replica) gives the same digest.
         assert_eq!(ka, super::compact_key(a));
+    }
+
+    /// A full dedup store keeps each new key (forgetting the least recently
+    /// used), so a duplicate of a recent request is still caught.
+    #[test]
+    fn a_full_dedup_store_keeps_new_keys() {
+        let seen = super::dedup_store(50);
+        let window = std::time::Duration::from_secs(300);
+        for i in 0..50 {
+            seen.insert(format!("old-{i}"), window);
+        }
+        seen.run_pending_tasks();
+        for i in 0..200 {
+            let key = format!("new-{i}");
+            assert!(seen.entry(key.clone()).or_insert(window).is_fresh());
+            seen.run_pending_tasks();
+            assert!(seen.contains_key(&key), "new key {i} was not kept");
+            assert!(!seen.entry(key).or_insert(window).is_fresh());
+        }
+        assert!(seen.entry_count() <= 50, "{}", seen.entry_count());
     }
 
     #[test]

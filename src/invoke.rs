@@ -184,7 +184,12 @@ impl ChannelInvoker for Invoker {
         let execution = match tokio::time::timeout(timeout + crate::data::DEADLINE_GRACE, run).await
         {
             Ok(Ok(e)) => e,
-            Ok(Err(e)) => return Err(task_error(format!("{e} ({named})"))),
+            Ok(Err(e)) => {
+                // The body was refused: nothing ran, the deduplication key
+                // goes back (as on the data plane).
+                app.governance.give_back(&admitted).await;
+                return Err(task_error(format!("{e} ({named})")));
+            }
             Err(_) => {
                 return Err(ConnectorError::new(
                     ConnectorErrorKind::Timeout,
@@ -196,6 +201,7 @@ impl ChannelInvoker for Invoker {
             }
         };
         if execution.matched.is_none() {
+            app.governance.give_back(&admitted).await;
             let why = execution
                 .errors
                 .first()

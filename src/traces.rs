@@ -42,10 +42,10 @@ pub async fn submit(
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    let path = params;
     // Dedup, rate limits and validation run now (backpressure and the
     // response cache belong to the run; see `governance::Stage`).
-    app.governance
+    let admitted = app
+        .governance
         .admit(
             channel,
             &crate::governance::View {
@@ -54,7 +54,7 @@ pub async fn submit(
                 target: req.path(),
                 headers: &headers,
                 query: &query,
-                path,
+                path: params,
                 body: &req.body,
                 internal: false,
                 // The submit stage has no response cache.
@@ -64,6 +64,26 @@ pub async fn submit(
             crate::governance::Stage::Submit,
         )
         .await?;
+    let stored = store_submission(app, req, channel, &headers, &query, params).await;
+    // Nothing was accepted (the body was refused, the trace store failed):
+    // the deduplication key goes back, so the client's retry runs instead
+    // of being told it is a duplicate of work that does not exist.
+    if stored.is_err() && admitted.claims() {
+        app.governance.give_back(&admitted).await;
+    }
+    stored
+}
+
+/// The rest of an async submission, once the channel's checks admitted it:
+/// the payload is checked and the pending trace stored.
+async fn store_submission(
+    app: &Arc<App>,
+    req: &Req,
+    channel: &Channel,
+    headers: &[(&str, &str)],
+    query: &[(&str, &str)],
+    path: &[(&str, &str)],
+) -> ApiResult {
     // The payload is the body's `data` member, as on the sync path; no body
     // (a route-matched GET) is a null payload.
     // The payload is stored: it may nest only as deep as the database's
@@ -91,7 +111,7 @@ pub async fn submit(
     };
     let caller_id = req.caller_request_id.then_some(req.request_id.as_str());
     // Fixed now: its inputs (authorization, client IP) are not stored.
-    let bucket = rollout::bucket_for(&headers, caller_id, Some(&req.client_ip));
+    let bucket = rollout::bucket_for(headers, caller_id, Some(&req.client_ip));
     let object = |pairs: &[(&str, &str)]| {
         Json::Object(
             pairs
@@ -101,8 +121,8 @@ pub async fn submit(
         )
     };
     let mut metadata = json!({
-        "headers": object(&headers),
-        "query": object(&query),
+        "headers": object(headers),
+        "query": object(query),
         "path": object(path),
         "method": req.method.as_str(),
         "channel": channel.name,

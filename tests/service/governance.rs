@@ -101,6 +101,21 @@ async fn deduplication_rejects_a_repeat_inside_the_window_body(gov: Gov) {
     )
     .await
     .error(409, "CONFLICT");
+    // A refused async body was not accepted: its key goes back, so the
+    // corrected retry is accepted (it used to be told it was a duplicate).
+    let key = [("idempotency-key", "k-async-refused")];
+    s.send("POST", "/api/v1/data/dd/async", Some(json!([1])), &key)
+        .await
+        .error(400, "BAD_REQUEST");
+    let r = s
+        .send(
+            "POST",
+            "/api/v1/data/dd/async",
+            Some(json!({"data": {}})),
+            &key,
+        )
+        .await;
+    assert_eq!(r.status, 202, "{}", r.text);
 
     // A request no workflow matched ran nothing: its key goes back, so the
     // corrected retry runs (session 19: it was told it was a duplicate).
@@ -122,6 +137,41 @@ async fn deduplication_rejects_a_repeat_inside_the_window_body(gov: Gov) {
     post_with(&s, "ddp", json!({"go": true}), &key)
         .await
         .error(409, "CONFLICT");
+
+    // The same through `channel_call` (the callee keys on its payload): a
+    // callee that ran nothing gives its key back.
+    s.deploy(
+        {
+            let mut w = echo("ddpk");
+            w["condition"] = json!({"==": [{"var": "payload.go"}, true]});
+            w
+        },
+        named(
+            "ddpk",
+            "ddpk",
+            json!({"deduplication": {"key_logic": {"var": "data.k"}, "window_secs": 60}}),
+        ),
+    )
+    .await;
+    s.deploy(
+        caller(
+            "ddcall",
+            json!([call_task(
+                "call",
+                json!({"channel": "ddpk", "data_logic": {"var": "payload"}, "response_path": "out"})
+            )]),
+        ),
+        named("ddcall", "ddcall", json!({})),
+    )
+    .await;
+    post_with(&s, "ddcall", json!({"k": "c-1", "go": false}), &[])
+        .await
+        .error(500, "TASK_ERROR");
+    let r = post_with(&s, "ddcall", json!({"k": "c-1", "go": true}), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let r = post_with(&s, "ddcall", json!({"k": "c-1", "go": true}), &[]).await;
+    r.error(500, "TASK_ERROR");
+    assert!(r.text.contains("duplicate"), "{}", r.text);
 }
 
 crate::on_both_governance_backends!(
