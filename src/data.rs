@@ -530,7 +530,20 @@ fn respond(
     }
     if let Status::Failed(f) = &execution.status {
         let code = failure_code(f.kind);
-        let details = if f.messages.is_empty() {
+        // What went wrong before the halt (collected under
+        // `continue_on_error`, failed validation rules) comes first, in
+        // order, then the halting failure: an answer that named only the
+        // last problem hid the rest (the async trace and the dry run list
+        // them all).
+        let earlier = execution.errors.iter().map(|e| Diagnostic {
+            field: if e.field.is_empty() {
+                "tasks".to_owned()
+            } else {
+                e.field.clone()
+            },
+            message: e.message.clone(),
+        });
+        let halting: Vec<Diagnostic> = if f.messages.is_empty() {
             vec![Diagnostic {
                 field: f.field.clone(),
                 message: f.message.clone(),
@@ -544,6 +557,7 @@ fn respond(
                 })
                 .collect()
         };
+        let details = earlier.chain(halting).collect();
         let message = format!("task '{}' failed: {}", f.task_id, f.message);
         let error = ApiError::new(code, message)
             .with_details(details)
@@ -577,7 +591,17 @@ fn respond(
     Ok(Bytes::from(out))
 }
 
-/// The error code of a halted workflow (the async trace's `errors` use it too).
+/// The code of a halting failure's entries in an `errors` array (async
+/// traces, dry runs): failed validation rules are `VALIDATION_ERROR` there,
+/// as when they do not halt, while the answer's envelope says `BAD_REQUEST`.
+pub(crate) fn failure_item_code(kind: FailureKind) -> &'static str {
+    match kind {
+        FailureKind::Validation => "VALIDATION_ERROR",
+        other => failure_code(other).as_str(),
+    }
+}
+
+/// The error code of a halted workflow's answer.
 pub(crate) fn failure_code(kind: FailureKind) -> Code {
     match kind {
         FailureKind::Task => Code::TaskError,
@@ -598,13 +622,7 @@ pub fn dry_run_answer(e: &Execution) -> Json {
         Status::Completed => ("completed", Vec::new()),
         Status::Filtered => ("filtered", Vec::new()),
         Status::Failed(f) => {
-            let code = match f.kind {
-                FailureKind::Validation => "VALIDATION_ERROR",
-                FailureKind::Timeout => "TIMEOUT",
-                FailureKind::CircuitOpen => "SERVICE_UNAVAILABLE",
-                FailureKind::Upstream => "UPSTREAM_ERROR",
-                FailureKind::Task => "TASK_ERROR",
-            };
+            let code = failure_item_code(f.kind);
             // A halting validation lists each failed rule, as the data
             // plane's `details` and an async trace's `errors` do.
             let item = |message: &str| json!({"code": code, "task_id": f.task_id, "field": f.field, "message": message});
@@ -616,11 +634,16 @@ pub fn dry_run_answer(e: &Execution) -> Json {
             ("failed", items)
         }
     };
+    // Every entry names its task's place, as the halting one does.
     errors.splice(
         0..0,
-        e.errors
-            .iter()
-            .map(|i| json!({"code": i.code, "task_id": i.task_id, "message": i.message})),
+        e.errors.iter().map(|i| {
+            let mut item = json!({"code": i.code, "task_id": i.task_id, "message": i.message});
+            if !i.field.is_empty() {
+                item["field"] = json!(i.field);
+            }
+            item
+        }),
     );
     json!({
         "matched": e.matched.is_some(),

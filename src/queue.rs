@@ -591,7 +591,7 @@ pub(crate) async fn execute(
     let ok = match &execution.status {
         Status::Completed | Status::Filtered => true,
         Status::Failed(f) => {
-            let code = crate::data::failure_code(f.kind).as_str();
+            let code = crate::data::failure_item_code(f.kind);
             if f.messages.is_empty() {
                 errors.push(error_item(code, &f.task_id, &f.message));
             } else {

@@ -134,6 +134,11 @@ pub struct ErrorItem {
     pub code: &'static str,
     pub task_id: String,
     pub message: String,
+    /// Where the task sits in the definition (`tasks[1]`), for a failure
+    /// answer's `details` and a dry run's `errors`; empty when no task is
+    /// concerned. Not part of the data plane's `errors` elements.
+    #[serde(skip)]
+    pub field: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -395,6 +400,7 @@ where
                             *condition_error = Some(ErrorItem {
                                 code: "TASK_ERROR",
                                 task_id: String::new(),
+                                field: String::new(),
                                 message: format!(
                                     "the condition of workflow '{}' failed: {e}",
                                     plan.workflow_id
@@ -833,6 +839,7 @@ impl<'a> Machine<'a> {
                             self.errors.push(ErrorItem {
                                 code: "TASK_ERROR",
                                 task_id: group.id.to_string(),
+                                field: group.field.to_string(),
                                 message,
                             });
                         } else {
@@ -1043,6 +1050,7 @@ impl<'a> Machine<'a> {
                     "TASK_ERROR"
                 },
                 task_id: task.id.to_string(),
+                field: task.field.to_string(),
                 message: format!("channel '{channel}', task '{}': {}", e.task_id, e.message),
             });
         }
@@ -1112,6 +1120,7 @@ impl<'a> Machine<'a> {
         self.errors.push(ErrorItem {
             code: "TASK_ERROR",
             task_id: task.id.to_string(),
+            field: task.field.to_string(),
             message: e.message,
         });
         Flow::Continue
@@ -1142,6 +1151,7 @@ impl<'a> Machine<'a> {
             self.errors.push(ErrorItem {
                 code: "VALIDATION_ERROR",
                 task_id: task.id.to_string(),
+                field: task.field.to_string(),
                 message,
             });
         }

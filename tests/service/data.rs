@@ -267,6 +267,63 @@ async fn failures_map_to_statuses_and_errors_are_collected() {
         dry.text
     );
 
+    // A halting failure's answer lists what went wrong before it too, each
+    // under its task's place; a dry run names every entry's place, and the
+    // async trace codes failed rules VALIDATION_ERROR whether they halted
+    // or not.
+    let r = s
+        .post("/api/v1/data/f", json!({"data": {"fail": true}}))
+        .await;
+    let e = r.error(500, "TASK_ERROR");
+    assert_eq!(
+        e["details"][0],
+        json!({"field": "tasks[1]", "message": "email is required"})
+    );
+    assert_eq!(e["details"][1]["field"], "tasks[3]");
+    assert_eq!(e["details"].as_array().unwrap().len(), 2);
+    let mut two = tagging_workflow("two", "two");
+    two["tasks"] = json!([
+        {"id": "v1", "name": "v1", "function": {"name": "validation", "input": {"rules": [{"logic": false, "message": "first"}]}}},
+        {"id": "v2", "name": "v2", "halt_on": "failure", "function": {"name": "validation", "input": {"rules": [{"logic": false, "message": "second"}]}}}
+    ]);
+    s.deploy(two, rest_channel("two", "two", "/two", &["POST"], 0))
+        .await;
+    let r = s.post("/api/v1/data/two", json!({"data": {}})).await;
+    let e = r.error(400, "BAD_REQUEST");
+    assert_eq!(
+        e["details"],
+        json!([{"field": "tasks[0]", "message": "first"}, {"field": "tasks[1]", "message": "second"}])
+    );
+    let dry = s
+        .admin("POST", "/workflows/two/test", Some(json!({"data": {}})))
+        .await;
+    assert_eq!(
+        dry.ok(200)["errors"],
+        json!([
+            {"code": "VALIDATION_ERROR", "task_id": "v1", "field": "tasks[0]", "message": "first"},
+            {"code": "VALIDATION_ERROR", "task_id": "v2", "field": "tasks[1]", "message": "second"}
+        ])
+    );
+    let r = s.post("/api/v1/data/two/async", json!({"data": {}})).await;
+    assert_eq!(r.status, 202, "{}", r.text);
+    let id = r.body["trace_id"].as_str().unwrap().to_owned();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    let trace = loop {
+        let t = s.get(&format!("/api/v1/data/traces/{id}")).await;
+        if t.body["data"]["status"] == "failed" {
+            break t.body["data"].clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", t.text);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        trace["errors"],
+        json!([
+            {"code": "VALIDATION_ERROR", "task_id": "v1", "message": "first"},
+            {"code": "VALIDATION_ERROR", "task_id": "v2", "message": "second"}
+        ])
+    );
+
     // continue_on_error collects TASK_ERROR entries with 200.
     let mut tolerant = tagging_workflow("tolerant", "t");
     tolerant["continue_on_error"] = json!(true);
