@@ -321,7 +321,7 @@ pub(crate) fn plan_status(
     let find = |v: i64| {
         rows.iter().find(|r| r.version == v).ok_or_else(|| {
             StorageError::NotFound(format!(
-                "{} with id '{id}' has no version {v}",
+                "{} with id '{id}' not found: it has no version {v}",
                 kind.title()
             ))
         })
@@ -693,7 +693,7 @@ impl Store {
             match (row, version) {
                 (Some(row), _) => record_from_row(&row),
                 (None, Some(v)) if count_from_row(&fetch_one!(pool, &k.exists, id)?)? > 0 => Err(StorageError::NotFound(
-                    format!("{} with id '{id}' has no version {v}", kind.title()),
+                    format!("{} with id '{id}' not found: it has no version {v}", kind.title()),
                 )),
                 (None, _) => Err(kind.not_found(id)),
             }

@@ -253,7 +253,7 @@ async fn create_and_get(s: Store, _: PathBuf) {
     assert_eq!(s.get(Kind::Workflow, "orders", Some(1)).await.unwrap(), r);
     assert_not_found(
         s.get(Kind::Workflow, "orders", Some(3)).await,
-        "Workflow with id 'orders' has no version 3",
+        "Workflow with id 'orders' not found: it has no version 3",
     );
     assert_not_found(
         s.get(Kind::Workflow, "nope", None).await,
@@ -634,7 +634,7 @@ async fn activation_canary_rollout_rollback_archive(s: Store, _: PathBuf) {
     );
     assert_not_found(
         activate(&s, "a", Some(9), None).await,
-        "Workflow with id 'a' has no version 9",
+        "Workflow with id 'a' not found: it has no version 9",
     );
     assert_not_found(
         activate(&s, "zz", None, None).await,
