@@ -115,47 +115,45 @@ pub fn route_label(path: &str) -> Cow<'static, str> {
         ["api", "v1", "data", "traces", _] => "/api/v1/data/traces/{id}".into(),
         ["api", "v1", "data", "traces", ..] => "unmatched".into(),
         ["api", "v1", "data", ..] => DATA_PLANE_ROUTE.into(),
-        ["api", "v1", "admin", first, rest @ ..] if ADMIN_RESOURCES.contains(first) => {
-            const WORDS: &[&str] = &[
-                "workflows",
-                "channels",
-                "connectors",
-                "import",
-                "export",
-                "validate",
-                "status",
-                "versions",
-                "rollout",
-                "test",
-                "reload",
-                "circuit-breakers",
-                "engine",
-                "functions",
-                "audit-logs",
-                "backups",
-            ];
-            let mut out = format!("/api/v1/admin/{first}");
-            for s in rest {
-                out.push('/');
-                out.push_str(if WORDS.contains(s) { s } else { "{id}" });
-            }
-            out.into()
-        }
+        ["api", "v1", "admin", rest @ ..] => admin_label(rest).into(),
         _ => "unmatched".into(),
     }
 }
 
-/// The first segments of the admin plane's routes: an admin path starting
-/// otherwise matches no route and is labelled `unmatched`.
-const ADMIN_RESOURCES: &[&str] = &[
-    "workflows",
-    "channels",
-    "connectors",
-    "engine",
-    "functions",
-    "audit-logs",
-    "backups",
-];
+/// The label of an admin path (after `/api/v1/admin/`): one per route of
+/// the admin plane (`src/admin.rs`), identifiers as `{id}`; any other path
+/// is `unmatched`, however deep (a label built segment by segment gave
+/// every depth of a wrong path its own series).
+fn admin_label(segments: &[&str]) -> &'static str {
+    match segments {
+        ["workflows"] => "/api/v1/admin/workflows",
+        ["channels"] => "/api/v1/admin/channels",
+        ["workflows", "import"] => "/api/v1/admin/workflows/import",
+        ["channels", "import"] => "/api/v1/admin/channels/import",
+        ["workflows", "export"] => "/api/v1/admin/workflows/export",
+        ["workflows", "validate"] => "/api/v1/admin/workflows/validate",
+        ["workflows", _] => "/api/v1/admin/workflows/{id}",
+        ["channels", _] => "/api/v1/admin/channels/{id}",
+        ["workflows", _, "status"] => "/api/v1/admin/workflows/{id}/status",
+        ["channels", _, "status"] => "/api/v1/admin/channels/{id}/status",
+        ["workflows", _, "versions"] => "/api/v1/admin/workflows/{id}/versions",
+        ["channels", _, "versions"] => "/api/v1/admin/channels/{id}/versions",
+        ["workflows", _, "rollout"] => "/api/v1/admin/workflows/{id}/rollout",
+        ["workflows", _, "test"] => "/api/v1/admin/workflows/{id}/test",
+        ["connectors"] => "/api/v1/admin/connectors",
+        ["connectors", "import"] => "/api/v1/admin/connectors/import",
+        ["connectors", "reload"] => "/api/v1/admin/connectors/reload",
+        ["connectors", "circuit-breakers"] => "/api/v1/admin/connectors/circuit-breakers",
+        ["connectors", "circuit-breakers", _] => "/api/v1/admin/connectors/circuit-breakers/{id}",
+        ["connectors", _] => "/api/v1/admin/connectors/{id}",
+        ["engine", "status"] => "/api/v1/admin/engine/status",
+        ["engine", "reload"] => "/api/v1/admin/engine/reload",
+        ["functions"] => "/api/v1/admin/functions",
+        ["audit-logs"] => "/api/v1/admin/audit-logs",
+        ["backups"] => "/api/v1/admin/backups",
+        _ => "unmatched",
+    }
+}
 
 /// The one route label of every data-plane request.
 pub const DATA_PLANE_ROUTE: &str = "/api/v1/data/{path}";
@@ -192,5 +190,30 @@ mod tests {
         assert_eq!(route_label("/api/v1/data"), "/api/v1/data/{path}");
         assert_eq!(route_label("/health"), "/health");
         assert_eq!(route_label("/x/y"), "unmatched");
+        // A wrong admin path is one series however deep it goes.
+        for path in [
+            "/api/v1/admin/workflows/a/b/c",
+            "/api/v1/admin/workflows/a/b/c/d/e/f/g/h",
+            "/api/v1/admin/backups/x",
+            "/api/v1/admin/audit-logs/x/y",
+            "/api/v1/admin/engine/x/y",
+            "/api/v1/admin/functions/x",
+            "/api/v1/admin/connectors/circuit-breakers/a/b",
+            "/api/v1/admin/channels/a/rollout",
+        ] {
+            assert_eq!(route_label(path), "unmatched", "{path}");
+        }
+        assert_eq!(
+            route_label("/api/v1/admin/channels/c/versions"),
+            "/api/v1/admin/channels/{id}/versions"
+        );
+        assert_eq!(
+            route_label("/api/v1/admin/workflows/w/test"),
+            "/api/v1/admin/workflows/{id}/test"
+        );
+        assert_eq!(
+            route_label("/api/v1/admin/engine/status"),
+            "/api/v1/admin/engine/status"
+        );
     }
 }
