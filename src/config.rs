@@ -508,21 +508,27 @@ impl Config {
         if !(0.0..=1.0).contains(&self.tracing.sample_rate) {
             return fail("tracing.sample_rate", "must be between 0.0 and 1.0");
         }
-        // Only when tracing is on: a shared environment may name an
-        // endpoint that a service with tracing off never uses.
-        if self.tracing.enabled
-            && !self
-                .tracing
-                .otlp_endpoint
-                .get(..7)
-                .is_some_and(|s| s.eq_ignore_ascii_case("http://"))
-        {
+        // Checked with tracing off too (session 22): a typo would otherwise
+        // show only on the day tracing is switched on. The scheme is the one
+        // exception: an https:// endpoint (which this build cannot use)
+        // named by a shared environment is refused only when tracing is on.
+        let endpoint = self.tracing.otlp_endpoint.as_str();
+        let scheme = endpoint
+            .split_once("://")
+            .map(|(s, _)| s.to_ascii_lowercase());
+        let authority = endpoint.split_once("://").map_or("", |(_, rest)| {
+            rest.split(['/', '?', '#']).next().unwrap_or("")
+        });
+        let well_formed = matches!(scheme.as_deref(), Some("http" | "https"))
+            && endpoint.parse::<http::Uri>().is_ok()
+            && !authority.is_empty();
+        if !well_formed || (self.tracing.enabled && scheme.as_deref() != Some("http")) {
             return fail(
                 "tracing.otlp_endpoint",
                 "must be an http:// URL (OTLP over gRPC without TLS; send to a local collector or agent that forwards over TLS)",
             );
         }
-        if self.tracing.enabled && self.tracing.service_name.trim().is_empty() {
+        if self.tracing.service_name.trim().is_empty() {
             return fail("tracing.service_name", "must not be empty");
         }
         if let Err(why) = check_host(&self.server.host) {
@@ -651,11 +657,8 @@ impl Config {
         if let Some((key, _)) = periods.iter().find(|(_, secs)| *secs > YEAR_SECS) {
             return fail(key, "must be at most one year");
         }
-        if self.kafka.enabled && self.kafka.brokers.trim().is_empty() {
-            return fail(
-                "kafka.brokers",
-                "must not be empty when kafka.enabled is true",
-            );
+        if self.kafka.brokers.trim().is_empty() {
+            return fail("kafka.brokers", "must not be empty");
         }
         if self.kafka.dlq.enabled && self.kafka.dlq.topic.trim().is_empty() {
             return fail(
@@ -663,9 +666,11 @@ impl Config {
                 "must not be empty when kafka.dlq.enabled is true",
             );
         }
-        // Checked whenever Kafka is on: a bad broker or topic would only
-        // show as a consumer retrying forever, with /readyz still ok.
-        if self.kafka.enabled {
+        // Checked whether Kafka is on or not (session 22; before, only when
+        // on): a bad broker or topic would show as a consumer retrying
+        // forever, with /readyz still ok, or only on the day Kafka is
+        // switched on.
+        {
             use sluice_compiler::validate::{KAFKA_TOPIC_RULE, is_host_port, is_kafka_topic};
             if let Some(bad) = self
                 .kafka
@@ -679,7 +684,7 @@ impl Config {
                     &format!("broker '{bad}' must be host:port (brokers separated by commas)"),
                 );
             }
-            if self.kafka.dlq.enabled && !is_kafka_topic(&self.kafka.dlq.topic) {
+            if !is_kafka_topic(&self.kafka.dlq.topic) {
                 return fail("kafka.dlq.topic", KAFKA_TOPIC_RULE);
             }
             for (i, t) in self.kafka.topics.iter().enumerate() {
@@ -1055,6 +1060,10 @@ mod tests {
                 }
                 toml::Value::String(s) if name.ends_with("API_KEY_HEADER") => format!("x-{s}"),
                 toml::Value::String(_) if name == "GOVERNANCE__BACKEND" => "redis".into(),
+                toml::Value::String(_) if name == "KAFKA__BROKERS" => "k1:9092".into(),
+                toml::Value::String(_) if name == "TRACING__OTLP_ENDPOINT" => {
+                    "http://collector:4317".into()
+                }
                 toml::Value::String(s) => format!("{s}x"),
                 toml::Value::Array(_) if name.ends_with("TRUSTED_PROXIES") => {
                     "10.0.0.0/8, 127.0.0.1".into()
@@ -1275,7 +1284,7 @@ mod tests {
     }
 
     #[test]
-    fn kafka_brokers_and_topics_are_checked_when_kafka_is_on() {
+    fn kafka_brokers_and_topics_are_checked_whether_kafka_is_on_or_not() {
         let on = ("SERVICE_KAFKA__ENABLED", "true");
         for (var, value, message) in [
             (
@@ -1301,6 +1310,9 @@ mod tests {
         ] {
             let e = load(None, &[on, (var, value)]).unwrap_err().0;
             assert!(e.starts_with(message), "{var}={value}: {e}");
+            // The same with Kafka off (session 22): the typo shows now.
+            let e = load(None, &[(var, value)]).unwrap_err().0;
+            assert!(e.starts_with(message), "off, {var}={value}: {e}");
         }
         let e = load(
             None,
@@ -1316,8 +1328,6 @@ mod tests {
             e.starts_with("invalid value for 'kafka.dlq.topic': must be a Kafka topic name"),
             "{e}"
         );
-        // Off, a shared environment's settings are not judged.
-        assert!(load(None, &[("SERVICE_KAFKA__BROKERS", "nohostport")]).is_ok());
         assert!(load(None, &[on, ("SERVICE_KAFKA__BROKERS", "k1:9092, k2:9093")]).is_ok());
     }
 
@@ -1377,6 +1387,24 @@ mod tests {
             "{e}"
         );
         let e = load(None, &[on, ("SERVICE_TRACING__SERVICE_NAME", " ")])
+            .unwrap_err()
+            .0;
+        assert_eq!(
+            e,
+            "invalid value for 'tracing.service_name': must not be empty"
+        );
+        // A value that is no URL at all, or an empty name, is refused with
+        // tracing off too: the typo shows now, not when tracing is enabled.
+        for endpoint in ["notaurl", "http://", "ftp://c:4317", "http://c:4317 x"] {
+            let e = load(None, &[("SERVICE_TRACING__OTLP_ENDPOINT", endpoint)])
+                .unwrap_err()
+                .0;
+            assert!(
+                e.starts_with("invalid value for 'tracing.otlp_endpoint'"),
+                "{endpoint}: {e}"
+            );
+        }
+        let e = load(None, &[("SERVICE_TRACING__SERVICE_NAME", "")])
             .unwrap_err()
             .0;
         assert_eq!(
@@ -1482,10 +1510,7 @@ mod tests {
         )
         .unwrap_err()
         .0;
-        assert_eq!(
-            e,
-            "invalid value for 'kafka.brokers': must not be empty when kafka.enabled is true"
-        );
+        assert_eq!(e, "invalid value for 'kafka.brokers': must not be empty");
         let e = load(
             None,
             &[
