@@ -95,7 +95,7 @@ pub fn metrics(app: &App) -> ApiResult {
     metrics::gauge!(crate::telemetry::names::ACTIVE_WORKFLOWS)
         .set(app.engine.load().active_workflows as f64);
     let mut response = http::Response::new(http_body_util::Full::new(bytes::Bytes::from(
-        handle.render(),
+        crate::telemetry::render(handle),
     )));
     response.headers_mut().insert(
         http::header::CONTENT_TYPE,

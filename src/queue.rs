@@ -292,7 +292,12 @@ fn last_code(outcome: &Outcome) -> &str {
 /// `errors_total{type}` for a failed run: the code of its last error, the
 /// one that ended it (earlier ones were collected and passed over).
 pub(crate) fn count_failure(outcome: &Outcome) {
-    let code = last_code(outcome);
+    // A halting validation's rules are `VALIDATION_ERROR` entries; the
+    // failure is counted as the sync answer's code, `BAD_REQUEST`.
+    let code = match last_code(outcome) {
+        "VALIDATION_ERROR" => Code::BadRequest.as_str(),
+        other => other,
+    };
     metrics::counter!(crate::telemetry::names::ERRORS_TOTAL, "type" => code.to_owned())
         .increment(1);
 }
@@ -707,8 +712,16 @@ mod tests {
                 {"code": "TIMEOUT", "task_id": "b", "message": "y"}
             ])));
             count_failure(&outcome(json!([])));
+            // A halting validation counts as its sync answer would.
+            count_failure(&outcome(json!([
+                {"code": "VALIDATION_ERROR", "task_id": "v", "message": "z"}
+            ])));
         });
         let text = handle.render();
+        assert!(
+            text.contains("errors_total{type=\"BAD_REQUEST\"} 1"),
+            "{text}"
+        );
         assert!(text.contains("errors_total{type=\"TIMEOUT\"} 1"), "{text}");
         assert!(
             text.contains("errors_total{type=\"INTERNAL_ERROR\"} 1"),

@@ -124,21 +124,12 @@ pub fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::Promethe
             for (name, help) in names::ALL.iter().chain(names::EXTRA) {
                 metrics::describe_counter!(*name, *help);
             }
-            // Counters that only move on rare events are shown at zero from
-            // the start, so dashboards and alerts see them before they fire:
-            // `errors_total` once per error code (every sample carries its
-            // `type`), the others without labels until their first event
-            // (their labels name connectors, channels and clients).
+            // `errors_total` is shown at zero once per error code from the
+            // start (every sample carries its `type`), so dashboards and
+            // alerts see it before it fires. The counters whose labels are
+            // only known at their first event are announced by `render`.
             for code in crate::api::Code::ALL {
                 metrics::counter!(names::ERRORS_TOTAL, "type" => code.as_str()).increment(0);
-            }
-            for name in [
-                names::CIRCUIT_BREAKER_TRIPS_TOTAL,
-                names::CIRCUIT_BREAKER_REJECTIONS_TOTAL,
-                names::RATE_LIMIT_REJECTIONS_TOTAL,
-                names::GOVERNANCE_BACKEND_ERRORS_TOTAL,
-            ] {
-                metrics::counter!(name).increment(0);
             }
             // Histograms keep raw samples until upkeep folds them into buckets.
             let upkeep = handle.clone();
@@ -154,6 +145,43 @@ pub fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::Promethe
             Some(handle)
         })
         .as_ref()
+}
+
+/// Counters whose labels name connectors, channels and clients, so none of
+/// their series exists before the first event.
+const ANNOUNCED: [&str; 4] = [
+    names::CIRCUIT_BREAKER_TRIPS_TOTAL,
+    names::CIRCUIT_BREAKER_REJECTIONS_TOTAL,
+    names::RATE_LIMIT_REJECTIONS_TOTAL,
+    names::GOVERNANCE_BACKEND_ERRORS_TOTAL,
+];
+
+/// The `/metrics` text. A counter of [`ANNOUNCED`] that has no series yet is
+/// announced by its `# HELP` and `# TYPE` lines alone (valid exposition
+/// format, a family without samples): a scrape shows every metric of the
+/// spec from the start, and every sample carries the labels the spec lists
+/// (a zero sample without labels, the earlier way, sat beside the labelled
+/// series for good).
+pub fn render(handle: &metrics_exporter_prometheus::PrometheusHandle) -> String {
+    let mut text = handle.render();
+    for name in ANNOUNCED {
+        let has_series = text.lines().any(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        });
+        if !has_series {
+            let help = names::ALL
+                .iter()
+                .chain(names::EXTRA)
+                .find(|(n, _)| *n == name)
+                .map_or("", |(_, h)| h);
+            if !text.is_empty() && !text.ends_with('\n') {
+                text.push('\n');
+            }
+            text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n"));
+        }
+    }
+    text
 }
 
 /// Status codes the data plane answers; their metric handles are registered

@@ -261,14 +261,30 @@ async fn metrics_are_served_in_prometheus_format() {
     ] {
         assert!(r.text.contains(needle), "missing {needle} in\n{}", r.text);
     }
-    // Every metric the spec lists is exported once there has been traffic.
+    // Every metric the spec lists is exported, with a `TYPE` line (those
+    // whose labels only the first event knows have nothing else yet), and
+    // every sample of a labelled metric carries labels.
     for (name, _) in sluice::telemetry::names::ALL
         .iter()
         .chain(sluice::telemetry::names::EXTRA)
     {
         assert!(
-            r.text.lines().any(|l| l.starts_with(name)),
+            r.text
+                .lines()
+                .any(|l| l.starts_with(&format!("# TYPE {name} "))),
             "metric {name} missing"
+        );
+    }
+    for name in [
+        "circuit_breaker_trips_total",
+        "circuit_breaker_rejections_total",
+        "rate_limit_rejections_total",
+        "governance_backend_errors_total",
+    ] {
+        assert!(
+            !r.text.lines().any(|l| l.starts_with(&format!("{name} "))),
+            "{name} has a sample without labels:\n{}",
+            r.text
         );
     }
     assert_eq!(sluice::telemetry::names::ALL.len(), 13);
