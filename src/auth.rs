@@ -78,13 +78,35 @@ pub fn authenticate_head(
         };
         return Err(ApiError::new(Code::Unauthorized, message));
     };
-    let principal = if same(key, &config.api_key) {
-        Principal::Admin
-    } else if same(key, &config.read_only_api_key) {
-        Principal::ReadOnly
-    } else {
+    let role = |key: &str| {
+        if same(key, &config.api_key) {
+            Some(Principal::Admin)
+        } else if same(key, &config.read_only_api_key) {
+            Some(Principal::ReadOnly)
+        } else {
+            None
+        }
+    };
+    let Some(mut principal) = role(key) else {
         return Err(ApiError::new(Code::Unauthorized, "invalid credentials"));
     };
+    // Both forms sent: each must hold, and the lesser role applies (a wrong
+    // key in one was ignored when the other was right).
+    if let (Some(_), Some(other)) = (bearer, header_key) {
+        match role(other) {
+            None => {
+                return Err(ApiError::new(
+                    Code::Unauthorized,
+                    format!(
+                        "invalid credentials: the key in {} does not match",
+                        config.api_key_header
+                    ),
+                ));
+            }
+            Some(Principal::ReadOnly) => principal = Principal::ReadOnly,
+            Some(_) => {}
+        }
+    }
     if principal == Principal::ReadOnly && method != Method::GET && method != Method::HEAD {
         return Err(ApiError::new(
             Code::Forbidden,

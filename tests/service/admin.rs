@@ -880,6 +880,27 @@ async fn admin_auth_keys_and_roles() {
     )
     .await
     .ok(201);
+    // Both forms at once: each must hold (a wrong key in either was
+    // ignored when the other was right), and the lesser role applies.
+    for headers in [
+        [("x-api-key", "wrong"), ("authorization", "Bearer full-key")],
+        [("x-api-key", "full-key"), ("authorization", "Bearer wrong")],
+    ] {
+        s.send("GET", "/api/v1/admin/workflows", None, &headers)
+            .await
+            .error(401, "UNAUTHORIZED");
+    }
+    s.send(
+        "POST",
+        "/api/v1/admin/engine/reload",
+        None,
+        &[
+            ("x-api-key", "ro-key"),
+            ("authorization", "Bearer full-key"),
+        ],
+    )
+    .await
+    .error(403, "FORBIDDEN");
     let log = s
         .send(
             "GET",
