@@ -234,6 +234,7 @@ where
         });
     };
     let mut machine = Machine::new(plan, context, input.bucket, options);
+    machine.json_logs = services.json_logs;
     loop {
         match machine.run(&arena) {
             Next::Done => break,
@@ -571,6 +572,8 @@ struct Machine<'a> {
     depth_bound: usize,
     /// A connector's answer is being stored (see `check_nesting`).
     answer_write: bool,
+    /// `Services::json_logs`: a `log` task's message goes out as written.
+    json_logs: bool,
 }
 
 /// The deepest the execution context may nest. Every value in it passed
@@ -618,6 +621,7 @@ impl<'a> Machine<'a> {
             bucket,
             depth_bound: INPUT_NESTING,
             answer_write: false,
+            json_logs: false,
         }
     }
 
@@ -1256,7 +1260,9 @@ impl<'a> Machine<'a> {
                 // One log line per `log` task: a line break in the message
                 // (from request data) would start a line of its own that
                 // reads like the service's (the fields are JSON, escaped).
-                let text = one_line(text);
+                // JSON log lines escape it themselves; escaping it here too
+                // would change the text (`\\n` in the JSON).
+                let text = if self.json_logs { text } else { one_line(text) };
                 let workflow = &*self.plan.workflow_id;
                 let task_id = &*task.id;
                 match level {

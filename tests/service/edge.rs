@@ -971,23 +971,23 @@ async fn host_headers_content_codings_and_h2_hosts() {
     assert_eq!(body["data"]["host"], authority, "{body}");
 }
 
-/// A request that fails upstream is logged (warn, with its request id and
-/// the error), in plain text when the log is not a terminal.
-#[tokio::test]
-async fn failed_requests_are_logged_without_colours_off_a_terminal() {
+/// Starts the binary in a fresh directory with its stdout in `sluice.log`
+/// there, and waits until it is ready: (process, base URL, directory).
+async fn serve_logging(
+    name: &str,
+    env: &[(&str, &str)],
+) -> (std::process::Child, String, std::path::PathBuf) {
     use std::process::{Command, Stdio};
     crate::support::install_crypto();
-    let dir = std::env::temp_dir().join(crate::support::unique("logged"));
+    let dir = std::env::temp_dir().join(crate::support::unique(name));
     std::fs::create_dir_all(&dir).unwrap();
-    let log_path = dir.join("sluice.log");
     let port = crate::support::free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+    let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .arg("serve")
         .current_dir(&dir)
         .env("SERVICE_SERVER__PORT", port.to_string())
-        .env("SERVICE_LOGGING__LEVEL", "warn")
-        .env("SERVICE_SECURITY__ALLOW_PRIVATE_NETWORKS", "true")
-        .stdout(std::fs::File::create(&log_path).unwrap())
+        .envs(env.iter().copied())
+        .stdout(std::fs::File::create(dir.join("sluice.log")).unwrap())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
@@ -1003,6 +1003,23 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
         assert!(std::time::Instant::now() < until, "not ready");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+    (child, base, dir)
+}
+
+/// A request that fails upstream is logged (warn, with its request id and
+/// the error), in plain text when the log is not a terminal.
+#[tokio::test]
+async fn failed_requests_are_logged_without_colours_off_a_terminal() {
+    let (mut child, base, dir) = serve_logging(
+        "logged",
+        &[
+            ("SERVICE_LOGGING__LEVEL", "warn"),
+            ("SERVICE_SECURITY__ALLOW_PRIVATE_NETWORKS", "true"),
+        ],
+    )
+    .await;
+    let log_path = dir.join("sluice.log");
+    let c = reqwest::Client::new();
     let admin = |method: &str, path: &str, body: serde_json::Value| {
         c.request(
             method.parse().unwrap(),
@@ -1061,6 +1078,61 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
         "{line}"
     );
     assert!(!log.contains('\u{1b}'), "colour codes in a file:\n{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// In JSON logs a `log` task's message is the text as written: the JSON
+/// escapes its line breaks (the runtime's own escaping, for text logs,
+/// turned `\n` into a literal backslash-n there).
+#[tokio::test]
+async fn a_log_message_is_written_as_is_in_json_logs() {
+    let (mut child, base, dir) =
+        serve_logging("jsonlog", &[("SERVICE_LOGGING__FORMAT", "json")]).await;
+    let c = reqwest::Client::new();
+    let admin = |method: &str, path: &str, body: serde_json::Value| {
+        c.request(
+            method.parse().unwrap(),
+            format!("{base}/api/v1/admin{path}"),
+        )
+        .json(&body)
+        .send()
+    };
+    for (path, body) in [
+        (
+            "/workflows",
+            json!({"workflow_id": "l", "name": "l", "tasks": [
+            {"id": "say", "name": "say", "function": {"name": "log", "input": {"message": {"var": "payload.m"}}}}]}),
+        ),
+        (
+            "/channels",
+            json!({"channel_id": "l", "name": "l", "channel_type": "sync", "protocol": "http", "workflow_id": "l"}),
+        ),
+    ] {
+        assert_eq!(admin("POST", path, body).await.unwrap().status(), 201);
+    }
+    for path in ["/workflows/l/status", "/channels/l/status"] {
+        let r = admin("PATCH", path, json!({"status": "active"}))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let r = c
+        .post(format!("{base}/api/v1/data/l"))
+        .json(&json!({"data": {"m": "line one\nline two"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(dir.join("sluice.log")).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.contains("line one"))
+        .unwrap_or_else(|| panic!("no log task line:\n{log}"));
+    let entry: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(entry["fields"]["message"], "line one\nline two", "{line}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
