@@ -297,7 +297,7 @@ const HTTP_CALL: &[FieldSchema] = &[
 #[rustfmt::skip]
 const DB_READ: &[FieldSchema] = &[
     f("connector", T::String, true, None, "connection", "SQL connector name."),
-    f("query", T::String, true, None, "request", "SELECT with placeholders: `?` for SQLite/MySQL, `$1`, `$2`, ... for PostgreSQL."),
+    f("query", T::String, true, None, "request", "SELECT (or a write with RETURNING) with placeholders: `?` for SQLite/MySQL, `$1`, `$2`, ... for PostgreSQL."),
     f("params", T::Array, false, None, "request", "Values bound in order."),
     f("output", T::String, false, Some("data"), "output", "Dotted path for the row array."),
 ];

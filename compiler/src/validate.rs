@@ -624,6 +624,40 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
     {
         c.push(&at.key("topic"), KAFKA_TOPIC_RULE);
     }
+    // The statement fits the function (spec: db_read runs SELECT, db_write
+    // INSERT/UPDATE/DELETE): a DELETE in db_read ran and answered `[]`, and a
+    // SELECT in db_write answered the previous statement's row count on
+    // SQLite. A write that returns rows (`… RETURNING`) is a read too.
+    if matches!(f, Function::DbRead | Function::DbWrite)
+        && c.strict
+        && let Some(Json::String(query)) = input.get("query")
+    {
+        let keyword = first_sql_keyword(query);
+        let kw = keyword.as_str();
+        const WRITES: &[&str] = &[
+            "INSERT", "UPDATE", "DELETE", "REPLACE", "MERGE", "UPSERT", "CREATE", "DROP", "ALTER",
+            "TRUNCATE", "GRANT", "REVOKE",
+        ];
+        const READS: &[&str] = &["SELECT", "SHOW", "EXPLAIN", "DESCRIBE", "VALUES", "TABLE"];
+        if f == Function::DbRead && WRITES.contains(&kw) && !has_sql_word(query, "RETURNING") {
+            c.push(
+                &at.key("query"),
+                format!(
+                    "db_read runs a query that returns rows (SELECT, or a write with RETURNING); \
+                     a {kw} belongs in db_write"
+                ),
+            );
+        }
+        if f == Function::DbWrite && READS.contains(&kw) {
+            c.push(
+                &at.key("query"),
+                format!(
+                    "db_write runs INSERT, UPDATE or DELETE and answers rows_affected; \
+                     a {kw} belongs in db_read"
+                ),
+            );
+        }
+    }
     if f == Function::ChannelCall {
         let has = |k: &str| input.contains_key(k);
         if has("channel") == has("channel_logic") {
@@ -633,6 +667,33 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
             c.push(at, "at most one of data, data_logic is allowed");
         }
     }
+}
+
+/// The first keyword of an SQL statement, upper-cased: after whitespace,
+/// `--` and `/* */` comments and opening parentheses. Empty when there is
+/// none.
+fn first_sql_keyword(sql: &str) -> String {
+    let mut rest = sql;
+    loop {
+        rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == '(');
+        if let Some(after) = rest.strip_prefix("--") {
+            rest = after.split_once('\n').map_or("", |(_, r)| r);
+        } else if let Some(after) = rest.strip_prefix("/*") {
+            rest = after.split_once("*/").map_or("", |(_, r)| r);
+        } else {
+            break;
+        }
+    }
+    rest.chars()
+        .take_while(|c| c.is_ascii_alphabetic())
+        .collect::<String>()
+        .to_ascii_uppercase()
+}
+
+/// Whether `word` occurs in `sql` as a whole word, in any case.
+fn has_sql_word(sql: &str, word: &str) -> bool {
+    sql.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .any(|w| w.eq_ignore_ascii_case(word))
 }
 
 fn has_logic_twin(f: Function, name: &str, input: &Map<String, Json>) -> bool {

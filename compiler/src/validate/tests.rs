@@ -720,6 +720,74 @@ fn other_connector_inputs() {
     );
     check(validate_workflow(&bad_topic), &[]);
 
+    // The statement fits the function: no write in db_read (unless it
+    // returns rows), no read in db_write; comments, case and parentheses
+    // do not hide the keyword. Stored definitions still load.
+    let sql = |f: &str, q: &str| {
+        workflow(json!([task(
+            "t",
+            f,
+            json!({"connector": "db", "query": q}),
+        )]))
+    };
+    for q in [
+        "delete from t where id > 5",
+        "  -- tidy up\n  DELETE FROM t",
+        "/* x */ Update t set a = 1",
+        "insert into t values (1)",
+    ] {
+        let def = sql("db_read", q);
+        let found = crate::validate::validate_new_workflow(&def);
+        assert_eq!(found.len(), 1, "{q}: {found:?}");
+        assert_eq!(found[0].field, p("query"));
+        assert!(
+            found[0]
+                .message
+                .starts_with("db_read runs a query that returns rows"),
+            "{found:?}"
+        );
+        check(validate_workflow(&def), &[]);
+    }
+    for q in [
+        "select 1",
+        "(SELECT 1) UNION (SELECT 2)",
+        "with x as (select 1) select * from x",
+        "insert into t values (1) returning id",
+        "SHOW TABLES",
+    ] {
+        check(
+            crate::validate::validate_new_workflow(&sql("db_read", q)),
+            &[],
+        );
+    }
+    for q in [
+        "select count(*) from t",
+        " ( select 1 )",
+        "EXPLAIN delete from t",
+        "values (1)",
+    ] {
+        let found = crate::validate::validate_new_workflow(&sql("db_write", q));
+        assert_eq!(found.len(), 1, "{q}: {found:?}");
+        assert!(
+            found[0]
+                .message
+                .starts_with("db_write runs INSERT, UPDATE or DELETE"),
+            "{found:?}"
+        );
+    }
+    for q in [
+        "insert into t values (?)",
+        "UPDATE t SET a = 1",
+        "delete from t",
+        "with x as (select 1) insert into t select * from x",
+        "CREATE TABLE IF NOT EXISTS t (a int)",
+    ] {
+        check(
+            crate::validate::validate_new_workflow(&sql("db_write", q)),
+            &[],
+        );
+    }
+
     // `_logic` twins stand in for required static fields.
     check(
         workflow_with(task(
