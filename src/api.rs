@@ -245,6 +245,10 @@ impl From<StorageError> for ApiError {
                 tracing::error!(error = %m, "storage error");
                 ApiError::internal("storage error; see the service log")
             }
+            StorageError::Backup(m) => {
+                tracing::error!(error = %m, "backup directory unusable");
+                ApiError::internal(format!("{m} (storage.backup_dir)"))
+            }
         }
     }
 }

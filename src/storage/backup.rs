@@ -31,7 +31,7 @@ fn stamp_to_rfc3339(stamp: &str) -> Option<String> {
 }
 
 fn io_err(what: &str, e: std::io::Error) -> StorageError {
-    StorageError::Database(format!("{what}: {e}"))
+    StorageError::Backup(format!("{what}: {e}"))
 }
 
 impl Store {
@@ -59,9 +59,12 @@ impl Store {
         mkdir.recursive(true);
         #[cfg(unix)]
         std::os::unix::fs::DirBuilderExt::mode(&mut mkdir, 0o700);
-        mkdir
-            .create(dir)
-            .map_err(|e| io_err("cannot create the backup directory", e))?;
+        mkdir.create(dir).map_err(|e| {
+            io_err(
+                &format!("cannot create the backup directory {}", dir.display()),
+                e,
+            )
+        })?;
         // One backup at a time per store, so two callers cannot pick the same name.
         let _guard = self.inner.backup_lock.lock().await;
         let mut waited = 0;
@@ -124,11 +127,21 @@ impl Store {
         let entries = match std::fs::read_dir(dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(io_err("cannot read the backup directory", e)),
+            Err(e) => {
+                return Err(io_err(
+                    &format!("cannot read the backup directory {}", dir.display()),
+                    e,
+                ));
+            }
         };
         let mut out = Vec::new();
         for entry in entries {
-            let entry = entry.map_err(|e| io_err("cannot read the backup directory", e))?;
+            let entry = entry.map_err(|e| {
+                io_err(
+                    &format!("cannot read the backup directory {}", dir.display()),
+                    e,
+                )
+            })?;
             let Ok(filename) = entry.file_name().into_string() else {
                 continue;
             };

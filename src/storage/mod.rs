@@ -69,6 +69,11 @@ pub enum StorageError {
     Invalid(String, Vec<sluice_compiler::diag::Diagnostic>),
     #[error("{0}")]
     Database(String),
+    /// The backup directory cannot be used (a 500 whose message names the
+    /// directory and the reason: the fix is in the configuration, not in
+    /// the database).
+    #[error("{0}")]
+    Backup(String),
 }
 
 /// The two versioned resources; they share one lifecycle implementation and differ

@@ -632,6 +632,27 @@ async fn audit_and_backups(db: Db) {
 }
 on_every_backend!(audit_entries_and_backups, audit_and_backups);
 
+/// A backup directory that cannot be used is named in the 500, with the
+/// setting to fix (it said "storage error; see the service log").
+#[tokio::test]
+async fn an_unusable_backup_directory_is_named() {
+    let s = start_with(Db::Sqlite, |c| {
+        c.storage.backup_dir = "/dev/null/backups".into();
+    })
+    .await;
+    for method in ["POST", "GET"] {
+        let r = s.admin(method, "/backups", None).await;
+        let message = r.error(500, "INTERNAL_ERROR")["message"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert!(
+            message.contains("/dev/null/backups") && message.contains("storage.backup_dir"),
+            "{method}: {message}"
+        );
+    }
+}
+
 async fn concurrent_lifecycle(db: Db) {
     let s = start(db).await;
     s.admin("POST", "/workflows", Some(workflow("race")))
