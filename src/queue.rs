@@ -140,16 +140,24 @@ pub async fn shutdown(app: &App, drain: Duration) {
     for l in std::mem::take(&mut *lock(&q.loops)) {
         l.abort();
     }
-    let workers = std::mem::take(&mut *lock(&q.workers));
-    let aborts: Vec<AbortHandle> = workers.iter().map(JoinHandle::abort_handle).collect();
-    if tokio::time::timeout(drain, futures_util::future::join_all(workers))
+    let mut workers = std::mem::take(&mut *lock(&q.workers));
+    if tokio::time::timeout(drain, futures_util::future::join_all(workers.iter_mut()))
         .await
         .is_err()
     {
         tracing::warn!(
             "drain period ended with async traces still running; they go back to pending"
         );
-        aborts.iter().for_each(AbortHandle::abort);
+        workers.iter().for_each(JoinHandle::abort);
+        // An abort takes effect at the task's next poll: a worker running on
+        // another thread may still record a claim it just made. Its end is
+        // awaited (briefly) before the cut-off runs are read, so none is left
+        // `running` until its lease runs out.
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            futures_util::future::join_all(workers),
+        )
+        .await;
     }
     // Queued jobs hold no claim (workers claim when they start a run): only
     // the runs cut off go back.
