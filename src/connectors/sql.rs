@@ -21,6 +21,7 @@
 //! | `BYTEA`, SQLite `BLOB` values, MySQL `GEOMETRY` | standard base64 string |
 //! | MySQL `BINARY`/`VARBINARY`/`BLOB` | string when the bytes are valid UTF-8, else base64 (see below) |
 //! | MySQL `BIT(n)` | number |
+//! | PostgreSQL one-dimensional arrays of booleans, integers, floats, text types, `JSON`/`JSONB` | array (NULL elements as null) |
 //! | `NULL` | null |
 //!
 //! SQLite is dynamically typed: a cell is rendered by the value's storage class
@@ -31,7 +32,7 @@
 //! binary (`_bin`) collation the same way, and sqlx does not expose the
 //! collation that tells them apart, so MySQL binary columns holding valid
 //! UTF-8 come back as strings and only other bytes as base64 (cast with
-//! `TO_BASE64(col)` or `HEX(col)` in the query for a fixed form). Other PostgreSQL types (arrays, intervals, ranges,
+//! `TO_BASE64(col)` or `HEX(col)` in the query for a fixed form). Other PostgreSQL types (other arrays, intervals, ranges,
 //! geometric, network types) are an error that suggests casting in the query
 //! (`col::text`, `to_jsonb(col)`).
 //!
@@ -513,12 +514,51 @@ fn pg_cell(row: &PgRow, i: usize, _name: &str) -> CellResult {
         "TIME" => pg_time(de(row.try_get_unchecked::<i64, _>(i))?)?,
         "VOID" => Json::Null,
         _ if matches!(base.kind(), PgTypeKind::Enum(_)) => text()?,
+        _ if matches!(base.kind(), PgTypeKind::Array(_)) => pg_array(row, i, &base)?,
         other => {
             return Err(format!(
                 "PostgreSQL type {other} has no JSON mapping; cast it in the query (for example CAST(col AS TEXT) or to_jsonb(col))"
             ));
         }
     })
+}
+
+/// A one-dimensional array of a common element type, as a JSON array (NULL
+/// elements as null). Other element types, and arrays of more dimensions,
+/// are refused with the cast to use.
+fn pg_array(row: &PgRow, i: usize, ty: &sqlx::postgres::PgTypeInfo) -> CellResult {
+    let PgTypeKind::Array(element) = ty.kind() else {
+        return Err(format!("PostgreSQL type {} is not an array", ty.name()));
+    };
+    fn list<T, F>(row: &PgRow, i: usize, f: F) -> CellResult
+    where
+        T: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+        Vec<Option<T>>: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+        F: Fn(T) -> Json,
+    {
+        let items = de(row.try_get_unchecked::<Vec<Option<T>>, _>(i))?;
+        Ok(Json::Array(
+            items
+                .into_iter()
+                .map(|v| v.map_or(Json::Null, &f))
+                .collect(),
+        ))
+    }
+    match element.name() {
+        "BOOL" => list::<bool, _>(row, i, Json::Bool),
+        "INT2" => list::<i16, _>(row, i, Json::from),
+        "INT4" => list::<i32, _>(row, i, Json::from),
+        "INT8" => list::<i64, _>(row, i, Json::from),
+        "FLOAT4" => list::<f32, _>(row, i, float32),
+        "FLOAT8" => list::<f64, _>(row, i, float),
+        "TEXT" | "VARCHAR" | "BPCHAR" | "NAME" | "CITEXT" => {
+            list::<String, _>(row, i, Json::String)
+        }
+        "JSON" | "JSONB" => list::<sqlx::types::Json<Json>, _>(row, i, |j| j.0),
+        other => Err(format!(
+            "PostgreSQL type {other}[] has no JSON mapping; cast it in the query (for example to_jsonb(col))"
+        )),
+    }
 }
 
 fn mysql_cell(row: &MySqlRow, i: usize, name: &str) -> CellResult {
@@ -1226,10 +1266,32 @@ mod tests {
             assert_eq!(rows, vec![json!({"id": 3})]);
             assert_eq!(pool.write("UPDATE t SET n = $1 WHERE s = $2", &[json!(5), json!("x")]).await.unwrap(), 2);
             assert_eq!(pool.write("DELETE FROM t WHERE id > 100", &[]).await.unwrap(), 0);
-            // Unsupported types are an error naming the column, not a panic.
-            let e = pool.read("SELECT ARRAY[1,2] AS arr", &[]).await.unwrap_err();
-            assert!(e.message.contains("'arr'"), "{}", e.message);
-            assert!(!e.retryable);
+            // One-dimensional arrays of the common types are JSON arrays
+            // (null elements as null).
+            let rows = pool
+                .read(
+                    "SELECT ARRAY[1,NULL,3]::int4[] AS i, ARRAY['a','b']::text[] AS t, ARRAY[true]::bool[] AS b, \
+                     ARRAY[1.5]::float8[] AS f, ARRAY[9000000000]::int8[] AS l, '{}'::text[] AS e, \
+                     ARRAY['{\"k\": 1}']::jsonb[] AS j, ARRAY['x']::varchar[] AS v",
+                    &[],
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                rows,
+                vec![json!({"i": [1, null, 3], "t": ["a", "b"], "b": [true], "f": [1.5], "l": [9000000000_i64], "e": [], "j": [{"k": 1}], "v": ["x"]})]
+            );
+            // Other types, and arrays of other elements or of two
+            // dimensions, are an error naming the column, not a panic.
+            for q in [
+                "SELECT interval '1 day' AS arr",
+                "SELECT ARRAY[interval '1 day'] AS arr",
+                "SELECT ARRAY[[1,2],[3,4]] AS arr",
+            ] {
+                let e = pool.read(q, &[]).await.unwrap_err();
+                assert!(e.message.contains("'arr'"), "{q}: {}", e.message);
+                assert!(!e.retryable);
+            }
 
             let e = pool.read("SELEC 1", &[]).await.unwrap_err();
             assert_eq!(e.kind, ConnectorErrorKind::Upstream);
