@@ -90,6 +90,15 @@ pub fn authenticate_head(
     let Some(mut principal) = role(key) else {
         return Err(ApiError::new(Code::Unauthorized, "invalid credentials"));
     };
+    // An `Authorization` header that holds no Bearer key (another scheme,
+    // an empty token) beside a key header is a wrong credential, not one
+    // to pass over: sent alone it is a 401 too.
+    if authorization.is_some() && bearer.is_none_or(str::is_empty) {
+        return Err(ApiError::new(
+            Code::Unauthorized,
+            "invalid credentials: Authorization must hold a Bearer key (Authorization: Bearer <key>)",
+        ));
+    }
     // Both forms sent: each must hold, and the lesser role applies (a wrong
     // key in one was ignored when the other was right).
     if let (Some(_), Some(other)) = (bearer, header_key) {

@@ -50,7 +50,7 @@ macro_rules! out {
 use crate::api::ApiError;
 use bumpalo::Bump;
 use serde_json::Value as Json;
-use sluice_compiler::plan::{compile_new_workflow, compile_workflow};
+use sluice_compiler::plan::compile_new_workflow;
 use sluice_compiler::{Value, logic, validate};
 use sluice_runtime::connectors::{CallScope, Services};
 use sluice_runtime::exec::{self, Input, Meta, Options, PayloadFrom};
@@ -260,7 +260,8 @@ fn dry_run_answer(
     if !def.is_object() {
         return Err(ApiError::bad_request("a workflow definition must be a JSON object").body());
     }
-    let compiled = compile_workflow(&def).map_err(|p| ApiError::invalid("workflow", p).body())?;
+    let compiled =
+        compile_new_workflow(&def).map_err(|p| ApiError::invalid("workflow", p).body())?;
     let payload_text = std::fs::read(payload).map_err(|e| {
         ApiError::bad_request(format!("cannot read {}: {e}", payload.display())).body()
     })?;

@@ -10,7 +10,7 @@
 
 use serde::Deserialize;
 use serde_json::{Map, Value as Json, json};
-use sluice_compiler::plan::{Compiled, compile_workflow};
+use sluice_compiler::plan::{Compiled, compile_new_workflow};
 use sluice_runtime::connectors::{
     Cache, CallScope, ChannelInvoker, ConnectorError, ConnectorErrorKind, DocumentStore,
     FindRequest, HttpClient, HttpRequest, InvokeRequest, Invoked, PublishRequest, Publisher,
@@ -612,7 +612,7 @@ pub fn run(paths: &[PathBuf]) -> ExitCode {
         let loaded = load(file).and_then(|t| {
             let wf_path = file.parent().unwrap_or(Path::new(".")).join(&t.workflow);
             let def = crate::cli::read_definition(&wf_path)?;
-            let compiled = compile_workflow(&def).map_err(|problems| {
+            let compiled = compile_new_workflow(&def).map_err(|problems| {
                 let list: Vec<String> = problems
                     .iter()
                     .map(|d| format!("{}: {}", d.field, d.message))

@@ -632,14 +632,26 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
         && c.strict
         && let Some(Json::String(query)) = input.get("query")
     {
-        let keyword = first_sql_keyword(query);
-        let kw = keyword.as_str();
         const WRITES: &[&str] = &[
             "INSERT", "UPDATE", "DELETE", "REPLACE", "MERGE", "UPSERT", "CREATE", "DROP", "ALTER",
             "TRUNCATE", "GRANT", "REVOKE",
         ];
-        const READS: &[&str] = &["SELECT", "SHOW", "EXPLAIN", "DESCRIBE", "VALUES", "TABLE"];
-        if f == Function::DbRead && WRITES.contains(&kw) && !has_sql_word(query, "RETURNING") {
+        const READS: &[&str] = &[
+            "SELECT", "SHOW", "EXPLAIN", "DESCRIBE", "DESC", "VALUES", "TABLE",
+        ];
+        // Read both ways a block comment may end (PostgreSQL nests them,
+        // MySQL does not): the first keyword of either reading counts, and
+        // RETURNING counts only when both readings see it as a keyword.
+        let (flat, nested) = (sql_words(query, false), sql_words(query, true));
+        let firsts = [flat.first(), nested.first()];
+        let returns = |words: &[String]| words.iter().any(|w| w == "RETURNING");
+        if f == Function::DbRead
+            && let Some(kw) = firsts
+                .iter()
+                .flatten()
+                .find(|w| WRITES.contains(&w.as_str()))
+            && !(returns(&flat) && returns(&nested))
+        {
             c.push(
                 &at.key("query"),
                 format!(
@@ -648,7 +660,12 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
                 ),
             );
         }
-        if f == Function::DbWrite && READS.contains(&kw) {
+        if f == Function::DbWrite
+            && let Some(kw) = firsts
+                .iter()
+                .flatten()
+                .find(|w| READS.contains(&w.as_str()))
+        {
             c.push(
                 &at.key("query"),
                 format!(
@@ -669,31 +686,101 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
     }
 }
 
-/// The first keyword of an SQL statement, upper-cased: after whitespace,
-/// `--` and `/* */` comments and opening parentheses. Empty when there is
-/// none.
-fn first_sql_keyword(sql: &str) -> String {
-    let mut rest = sql;
-    loop {
-        rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == '(');
-        if let Some(after) = rest.strip_prefix("--") {
-            rest = after.split_once('\n').map_or("", |(_, r)| r);
-        } else if let Some(after) = rest.strip_prefix("/*") {
-            rest = after.split_once("*/").map_or("", |(_, r)| r);
-        } else {
-            break;
+/// The words of an SQL statement that are keywords or names, upper-cased, in
+/// order: what is left after comments (`--` and `#` to the end of the line,
+/// `/* */`, nested when `nested`, as PostgreSQL reads them; MySQL's
+/// executable `/*! … */` is code), string literals (`'…'`, with `''` and
+/// backslash escapes), quoted names (`"…"`, `` `…` ``) and PostgreSQL's
+/// dollar-quoted strings. Where the dialects disagree the reading errs
+/// towards hiding a word, so a check that needs a word to be present (such
+/// as RETURNING) is not fooled by text that only looks like it.
+fn sql_words(sql: &str, nested: bool) -> Vec<String> {
+    let b = sql.as_bytes();
+    let mut words = Vec::new();
+    let mut i = 0;
+    // Skips to just after the first `end` at or after `from` (or the end).
+    let past = |from: usize, end: &[u8]| {
+        b[from..]
+            .windows(end.len())
+            .position(|w| w == end)
+            .map_or(b.len(), |p| from + p + end.len())
+    };
+    while i < b.len() {
+        let c = b[i];
+        let next = b.get(i + 1).copied();
+        match c {
+            b'-' if next == Some(b'-') => i = past(i, b"\n"),
+            b'#' => i = past(i, b"\n"),
+            b'/' if next == Some(b'*') => {
+                if !nested && b.get(i + 2) == Some(&b'!') {
+                    // `/*!50000 DELETE … */`: MySQL runs what it holds.
+                    i += 3;
+                    while i < b.len() && b[i].is_ascii_digit() {
+                        i += 1;
+                    }
+                } else if nested {
+                    let mut depth = 0usize;
+                    while i < b.len() {
+                        if b[i..].starts_with(b"/*") {
+                            depth += 1;
+                            i += 2;
+                        } else if b[i..].starts_with(b"*/") {
+                            depth -= 1;
+                            i += 2;
+                            if depth == 0 {
+                                break;
+                            }
+                        } else {
+                            i += 1;
+                        }
+                    }
+                } else {
+                    i = past(i + 2, b"*/");
+                }
+            }
+            b'\'' | b'"' | b'`' => {
+                i += 1;
+                while i < b.len() {
+                    if c == b'\'' && b[i] == b'\\' {
+                        i += 2;
+                    } else if b[i] == c {
+                        i += 1;
+                        // A doubled quote is one quote inside the text.
+                        if b.get(i) != Some(&c) {
+                            break;
+                        }
+                        i += 1;
+                    } else {
+                        i += 1;
+                    }
+                }
+            }
+            b'$' => {
+                // `$tag$ … $tag$` (tag empty or a name; `$1` is a parameter).
+                let tag_end = b[i + 1..]
+                    .iter()
+                    .position(|&t| !(t.is_ascii_alphanumeric() || t == b'_'))
+                    .map(|p| i + 1 + p);
+                match tag_end {
+                    Some(e) if b[e] == b'$' && !b.get(i + 1).is_some_and(u8::is_ascii_digit) => {
+                        let tag = &b[i..=e];
+                        i = past(e + 1, tag);
+                    }
+                    _ => i += 1,
+                }
+            }
+            c if c.is_ascii_alphabetic() || c == b'_' => {
+                let start = i;
+                while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_' || b[i] == b'$')
+                {
+                    i += 1;
+                }
+                words.push(sql[start..i].to_ascii_uppercase());
+            }
+            _ => i += 1,
         }
     }
-    rest.chars()
-        .take_while(|c| c.is_ascii_alphabetic())
-        .collect::<String>()
-        .to_ascii_uppercase()
-}
-
-/// Whether `word` occurs in `sql` as a whole word, in any case.
-fn has_sql_word(sql: &str, word: &str) -> bool {
-    sql.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-        .any(|w| w.eq_ignore_ascii_case(word))
+    words
 }
 
 fn has_logic_twin(f: Function, name: &str, input: &Map<String, Json>) -> bool {

@@ -906,6 +906,12 @@ async fn admin_auth_keys_and_roles() {
     for headers in [
         [("x-api-key", "wrong"), ("authorization", "Bearer full-key")],
         [("x-api-key", "full-key"), ("authorization", "Bearer wrong")],
+        [("x-api-key", "full-key"), ("authorization", "Bearer ")],
+        [
+            ("x-api-key", "full-key"),
+            ("authorization", "Basic Zm9vOmJhcg=="),
+        ],
+        [("x-api-key", "full-key"), ("authorization", "ro-key")],
     ] {
         s.send("GET", "/api/v1/admin/workflows", None, &headers)
             .await

@@ -161,6 +161,28 @@ fn dry_run_runs_a_workflow_offline() {
         ),
         (Some("failed"), Some("boom"))
     );
+
+    // What `lint` and the admin API refuse in a new definition, the dry run
+    // refuses too (it ran a SELECT through db_write).
+    let refused = temp_file(
+        "refused.json",
+        &json!({"name": "r", "tasks": [
+            {"id": "w", "name": "w", "function": {"name": "db_write", "input": {"connector": "db", "query": "SELECT 1"}}}
+        ]}),
+    );
+    let out = sluice()
+        .args(["dry-run", "--workflow"])
+        .arg(&refused)
+        .arg("--payload")
+        .arg(&payload)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let answer: Json = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        answer["error"]["details"][0]["field"], "tasks[0].function.input.query",
+        "{answer}"
+    );
 }
 
 #[test]

@@ -735,6 +735,20 @@ fn other_connector_inputs() {
         "  -- tidy up\n  DELETE FROM t",
         "/* x */ Update t set a = 1",
         "insert into t values (1)",
+        // RETURNING that is no keyword: in a comment, a string, a name.
+        "DELETE FROM t -- RETURNING",
+        "DELETE FROM t /* returning */",
+        "INSERT INTO t VALUES ('RETURNING')",
+        "INSERT INTO t VALUES ('it\\'s RETURNING')",
+        "UPDATE t SET a = 1 WHERE name = \"returning\"",
+        "DELETE FROM t WHERE a = $$ RETURNING $$",
+        "DELETE FROM t WHERE a = $x$ RETURNING $x$",
+        // Comments of every dialect, nested or not, and a BOM.
+        "# note\nDELETE FROM t",
+        "/* a /* nested */ b */ DELETE FROM t",
+        "/* a /* b */ DELETE FROM t",
+        "\u{feff}DELETE FROM t",
+        "/*!50000 DELETE FROM t */",
     ] {
         let def = sql("db_read", q);
         let found = crate::validate::validate_new_workflow(&def);
@@ -754,6 +768,8 @@ fn other_connector_inputs() {
         "with x as (select 1) select * from x",
         "insert into t values (1) returning id",
         "SHOW TABLES",
+        "DELETE FROM t WHERE a = $1 RETURNING *",
+        "/* c */ select 'DELETE'",
     ] {
         check(
             crate::validate::validate_new_workflow(&sql("db_read", q)),
@@ -765,6 +781,9 @@ fn other_connector_inputs() {
         " ( select 1 )",
         "EXPLAIN delete from t",
         "values (1)",
+        "# c\nSELECT 1",
+        "\u{feff}SELECT 1",
+        "DESC t",
     ] {
         let found = crate::validate::validate_new_workflow(&sql("db_write", q));
         assert_eq!(found.len(), 1, "{q}: {found:?}");
