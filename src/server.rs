@@ -384,6 +384,9 @@ async fn handle(
     let span = tracing::info_span!("request", request_id = %request_id, method = %req.method(), path = %req.uri().path());
     let started = Instant::now();
     let method = req.method().clone();
+    // HTTP/1 leaves a HEAD answer's body out itself; over HTTP/2 hyper sent
+    // it, which clients refuse as a protocol error.
+    let h2_head = method == Method::HEAD && req.version() == http::Version::HTTP_2;
     let route = crate::router::route_label(req.uri().path());
     // Load shedding: past `server.max_in_flight` requests, answer 503 at
     // once (health and metrics stay reachable).
@@ -395,7 +398,7 @@ async fn handle(
     let shed = counted
         .as_ref()
         .is_some_and(|c| c.before >= app.config.server.max_in_flight);
-    let response = if shed {
+    let mut response = if shed {
         ApiError::new(
             Code::ServiceUnavailable,
             "the service is at its in-flight request limit; retry shortly",
@@ -440,6 +443,16 @@ async fn handle(
         response.status(),
         started.elapsed().as_secs_f64(),
     );
+    if h2_head {
+        // The headers of the GET answer, its length included; no body.
+        let len = hyper::body::Body::size_hint(response.body()).exact();
+        *response.body_mut() = crate::api::Body::default();
+        if let Some(len) = len {
+            response
+                .headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        }
+    }
     Ok(finish(response, &request_id))
 }
 

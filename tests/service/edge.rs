@@ -969,6 +969,25 @@ async fn host_headers_content_codings_and_h2_hosts() {
     let body: serde_json::Value = r.json().await.unwrap();
     let authority = s.base.trim_start_matches("http://");
     assert_eq!(body["data"]["host"], authority, "{body}");
+    // HEAD over HTTP/2: the GET's headers (its length too), no body (hyper
+    // sent the body, which clients refuse as a protocol error).
+    for path in ["/health", "/api/v1/admin/workflows", "/api/v1/data/nope"] {
+        let get = h2.get(format!("{}{path}", s.base)).send().await.unwrap();
+        let (status, length) = (get.status(), get.bytes().await.unwrap().len());
+        let head = h2
+            .head(format!("{}{path}", s.base))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("HEAD {path}: {e}"));
+        assert_eq!(head.version(), reqwest::Version::HTTP_2);
+        assert_eq!(head.status(), status, "{path}");
+        assert_eq!(
+            head.headers()["content-length"],
+            length.to_string().as_str(),
+            "{path}"
+        );
+        assert!(head.bytes().await.unwrap().is_empty(), "{path}");
+    }
 }
 
 /// Starts the binary in a fresh directory with its stdout in `sluice.log`
