@@ -29,8 +29,45 @@ pub fn init(logging: &Logging) {
             .with_current_span(true)
             .with_span_list(false)
             .try_init(),
-        LogFormat::Pretty => builder.try_init(),
+        // Every field is written on one line: a value that holds a line
+        // break or another control character (request data inside an error
+        // message, a path, a header) is written with escapes, so it cannot
+        // start a line that reads like one of ours. JSON lines escape them
+        // as JSON does.
+        LogFormat::Pretty => {
+            use tracing_subscriber::field::MakeExt;
+            let fields = tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
+                let raw = format!("{value:?}");
+                let text = escape_controls(&raw);
+                if field.name() == "message" {
+                    write!(w, "{text}")
+                } else {
+                    write!(w, "{}={text}", field.name())
+                }
+            })
+            .delimited(" ");
+            builder.fmt_fields(fields).try_init()
+        }
     };
+}
+
+/// `text` with its control characters (tab aside) and the Unicode line and
+/// paragraph separators written as escapes (`\n`, `\r`, `\u{1b}`).
+pub fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
+    let escaped = |c: char| (c.is_control() && c != '\t') || c == '\u{2028}' || c == '\u{2029}';
+    if !text.chars().any(escaped) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            c if escaped(c) => out.push_str(&format!("\\u{{{:x}}}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// Metric names: the one list (the spec's set). Label keys are given where

@@ -1081,10 +1081,46 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
         .await
         .unwrap();
     assert_eq!(r.status(), 502);
+    // Request data inside an error message (a channel name from the
+    // payload) stays on the failure's line: its line break is escaped.
+    admin("POST", "/workflows", json!({"workflow_id": "cc", "name": "cc", "tasks": [
+        {"id": "c", "name": "c", "function": {"name": "channel_call", "input": {"channel_logic": {"var": "payload.n"}}}}]}))
+    .await
+    .unwrap();
+    admin("PATCH", "/workflows/cc/status", json!({"status": "active"}))
+        .await
+        .unwrap();
+    admin(
+        "POST",
+        "/channels",
+        json!({"channel_id": "cc", "name": "cc", "channel_type": "sync",
+        "protocol": "http", "workflow_id": "cc"}),
+    )
+    .await
+    .unwrap();
+    admin("PATCH", "/channels/cc/status", json!({"status": "active"}))
+        .await
+        .unwrap();
+    let r = c
+        .post(format!("{base}/api/v1/data/cc"))
+        .json(&json!({"data": {"n": "zz\n2026-11-27T00:00:00Z ERROR FORGED line"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 500);
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let _ = child.kill();
     let _ = child.wait();
     let log = std::fs::read_to_string(&log_path).unwrap();
+    assert!(
+        !log.lines().any(|l| l.starts_with("2026-11-27T00:00:00Z")),
+        "a forged line:\n{log}"
+    );
+    assert!(
+        log.lines().any(|l| l.contains("request failed")
+            && l.contains("zz\\n2026-11-27T00:00:00Z ERROR FORGED")),
+        "{log}"
+    );
     let line = log
         .lines()
         .find(|l| l.contains("request failed"))
