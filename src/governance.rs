@@ -1130,10 +1130,20 @@ pub fn preflight(
         return refuse_preflight(channel, "method is not allowed");
     }
     let mut response = crate::api::no_content().unwrap_or_else(ApiError::into_response);
-    let allowed_headers = cors
-        .allowed_headers
-        .as_ref()
-        .map_or_else(|| "content-type".to_owned(), |h| h.join(", "));
+    // Unset: the headers a caller of this service is invited to send (the
+    // request id, trace context, the profile switch, the dedup key header).
+    let allowed_headers = cors.allowed_headers.as_ref().map_or_else(
+        || {
+            let mut list = String::from(
+                "content-type, x-request-id, traceparent, tracestate, x-service-profile",
+            );
+            let dedup = channel.def.config_json.deduplication.as_ref();
+            list.push_str(", ");
+            list.push_str(dedup.map_or("idempotency-key", |d| d.header.as_str()));
+            list
+        },
+        |h| h.join(", "),
+    );
     let headers = response.headers_mut();
     if let Ok(v) = HeaderValue::from_str(origin) {
         headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, v);

@@ -399,12 +399,17 @@ async fn handle(
         .as_ref()
         .is_some_and(|c| c.before >= app.config.server.max_in_flight);
     let mut response = if shed {
-        ApiError::new(
+        let shed = ApiError::new(
             Code::ServiceUnavailable,
             "the service is at its in-flight request limit; retry shortly",
         )
         .with_retry_after(1)
-        .into_response()
+        .into_response();
+        // With the CORS headers of the channel it was meant for, as other
+        // refusals before routing: a browser can then read the 503 and its
+        // `Retry-After`.
+        let (parts, _) = req.into_parts();
+        early(&app, &parts, shed)
     } else {
         isolate(read_and_route(
             &app,
@@ -573,11 +578,11 @@ async fn read_and_route(
                 match tokio::time::timeout_at(deadline, reading).await {
                     Ok(read) => read,
                     Err(_) => {
-                        return ApiError::new(
+                        let late = ApiError::new(
                             Code::RequestTimeout,
                             format!("the request body was not received within {secs} s"),
-                        )
-                        .into_response();
+                        );
+                        return early(app, &parts, late.into_response());
                     }
                 }
             }
@@ -590,8 +595,8 @@ async fn read_and_route(
             return early(app, &parts, too_large(limit));
         }
         Err(BodyError::Read(e)) => {
-            return ApiError::bad_request(format!("could not read the request body: {e}"))
-                .into_response();
+            let bad = ApiError::bad_request(format!("could not read the request body: {e}"));
+            return early(app, &parts, bad.into_response());
         }
     };
     // A body without a length (chunked) is judged once read.

@@ -669,7 +669,13 @@ async fn load_is_shed_past_max_in_flight() {
     })
     .await;
     let upstream = slow_upstream(std::time::Duration::from_millis(600)).await;
-    deploy_io_slow(&s, "hog", &upstream, json!({"timeout_ms": 30000})).await;
+    deploy_io_slow(
+        &s,
+        "hog",
+        &upstream,
+        json!({"timeout_ms": 30000, "cors": {"allowed_origins": ["https://app.example"]}}),
+    )
+    .await;
     let client = s.client.clone();
     let url = format!("{}/api/v1/data/hog", s.base);
     let first = tokio::spawn(async move {
@@ -685,9 +691,21 @@ async fn load_is_shed_past_max_in_flight() {
         (status, started.elapsed())
     });
     wait_in_flight(&s).await;
-    let shed = s.post("/api/v1/data/hog", items(1)).await;
+    let shed = s
+        .send(
+            "POST",
+            "/api/v1/data/hog",
+            Some(items(1)),
+            &[("origin", "https://app.example")],
+        )
+        .await;
     shed.error(503, "SERVICE_UNAVAILABLE");
     assert_eq!(shed.headers["retry-after"], "1");
+    // A browser on the channel's origin can read it (and its Retry-After).
+    assert_eq!(
+        shed.headers["access-control-allow-origin"],
+        "https://app.example"
+    );
     assert_eq!(s.get("/health").await.status, 200, "health is never shed");
     let (status, _took) = first.await.unwrap();
     assert_eq!(status, 200);

@@ -652,6 +652,13 @@ async fn slow_clients_are_cut_off() {
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let s = start_with(Db::Sqlite, |c| c.server.request_read_timeout_secs = 1).await;
+    s.deploy(
+        json!({"workflow_id": "xw", "name": "xw", "tasks": [
+            {"id": "p", "name": "p", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}}]}),
+        json!({"channel_id": "x", "name": "x", "workflow_id": "xw",
+            "config_json": {"cors": {"allowed_origins": ["https://app.example"]}}}),
+    )
+    .await;
     let addr = s.base.trim_start_matches("http://").to_owned();
     let read_all = |mut conn: tokio::net::TcpStream| async move {
         let mut got = Vec::new();
@@ -672,7 +679,7 @@ async fn slow_clients_are_cut_off() {
     // A whole head, then part of the body.
     let mut body = tokio::net::TcpStream::connect(&addr).await.unwrap();
     body.write_all(
-        b"POST /api/v1/data/x HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"data\":",
+        b"POST /api/v1/data/x HTTP/1.1\r\nHost: x\r\nOrigin: https://app.example\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"data\":",
     )
     .await
     .unwrap();
@@ -681,6 +688,12 @@ async fn slow_clients_are_cut_off() {
     assert!(!half.contains("200 OK"), "{half}");
     assert!(body.starts_with("HTTP/1.1 408"), "{body}");
     assert!(body.contains(r#""code":"REQUEST_TIMEOUT""#), "{body}");
+    // The channel's CORS headers, as on its other refusals.
+    assert!(
+        body.to_ascii_lowercase()
+            .contains("access-control-allow-origin: https://app.example"),
+        "{body}"
+    );
     assert!(started.elapsed() < Duration::from_secs(8));
     // The service is fine.
     assert_eq!(s.get("/healthz").await.status, 200);

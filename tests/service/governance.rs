@@ -1003,6 +1003,12 @@ async fn cors_allows_listed_origins_and_answers_preflights() {
     .await;
     let ok = preflight(&s, "https://app.example", "POST", "/api/v1/data/byname").await;
     assert_eq!(ok.status, 204, "{}", ok.text);
+    // Without `allowed_headers`: the headers the service invites callers
+    // to send (a browser asking for x-request-id was refused).
+    assert_eq!(
+        ok.headers["access-control-allow-headers"],
+        "content-type, x-request-id, traceparent, tracestate, x-service-profile, idempotency-key"
+    );
     let refused = preflight(&s, "https://app.example", "DELETE", "/api/v1/data/byname").await;
     refused.error(403, "FORBIDDEN");
     assert_eq!(refused.headers["vary"], "Origin");
