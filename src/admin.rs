@@ -1362,6 +1362,9 @@ async fn audit_logs(app: &App, req: &Req) -> ApiResult {
 }
 
 fn list_backups(app: &App, req: &Req) -> ApiResult {
+    // The page is checked before the directory is read: a bad `limit` is
+    // the caller's 400 whatever state the directory is in.
+    paging(req)?;
     paged(
         req,
         Store::list_backups(Path::new(&app.config.storage.backup_dir))?,

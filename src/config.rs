@@ -519,9 +519,19 @@ impl Config {
         let authority = endpoint.split_once("://").map_or("", |(_, rest)| {
             rest.split(['/', '?', '#']).next().unwrap_or("")
         });
-        let well_formed = matches!(scheme.as_deref(), Some("http" | "https"))
-            && endpoint.parse::<http::Uri>().is_ok()
-            && !authority.is_empty();
+        // `http::Uri` takes any digits as a port (`c:99999`).
+        let port_ok = endpoint.parse::<http::Uri>().is_ok_and(|u| {
+            u.authority().is_some_and(|a| {
+                let host_port = a.as_str().rsplit_once('@').map_or(a.as_str(), |(_, h)| h);
+                let port = match host_port.strip_prefix('[') {
+                    Some(v6) => v6.split_once(']').and_then(|(_, p)| p.strip_prefix(':')),
+                    None => host_port.rsplit_once(':').map(|(_, p)| p),
+                };
+                port.is_none_or(|p| p.parse::<u16>().is_ok_and(|n| n > 0))
+            })
+        });
+        let well_formed =
+            matches!(scheme.as_deref(), Some("http" | "https")) && port_ok && !authority.is_empty();
         if !well_formed || (self.tracing.enabled && scheme.as_deref() != Some("http")) {
             return fail(
                 "tracing.otlp_endpoint",
@@ -1374,6 +1384,17 @@ mod tests {
         let on = ("SERVICE_TRACING__ENABLED", "true");
         // Not used with tracing off: not refused either.
         assert!(load(None, &[https]).is_ok());
+        for fine in [
+            "http://[::1]:4317",
+            "http://[::1]",
+            "http://collector",
+            "http://u@c:4317",
+        ] {
+            assert!(
+                load(None, &[("SERVICE_TRACING__OTLP_ENDPOINT", fine)]).is_ok(),
+                "{fine}"
+            );
+        }
         assert!(
             load(
                 None,
@@ -1395,7 +1416,15 @@ mod tests {
         );
         // A value that is no URL at all, or an empty name, is refused with
         // tracing off too: the typo shows now, not when tracing is enabled.
-        for endpoint in ["notaurl", "http://", "ftp://c:4317", "http://c:4317 x"] {
+        for endpoint in [
+            "notaurl",
+            "http://",
+            "ftp://c:4317",
+            "http://c:4317 x",
+            "http://c:99999",
+            "http://c:0",
+            "http://[::1]:99999",
+        ] {
             let e = load(None, &[("SERVICE_TRACING__OTLP_ENDPOINT", endpoint)])
                 .unwrap_err()
                 .0;

@@ -955,7 +955,13 @@ impl<'a> Parts<'a> {
             Value::Null
         } else {
             let parsed = sluice_runtime::json::parse(view.body, arena)
-                .map_err(|e| ApiError::bad_request(format!("malformed JSON: {}", e.0)))?;
+                // Worded as the run's own refusal of the body, so a channel
+                // with checks answers a bad body as one without them does.
+                .map_err(|e| {
+                    ApiError::bad_request(
+                        sluice_runtime::exec::InputError::NotJson(e.0).to_string(),
+                    )
+                })?;
             if view.internal {
                 parsed
             } else {

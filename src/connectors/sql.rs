@@ -498,7 +498,8 @@ fn pg_cell(row: &PgRow, i: usize, _name: &str) -> CellResult {
                 None => Json::String("NaN".into()),
             }
         }
-        "TEXT" | "VARCHAR" | "BPCHAR" | "NAME" | "CHAR" | "CITEXT" | "UNKNOWN" | "XML" => text()?,
+        "TEXT" | "VARCHAR" | "BPCHAR" | "NAME" | "CHAR" | "\"CHAR\"" | "CITEXT" | "UNKNOWN"
+        | "XML" => text()?,
         "UUID" => {
             let bytes = de(row.try_get_unchecked::<&[u8], _>(i))?;
             let id = uuid::Uuid::from_slice(bytes).map_err(|e| e.to_string())?;
@@ -536,7 +537,11 @@ fn pg_array(row: &PgRow, i: usize, ty: &sqlx::postgres::PgTypeInfo) -> CellResul
         Vec<Option<T>>: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
         F: Fn(T) -> Json,
     {
-        let items = de(row.try_get_unchecked::<Vec<Option<T>>, _>(i))?;
+        // sqlx reads one dimension starting at 1 (`'[2:3]={7,8}'` and
+        // `ARRAY[[1,2]]` fail): the error says how to get them anyway.
+        let items = row
+            .try_get_unchecked::<Vec<Option<T>>, _>(i)
+            .map_err(|e| format!("{e}; cast it in the query (for example to_jsonb(col))"))?;
         Ok(Json::Array(
             items
                 .into_iter()
@@ -551,7 +556,7 @@ fn pg_array(row: &PgRow, i: usize, ty: &sqlx::postgres::PgTypeInfo) -> CellResul
         "INT8" => list::<i64, _>(row, i, Json::from),
         "FLOAT4" => list::<f32, _>(row, i, float32),
         "FLOAT8" => list::<f64, _>(row, i, float),
-        "TEXT" | "VARCHAR" | "BPCHAR" | "NAME" | "CITEXT" => {
+        "TEXT" | "VARCHAR" | "BPCHAR" | "NAME" | "CITEXT" | "CHAR" | "\"CHAR\"" => {
             list::<String, _>(row, i, Json::String)
         }
         "JSON" | "JSONB" => list::<sqlx::types::Json<Json>, _>(row, i, |j| j.0),
@@ -1272,14 +1277,15 @@ mod tests {
                 .read(
                     "SELECT ARRAY[1,NULL,3]::int4[] AS i, ARRAY['a','b']::text[] AS t, ARRAY[true]::bool[] AS b, \
                      ARRAY[1.5]::float8[] AS f, ARRAY[9000000000]::int8[] AS l, '{}'::text[] AS e, \
-                     ARRAY['{\"k\": 1}']::jsonb[] AS j, ARRAY['x']::varchar[] AS v",
+                     ARRAY['{\"k\": 1}']::jsonb[] AS j, ARRAY['x']::varchar[] AS v, \
+                     ARRAY['ab'::char(2)] AS c, ARRAY['q'::\"char\"] AS qc, 'q'::\"char\" AS sc",
                     &[],
                 )
                 .await
                 .unwrap();
             assert_eq!(
                 rows,
-                vec![json!({"i": [1, null, 3], "t": ["a", "b"], "b": [true], "f": [1.5], "l": [9000000000_i64], "e": [], "j": [{"k": 1}], "v": ["x"]})]
+                vec![json!({"i": [1, null, 3], "t": ["a", "b"], "b": [true], "f": [1.5], "l": [9000000000_i64], "e": [], "j": [{"k": 1}], "v": ["x"], "c": ["ab"], "qc": ["q"], "sc": "q"})]
             );
             // Other types, and arrays of other elements or of two
             // dimensions, are an error naming the column, not a panic.
@@ -1290,6 +1296,7 @@ mod tests {
             ] {
                 let e = pool.read(q, &[]).await.unwrap_err();
                 assert!(e.message.contains("'arr'"), "{q}: {}", e.message);
+                assert!(e.message.contains("to_jsonb(col)"), "{q}: {}", e.message);
                 assert!(!e.retryable);
             }
 

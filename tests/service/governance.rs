@@ -1096,6 +1096,24 @@ async fn validation_logic_reads_data_headers_query_and_path() {
     let r = order_line(&s, "A-17", "strict", "acme", 5).await;
     assert_eq!(r.status, 200, "{}", r.text);
     assert_ne!(r.body["data"]["rid"], rid);
+    // A body that is no JSON is refused in the same words as on a channel
+    // without checks (it said "malformed JSON" here).
+    let bad = s
+        .raw(
+            "POST",
+            "/api/v1/data/orders/A-17/lines?mode=strict",
+            b"{\"data\": ".to_vec(),
+            Some("application/json"),
+        )
+        .await;
+    let message = bad.error(400, "BAD_REQUEST")["message"].clone();
+    assert!(
+        message
+            .as_str()
+            .unwrap()
+            .starts_with("request body is not valid JSON"),
+        "{message}"
+    );
 }
 
 /// An invalid `validation_logic` or governance setting is refused when a
