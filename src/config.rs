@@ -523,11 +523,16 @@ impl Config {
         let port_ok = endpoint.parse::<http::Uri>().is_ok_and(|u| {
             u.authority().is_some_and(|a| {
                 let host_port = a.as_str().rsplit_once('@').map_or(a.as_str(), |(_, h)| h);
-                let port = match host_port.strip_prefix('[') {
-                    Some(v6) => v6.split_once(']').and_then(|(_, p)| p.strip_prefix(':')),
-                    None => host_port.rsplit_once(':').map(|(_, p)| p),
+                let (host, port) = match host_port.strip_prefix('[') {
+                    Some(v6) => v6
+                        .split_once(']')
+                        .map_or(("", None), |(h, p)| (h, p.strip_prefix(':'))),
+                    None => match host_port.rsplit_once(':') {
+                        Some((h, p)) => (h, Some(p)),
+                        None => (host_port, None),
+                    },
                 };
-                port.is_none_or(|p| p.parse::<u16>().is_ok_and(|n| n > 0))
+                !host.is_empty() && port.is_none_or(|p| p.parse::<u16>().is_ok_and(|n| n > 0))
             })
         });
         let well_formed =
@@ -535,7 +540,7 @@ impl Config {
         if !well_formed || (self.tracing.enabled && scheme.as_deref() != Some("http")) {
             return fail(
                 "tracing.otlp_endpoint",
-                "must be an http:// URL (OTLP over gRPC without TLS; send to a local collector or agent that forwards over TLS)",
+                "must be an http:// URL with a host and a port in 1-65535 (OTLP over gRPC without TLS; send to a local collector or agent that forwards over TLS)",
             );
         }
         if self.tracing.service_name.trim().is_empty() {
@@ -1424,6 +1429,8 @@ mod tests {
             "http://c:99999",
             "http://c:0",
             "http://[::1]:99999",
+            "http://:4317",
+            "http://@:4317",
         ] {
             let e = load(None, &[("SERVICE_TRACING__OTLP_ENDPOINT", endpoint)])
                 .unwrap_err()

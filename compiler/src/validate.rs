@@ -639,18 +639,30 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
         const READS: &[&str] = &[
             "SELECT", "SHOW", "EXPLAIN", "DESCRIBE", "DESC", "VALUES", "TABLE",
         ];
-        // Read both ways a block comment may end (PostgreSQL nests them,
-        // MySQL does not): the first keyword of either reading counts, and
-        // RETURNING counts only when both readings see it as a keyword.
-        let (flat, nested) = (sql_words(query, false), sql_words(query, true));
-        let firsts = [flat.first(), nested.first()];
-        let returns = |words: &[String]| words.iter().any(|w| w == "RETURNING");
+        // Read as MySQL/MariaDB and as PostgreSQL/SQLite read it (comments,
+        // escapes and quoting differ): the first keyword of either reading
+        // counts, and RETURNING counts only when both readings see it as a
+        // keyword (not `AS returning`). This is a guard against mistakes (a
+        // DELETE put in db_read), not a boundary: whoever writes workflows
+        // can run any statement through db_write, and the database grant
+        // decides.
+        let readings = [
+            sql_words(query, Dialect::MySql),
+            sql_words(query, Dialect::Postgres),
+        ];
+        let firsts = [readings[0].first(), readings[1].first()];
+        let returns = |words: &[String]| {
+            words
+                .iter()
+                .enumerate()
+                .any(|(i, w)| w == "RETURNING" && (i == 0 || words[i - 1] != "AS"))
+        };
         if f == Function::DbRead
             && let Some(kw) = firsts
                 .iter()
                 .flatten()
                 .find(|w| WRITES.contains(&w.as_str()))
-            && !(returns(&flat) && returns(&nested))
+            && !readings.iter().all(|r| returns(r))
         {
             c.push(
                 &at.key("query"),
@@ -686,15 +698,24 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
     }
 }
 
+/// How an SQL text is read by [`sql_words`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dialect {
+    /// MySQL and MariaDB: `#` comments, flat `/* */` comments whose
+    /// `/*! … */` and `/*M! … */` forms are code, backslash escapes in
+    /// quoted strings.
+    MySql,
+    /// PostgreSQL and SQLite: nested `/* */` comments, no backslash escapes
+    /// (but in `E'…'`), dollar-quoted strings.
+    Postgres,
+}
+
 /// The words of an SQL statement that are keywords or names, upper-cased, in
-/// order: what is left after comments (`--` and `#` to the end of the line,
-/// `/* */`, nested when `nested`, as PostgreSQL reads them; MySQL's
-/// executable `/*! … */` is code), string literals (`'…'`, with `''` and
-/// backslash escapes), quoted names (`"…"`, `` `…` ``) and PostgreSQL's
-/// dollar-quoted strings. Where the dialects disagree the reading errs
-/// towards hiding a word, so a check that needs a word to be present (such
-/// as RETURNING) is not fooled by text that only looks like it.
-fn sql_words(sql: &str, nested: bool) -> Vec<String> {
+/// order, as `dialect` reads it: what is left after comments (`--`, and the
+/// dialect's own), string literals, quoted names (`"…"`, `` `…` ``,
+/// `[…]`) and dollar-quoted strings.
+fn sql_words(sql: &str, dialect: Dialect) -> Vec<String> {
+    let mysql = dialect == Dialect::MySql;
     let b = sql.as_bytes();
     let mut words = Vec::new();
     let mut i = 0;
@@ -710,15 +731,18 @@ fn sql_words(sql: &str, nested: bool) -> Vec<String> {
         let next = b.get(i + 1).copied();
         match c {
             b'-' if next == Some(b'-') => i = past(i, b"\n"),
-            b'#' => i = past(i, b"\n"),
+            b'#' if mysql => i = past(i, b"\n"),
             b'/' if next == Some(b'*') => {
-                if !nested && b.get(i + 2) == Some(&b'!') {
-                    // `/*!50000 DELETE … */`: MySQL runs what it holds.
-                    i += 3;
+                let rest = &b[i + 2..];
+                if mysql && (rest.starts_with(b"!") || rest.starts_with(b"M!")) {
+                    // `/*!50000 DELETE … */`: MySQL and MariaDB run it.
+                    i += if rest.starts_with(b"!") { 3 } else { 4 };
                     while i < b.len() && b[i].is_ascii_digit() {
                         i += 1;
                     }
-                } else if nested {
+                } else if mysql {
+                    i = past(i + 2, b"*/");
+                } else {
                     let mut depth = 0usize;
                     while i < b.len() {
                         if b[i..].starts_with(b"/*") {
@@ -734,19 +758,26 @@ fn sql_words(sql: &str, nested: bool) -> Vec<String> {
                             i += 1;
                         }
                     }
-                } else {
-                    i = past(i + 2, b"*/");
                 }
             }
-            b'\'' | b'"' | b'`' => {
+            b'\'' | b'"' | b'`' | b'[' => {
+                let close = if c == b'[' { b']' } else { c };
+                // Backslash escapes: MySQL's strings, PostgreSQL's E'…'.
+                let escapes = c != b'['
+                    && c != b'`'
+                    && (mysql
+                        || (c == b'\''
+                            && i > 0
+                            && b[i - 1].eq_ignore_ascii_case(&b'e')
+                            && !(i > 1 && (b[i - 2].is_ascii_alphanumeric() || b[i - 2] == b'_'))));
                 i += 1;
                 while i < b.len() {
-                    if c == b'\'' && b[i] == b'\\' {
+                    if escapes && b[i] == b'\\' {
                         i += 2;
-                    } else if b[i] == c {
+                    } else if b[i] == close {
                         i += 1;
                         // A doubled quote is one quote inside the text.
-                        if b.get(i) != Some(&c) {
+                        if close == b']' || b.get(i) != Some(&close) {
                             break;
                         }
                         i += 1;
@@ -755,11 +786,12 @@ fn sql_words(sql: &str, nested: bool) -> Vec<String> {
                     }
                 }
             }
-            b'$' => {
-                // `$tag$ … $tag$` (tag empty or a name; `$1` is a parameter).
+            b'$' if !mysql => {
+                // `$tag$ … $tag$` (tag empty or a name, any letters; `$1`
+                // is a parameter).
                 let tag_end = b[i + 1..]
                     .iter()
-                    .position(|&t| !(t.is_ascii_alphanumeric() || t == b'_'))
+                    .position(|&t| !(t.is_ascii_alphanumeric() || t == b'_' || t >= 0x80))
                     .map(|p| i + 1 + p);
                 match tag_end {
                     Some(e) if b[e] == b'$' && !b.get(i + 1).is_some_and(u8::is_ascii_digit) => {

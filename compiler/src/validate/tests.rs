@@ -749,6 +749,14 @@ fn other_connector_inputs() {
         "/* a /* b */ DELETE FROM t",
         "\u{feff}DELETE FROM t",
         "/*!50000 DELETE FROM t */",
+        "/*M!DELETE*/ FROM t WHERE id = 1",
+        // Read differently by the dialects: refused unless every reading
+        // sees a real RETURNING.
+        "DELETE FROM t WHERE '\\' <> ' RETURNING '",
+        "DELETE FROM t WHERE \"\\\" RETURNING \" <> ''",
+        "DELETE FROM t WHERE a = $é$ RETURNING $é$",
+        "DELETE FROM t WHERE id IN (SELECT 1 AS returning)",
+        "DELETE FROM t WHERE id IN (SELECT 1 AS [returning])",
     ] {
         let def = sql("db_read", q);
         let found = crate::validate::validate_new_workflow(&def);
@@ -770,6 +778,8 @@ fn other_connector_inputs() {
         "SHOW TABLES",
         "DELETE FROM t WHERE a = $1 RETURNING *",
         "/* c */ select 'DELETE'",
+        "insert into t values ('it''s') returning id",
+        "UPDATE t SET a = E'x\\'y' RETURNING a",
     ] {
         check(
             crate::validate::validate_new_workflow(&sql("db_read", q)),
@@ -784,6 +794,7 @@ fn other_connector_inputs() {
         "# c\nSELECT 1",
         "\u{feff}SELECT 1",
         "DESC t",
+        "/*M!SELECT*/ 1",
     ] {
         let found = crate::validate::validate_new_workflow(&sql("db_write", q));
         assert_eq!(found.len(), 1, "{q}: {found:?}");
