@@ -84,6 +84,17 @@ fn lint_prints_the_envelope_for_bad_files() {
     );
 }
 
+/// `sluice dry-run --workflow <workflow> --payload <payload>`.
+fn dry_run(workflow: &std::path::Path, payload: &std::path::Path) -> std::process::Output {
+    sluice()
+        .args(["dry-run", "--workflow"])
+        .arg(workflow)
+        .arg("--payload")
+        .arg(payload)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn dry_run_runs_a_workflow_offline() {
     let wf = temp_file(
@@ -95,13 +106,7 @@ fn dry_run_runs_a_workflow_offline() {
         ]}),
     );
     let payload = temp_file("payload.json", &json!({"n": 21}));
-    let out = sluice()
-        .args(["dry-run", "--workflow"])
-        .arg(&wf)
-        .arg("--payload")
-        .arg(&payload)
-        .output()
-        .unwrap();
+    let out = dry_run(&wf, &payload);
     assert!(
         out.status.success(),
         "{}",
@@ -144,13 +149,7 @@ fn dry_run_runs_a_workflow_offline() {
             {"id": "boom", "name": "b", "function": {"name": "map", "input": {"mappings": [{"path": "x", "logic": {"throw": "no"}}]}}}
         ]}),
     );
-    let out = sluice()
-        .args(["dry-run", "--workflow"])
-        .arg(&failing)
-        .arg("--payload")
-        .arg(&payload)
-        .output()
-        .unwrap();
+    let out = dry_run(&failing, &payload);
     assert_eq!(out.status.code(), Some(1));
     let answer: Json = serde_json::from_slice(&out.stdout).unwrap();
     let answer = &answer["data"];
@@ -170,13 +169,7 @@ fn dry_run_runs_a_workflow_offline() {
             {"id": "w", "name": "w", "function": {"name": "db_write", "input": {"connector": "db", "query": "SELECT 1"}}}
         ]}),
     );
-    let out = sluice()
-        .args(["dry-run", "--workflow"])
-        .arg(&refused)
-        .arg("--payload")
-        .arg(&payload)
-        .output()
-        .unwrap();
+    let out = dry_run(&refused, &payload);
     assert_eq!(out.status.code(), Some(1));
     let answer: Json = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(

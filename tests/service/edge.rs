@@ -1038,6 +1038,45 @@ async fn serve_logging(
     (child, base, dir)
 }
 
+/// Creates workflow `id` with `tasks` and a name-routed channel `id` for it
+/// on the server at `base`, and activates both.
+async fn deploy_named(base: &str, id: &str, tasks: serde_json::Value) {
+    let c = reqwest::Client::new();
+    for (method, path, body) in [
+        (
+            "POST",
+            "/workflows".to_owned(),
+            json!({"workflow_id": id, "name": id, "tasks": tasks}),
+        ),
+        (
+            "PATCH",
+            format!("/workflows/{id}/status"),
+            json!({"status": "active"}),
+        ),
+        (
+            "POST",
+            "/channels".to_owned(),
+            json!({"channel_id": id, "name": id, "channel_type": "sync", "protocol": "http", "workflow_id": id}),
+        ),
+        (
+            "PATCH",
+            format!("/channels/{id}/status"),
+            json!({"status": "active"}),
+        ),
+    ] {
+        let r = c
+            .request(
+                method.parse().unwrap(),
+                format!("{base}/api/v1/admin{path}"),
+            )
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{method} {path}: {}", r.status());
+    }
+}
+
 /// A request that fails upstream is logged (warn, with its request id and
 /// the error), in plain text when the log is not a terminal.
 #[tokio::test]
@@ -1068,24 +1107,12 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
     )
     .await
     .unwrap();
-    admin("POST", "/workflows", json!({"workflow_id": "f", "name": "f", "tasks": [
-        {"id": "c", "name": "c", "function": {"name": "http_call", "input": {"connector": "dead"}}}]}))
-    .await
-    .unwrap();
-    admin("PATCH", "/workflows/f/status", json!({"status": "active"}))
-        .await
-        .unwrap();
-    admin(
-        "POST",
-        "/channels",
-        json!({"channel_id": "f", "name": "f", "channel_type": "sync",
-        "protocol": "http", "workflow_id": "f"}),
+    deploy_named(
+        &base,
+        "f",
+        json!([{"id": "c", "name": "c", "function": {"name": "http_call", "input": {"connector": "dead"}}}]),
     )
-    .await
-    .unwrap();
-    admin("PATCH", "/channels/f/status", json!({"status": "active"}))
-        .await
-        .unwrap();
+    .await;
     let r = c
         .post(format!("{base}/api/v1/data/f"))
         .header("x-request-id", "0b6f7a52-3c1e-4f5a-9d7e-2a1b3c4d5e6f")
@@ -1096,24 +1123,12 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
     assert_eq!(r.status(), 502);
     // Request data inside an error message (a channel name from the
     // payload) stays on the failure's line: its line break is escaped.
-    admin("POST", "/workflows", json!({"workflow_id": "cc", "name": "cc", "tasks": [
-        {"id": "c", "name": "c", "function": {"name": "channel_call", "input": {"channel_logic": {"var": "payload.n"}}}}]}))
-    .await
-    .unwrap();
-    admin("PATCH", "/workflows/cc/status", json!({"status": "active"}))
-        .await
-        .unwrap();
-    admin(
-        "POST",
-        "/channels",
-        json!({"channel_id": "cc", "name": "cc", "channel_type": "sync",
-        "protocol": "http", "workflow_id": "cc"}),
+    deploy_named(
+        &base,
+        "cc",
+        json!([{"id": "c", "name": "c", "function": {"name": "channel_call", "input": {"channel_logic": {"var": "payload.n"}}}}]),
     )
-    .await
-    .unwrap();
-    admin("PATCH", "/channels/cc/status", json!({"status": "active"}))
-        .await
-        .unwrap();
+    .await;
     let r = c
         .post(format!("{base}/api/v1/data/cc"))
         .json(&json!({"data": {"n": "zz\n2026-11-27T00:00:00Z ERROR FORGED line"}}))
@@ -1156,34 +1171,13 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
 async fn a_log_message_is_written_as_is_in_json_logs() {
     let (mut child, base, dir) =
         serve_logging("jsonlog", &[("SERVICE_LOGGING__FORMAT", "json")]).await;
+    deploy_named(
+        &base,
+        "l",
+        json!([{"id": "say", "name": "say", "function": {"name": "log", "input": {"message": {"var": "payload.m"}}}}]),
+    )
+    .await;
     let c = reqwest::Client::new();
-    let admin = |method: &str, path: &str, body: serde_json::Value| {
-        c.request(
-            method.parse().unwrap(),
-            format!("{base}/api/v1/admin{path}"),
-        )
-        .json(&body)
-        .send()
-    };
-    for (path, body) in [
-        (
-            "/workflows",
-            json!({"workflow_id": "l", "name": "l", "tasks": [
-            {"id": "say", "name": "say", "function": {"name": "log", "input": {"message": {"var": "payload.m"}}}}]}),
-        ),
-        (
-            "/channels",
-            json!({"channel_id": "l", "name": "l", "channel_type": "sync", "protocol": "http", "workflow_id": "l"}),
-        ),
-    ] {
-        assert_eq!(admin("POST", path, body).await.unwrap().status(), 201);
-    }
-    for path in ["/workflows/l/status", "/channels/l/status"] {
-        let r = admin("PATCH", path, json!({"status": "active"}))
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-    }
     let r = c
         .post(format!("{base}/api/v1/data/l"))
         .json(&json!({"data": {"m": "line one\nline two"}}))
