@@ -818,6 +818,49 @@ fn other_connector_inputs() {
         );
     }
 
+    // Any text is read without a panic (unclosed quotes and comments,
+    // multi-byte characters next to every delimiter).
+    let pieces = [
+        "'",
+        "\"",
+        "`",
+        "[",
+        "]",
+        "$",
+        "$a$",
+        "$é$",
+        "\\",
+        "/*",
+        "*/",
+        "/*!",
+        "/*M!",
+        "--",
+        "#",
+        "\n",
+        "E'",
+        "é",
+        "DELETE",
+        "RETURNING",
+        "AS",
+        " ",
+        "(",
+        "$1",
+        "\u{feff}",
+    ];
+    let mut seed = 7u64;
+    for _ in 0..2000 {
+        let mut q = String::new();
+        for _ in 0..8 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            q.push_str(pieces[(seed >> 33) as usize % pieces.len()]);
+        }
+        for f in ["db_read", "db_write"] {
+            let _ = crate::validate::validate_new_workflow(&sql(f, &q));
+        }
+    }
+
     // `_logic` twins stand in for required static fields.
     check(
         workflow_with(task(
