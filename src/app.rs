@@ -77,8 +77,7 @@ impl App {
             services.channels = Some(invoker.clone());
         }
         let connectors = Arc::new(crate::connectors::Connectors::new(&config));
-        let mut services = connectors.fill(services);
-        services.json_logs = config.logging.format == crate::config::LogFormat::Json;
+        let services = connectors.fill(services);
         // Checked by `Config::validate`; a configuration built in code
         // that skipped it trusts nobody rather than failing here.
         let trusted_proxies =

@@ -296,3 +296,19 @@ pub fn record_http(
     metrics::counter!(names::HTTP_REQUESTS_TOTAL, &labels).increment(1);
     metrics::histogram!(names::HTTP_REQUEST_DURATION_SECONDS, &labels).record(secs);
 }
+
+#[cfg(test)]
+mod escape_tests {
+    /// A value written into a text log line stays one line (request data
+    /// cannot start a line that reads like one of ours); tabs stay.
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(super::escape_controls("plain\ttext"), "plain\ttext");
+        assert_eq!(
+            super::escape_controls(
+                "hello\n2026-11-27T00:00:00Z ERROR sluice: FORGED\r\u{1b}[31m\u{2028}"
+            ),
+            "hello\\n2026-11-27T00:00:00Z ERROR sluice: FORGED\\r\\u{1b}[31m\\u{2028}"
+        );
+    }
+}

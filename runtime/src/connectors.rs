@@ -208,10 +208,6 @@ pub struct Services {
     pub documents: Option<Arc<dyn DocumentStore>>,
     pub publisher: Option<Arc<dyn Publisher>>,
     pub channels: Option<Arc<dyn ChannelInvoker>>,
-    /// The log lines are JSON, which escapes a `log` task's line breaks
-    /// itself: its message is passed as written. Otherwise (text logs) the
-    /// runtime writes them as `\n` so a message stays one line.
-    pub json_logs: bool,
 }
 
 impl fmt::Debug for Services {
@@ -223,7 +219,6 @@ impl fmt::Debug for Services {
             .field("documents", &self.documents.is_some())
             .field("publisher", &self.publisher.is_some())
             .field("channels", &self.channels.is_some())
-            .field("json_logs", &self.json_logs)
             .finish()
     }
 }

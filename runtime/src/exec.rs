@@ -234,7 +234,6 @@ where
         });
     };
     let mut machine = Machine::new(plan, context, input.bucket, options);
-    machine.json_logs = services.json_logs;
     loop {
         match machine.run(&arena) {
             Next::Done => break,
@@ -572,8 +571,6 @@ struct Machine<'a> {
     depth_bound: usize,
     /// A connector's answer is being stored (see `check_nesting`).
     answer_write: bool,
-    /// `Services::json_logs`: a `log` task's message goes out as written.
-    json_logs: bool,
 }
 
 /// The deepest the execution context may nest. Every value in it passed
@@ -621,7 +618,6 @@ impl<'a> Machine<'a> {
             bucket,
             depth_bound: INPUT_NESTING,
             answer_write: false,
-            json_logs: false,
         }
     }
 
@@ -1257,12 +1253,9 @@ impl<'a> Machine<'a> {
                     }
                 }
                 let fields_json = fields_text;
-                // One log line per `log` task: a line break in the message
-                // (from request data) would start a line of its own that
-                // reads like the service's (the fields are JSON, escaped).
-                // JSON log lines escape it themselves; escaping it here too
-                // would change the text (`\\n` in the JSON).
-                let text = if self.json_logs { text } else { one_line(text) };
+                // The message goes out as written: the log formatter keeps
+                // every line one line (text logs escape control characters,
+                // JSON logs escape as JSON does).
                 let workflow = &*self.plan.workflow_id;
                 let task_id = &*task.id;
                 match level {
@@ -1590,25 +1583,6 @@ fn function_name(f: &FunctionPlan) -> &'static str {
 
 /// Text form of a value for messages and keys: strings as they are,
 /// everything else as JSON.
-/// `text` with its line breaks and other control characters (tab aside)
-/// written as escapes (`\n`, `\r`, `\u{1b}`), so it stays one log line.
-fn one_line(text: String) -> String {
-    if !text.chars().any(|c| c.is_control() && c != '\t') {
-        return text;
-    }
-    let mut out = String::with_capacity(text.len() + 8);
-    for c in text.chars() {
-        match c {
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push(c),
-            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", u32::from(c))),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
 fn display(v: &Value<'_>) -> String {
     match v {
         Value::Str(s) => (*s).to_owned(),
@@ -1628,18 +1602,6 @@ fn display_json(v: &Json) -> String {
 /// gives in binary floating point).
 pub fn millis(d: std::time::Duration) -> f64 {
     d.as_micros() as f64 / 1000.0
-}
-
-#[cfg(test)]
-mod one_line_tests {
-    #[test]
-    fn a_log_message_stays_one_line() {
-        assert_eq!(super::one_line("plain\ttext".into()), "plain\ttext");
-        assert_eq!(
-            super::one_line("hello\n2026-11-27T00:00:00Z ERROR sluice: FORGED\r\u{1b}[31m".into()),
-            "hello\\n2026-11-27T00:00:00Z ERROR sluice: FORGED\\r\\u{1b}[31m"
-        );
-    }
 }
 
 #[cfg(test)]

@@ -1126,7 +1126,10 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
     deploy_named(
         &base,
         "cc",
-        json!([{"id": "c", "name": "c", "function": {"name": "channel_call", "input": {"channel_logic": {"var": "payload.n"}}}}]),
+        json!([
+            {"id": "say", "name": "say", "function": {"name": "log", "input": {"level": "warn", "message": {"var": "payload.n"}}}},
+            {"id": "c", "name": "c", "function": {"name": "channel_call", "input": {"channel_logic": {"var": "payload.n"}}}}
+        ]),
     )
     .await;
     let r = c
@@ -1144,11 +1147,13 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
         !log.lines().any(|l| l.starts_with("2026-11-27T00:00:00Z")),
         "a forged line:\n{log}"
     );
-    assert!(
-        log.lines().any(|l| l.contains("request failed")
-            && l.contains("zz\\n2026-11-27T00:00:00Z ERROR FORGED")),
-        "{log}"
-    );
+    for what in ["request failed", "sluice::workflow"] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains(what) && l.contains("zz\\n2026-11-27T00:00:00Z ERROR FORGED")),
+            "{what}:\n{log}"
+        );
+    }
     let line = log
         .lines()
         .find(|l| l.contains("request failed"))
