@@ -736,19 +736,7 @@ async fn an_abandoned_request_leaves_the_in_flight_count() {
         assert!(gave_up.is_err(), "attempt {attempt}: {gave_up:?}");
         // Its place comes back without waiting for its upstream call
         // (1.5 s).
-        let app = s.app.clone();
-        let freed = tokio::task::spawn_blocking(move || {
-            let t0 = std::time::Instant::now();
-            while t0.elapsed() < std::time::Duration::from_secs(1) {
-                if app.in_flight.load(Ordering::Acquire) == 0 {
-                    return true;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-            false
-        })
-        .await
-        .unwrap();
+        let freed = in_flight_within(&s, std::time::Duration::from_secs(1), |n| n == 0).await;
         assert!(
             freed,
             "attempt {attempt}: the abandoned request still counts as in flight"
@@ -763,11 +751,17 @@ async fn an_abandoned_request_leaves_the_in_flight_count() {
 /// runtime worker, tokio timers may not fire, so an async poll loop could
 /// sleep through the whole request.
 async fn try_wait_in_flight(s: &TestServer) -> bool {
+    in_flight_within(s, std::time::Duration::from_secs(10), |n| n >= 1).await
+}
+
+/// Whether the server's in-flight count meets `ok` within `limit`, watched
+/// from a blocking thread (see [`try_wait_in_flight`]).
+async fn in_flight_within(s: &TestServer, limit: std::time::Duration, ok: fn(u64) -> bool) -> bool {
     let app = s.app.clone();
     tokio::task::spawn_blocking(move || {
         let t0 = std::time::Instant::now();
-        while t0.elapsed() < std::time::Duration::from_secs(10) {
-            if app.in_flight.load(Ordering::Acquire) >= 1 {
+        while t0.elapsed() < limit {
+            if ok(app.in_flight.load(Ordering::Acquire)) {
                 return true;
             }
             std::thread::sleep(std::time::Duration::from_millis(1));

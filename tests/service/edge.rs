@@ -1024,17 +1024,7 @@ async fn serve_logging(
         .spawn()
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    let c = reqwest::Client::new();
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !c
-        .get(format!("{base}/readyz"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status().is_success())
-    {
-        assert!(std::time::Instant::now() < until, "not ready");
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    crate::support::wait_ready(&base).await;
     (child, base, dir)
 }
 
@@ -1064,16 +1054,7 @@ async fn deploy_named(base: &str, id: &str, tasks: serde_json::Value) {
             json!({"status": "active"}),
         ),
     ] {
-        let r = c
-            .request(
-                method.parse().unwrap(),
-                format!("{base}/api/v1/admin{path}"),
-            )
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert!(r.status().is_success(), "{method} {path}: {}", r.status());
+        crate::support::admin_call(&c, base, method, &path, body).await;
     }
 }
 

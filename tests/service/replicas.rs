@@ -42,38 +42,12 @@ pub(crate) async fn replica_with(db: &str, env: &[(&str, &str)]) -> Replica {
         base: format!("http://127.0.0.1:{port}"),
         child,
     };
-    let client = reqwest::Client::new();
-    let until = Instant::now() + Duration::from_secs(30);
-    while !client
-        .get(format!("{}/readyz", r.base))
-        .send()
-        .await
-        .is_ok_and(|r| r.status().is_success())
-    {
-        assert!(
-            Instant::now() < until,
-            "replica {} did not become ready",
-            r.base
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    crate::support::wait_ready(&r.base).await;
     r
 }
 
 async fn admin(c: &reqwest::Client, base: &str, method: &str, path: &str, body: Json) -> Json {
-    let r = c
-        .request(
-            method.parse().unwrap(),
-            format!("{base}/api/v1/admin{path}"),
-        )
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status();
-    let body: Json = r.json().await.unwrap_or(Json::Null);
-    assert!(status.is_success(), "{method} {path}: {status} {body}");
-    body
+    crate::support::admin_call(c, base, method, path, body).await
 }
 
 async fn generation(c: &reqwest::Client, base: &str) -> i64 {

@@ -73,6 +73,48 @@ pub fn free_port() -> u16 {
 
 /// Installs the TLS crypto provider reqwest needs (start-up does it too;
 /// tests that only spawn the binary call this first).
+/// An admin call on a binary started by the test (not a [`TestServer`]):
+/// asserts success and answers the body (null when there is none).
+pub async fn admin_call(
+    c: &reqwest::Client,
+    base: &str,
+    method: &str,
+    path: &str,
+    body: Json,
+) -> Json {
+    let r = c
+        .request(
+            method.parse().unwrap(),
+            format!("{base}/api/v1/admin{path}"),
+        )
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status();
+    let body: Json = r.json().await.unwrap_or(Json::Null);
+    assert!(status.is_success(), "{method} {path}: {status} {body}");
+    body
+}
+
+/// Waits (30 s at most) until the binary started at `base` is ready.
+pub async fn wait_ready(base: &str) {
+    let client = reqwest::Client::new();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !client
+        .get(format!("{base}/readyz"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
+    {
+        assert!(
+            std::time::Instant::now() < until,
+            "{base} did not become ready"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 pub fn install_crypto() {
     sluice::connectors::http::install_crypto_provider();
 }
