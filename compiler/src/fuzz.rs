@@ -8,23 +8,67 @@
 
 use crate::Value;
 use crate::logic;
-use crate::plan::compile_workflow;
+use crate::plan::{compile_new_workflow, compile_workflow};
 use bumpalo::Bump;
 
-/// Arbitrary bytes as a workflow definition: parse, validate, compile.
+/// Arbitrary bytes as a workflow definition: parse, validate, compile, both
+/// as a stored definition and as a new one (which adds the checks a stored
+/// definition may predate).
 pub fn workflow_definition(bytes: &[u8]) {
     let Ok(def) = serde_json::from_slice::<serde_json::Value>(bytes) else {
         return;
     };
-    match compile_workflow(&def) {
-        Ok(compiled) => {
-            // A compiled plan is internally consistent with its definition.
-            assert!(!compiled.plan.body.steps.is_empty() || compiled.plan.body.repeat.is_some());
+    let stored = compile_workflow(&def);
+    let new = compile_new_workflow(&def);
+    // A definition accepted as new is accepted as stored.
+    assert!(
+        new.is_err() || stored.is_ok(),
+        "new accepted, stored refused"
+    );
+    for compiled in [stored, new] {
+        match compiled {
+            Ok(compiled) => {
+                // A compiled plan is internally consistent with its definition.
+                assert!(
+                    !compiled.plan.body.steps.is_empty() || compiled.plan.body.repeat.is_some()
+                );
+            }
+            Err(errors) => assert!(
+                !errors.is_empty(),
+                "a rejected definition names its problems"
+            ),
         }
-        Err(errors) => assert!(
-            !errors.is_empty(),
-            "a rejected definition names its problems"
-        ),
+    }
+}
+
+/// Arbitrary text as the statement of a `db_read` and of a `db_write` task
+/// in a new definition: the statement-kind check reads it as MySQL and as
+/// PostgreSQL (comments, quotes, dollar quotes, escapes) and must finish on
+/// anything.
+pub fn sql_statement(bytes: &[u8]) {
+    let Ok(query) = std::str::from_utf8(bytes) else {
+        return;
+    };
+    let task = |id: &str, function: &str| {
+        serde_json::json!({
+            "id": id,
+            "name": id,
+            "function": {"name": function, "input": {"connector": "db", "query": query}}
+        })
+    };
+    let def = serde_json::json!({
+        "workflow_id": "fuzz-sql",
+        "name": "fuzz",
+        "tasks": [task("read", "db_read"), task("write", "db_write")]
+    });
+    if let Err(errors) = compile_new_workflow(&def) {
+        // Only the statement can be wrong, and only in the query field.
+        for e in &errors {
+            assert!(
+                e.field.ends_with(".function.input.query"),
+                "unexpected error {e:?}"
+            );
+        }
     }
 }
 

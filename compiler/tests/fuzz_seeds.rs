@@ -39,3 +39,14 @@ fn logic_target_survives_its_seeds() {
         }
     }
 }
+
+#[test]
+fn sql_target_survives_its_seeds() {
+    for (name, bytes) in seeds("sql") {
+        eprintln!("seed {name}");
+        sluice_compiler::fuzz::sql_statement(&bytes);
+        for cut in 0..bytes.len() {
+            sluice_compiler::fuzz::sql_statement(&bytes[..cut]);
+        }
+    }
+}

@@ -6,6 +6,7 @@
 
 pub mod connectors;
 pub mod exec;
+pub mod fuzz;
 pub mod json;
 pub mod rollout;
 pub mod xml;

@@ -1,0 +1,1 @@
+/*! DELETE */ /* nested /* c */ */ INSERT INTO t VALUES ('it''s', E'\x', $tag$ RETURNING $tag$, "q""x", `b`) RETURNING id

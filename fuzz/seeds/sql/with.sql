@@ -1,0 +1,2 @@
+# mysql comment
+WITH x AS (DELETE FROM t RETURNING *) SELECT 1
