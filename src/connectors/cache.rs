@@ -177,20 +177,23 @@ impl CacheStore {
 
 /// Network failures, timeouts, dropped connections and the server's own
 /// "try again" answers (LOADING, BUSY, TRYAGAIN ...) are retryable; a command
-/// the server rejects, or a bad configuration, is not.
+/// the server rejects, refused credentials (the client would reconnect with
+/// the same ones) or a bad configuration are not.
 fn redis_err(e: redis::RedisError) -> ConnectorError {
     use redis::RetryMethod;
     let message = format!("redis: {e}");
     if e.is_timeout() {
         return ConnectorError::new(ConnectorErrorKind::Timeout, message);
     }
-    let retryable = e.is_io_error()
-        || e.is_connection_refusal()
-        || e.is_connection_dropped()
-        || matches!(
-            e.retry_method(),
-            RetryMethod::Reconnect | RetryMethod::RetryImmediately | RetryMethod::WaitAndRetry
-        );
+    let refused_login = e.kind() == redis::ErrorKind::AuthenticationFailed;
+    let retryable = !refused_login
+        && (e.is_io_error()
+            || e.is_connection_refusal()
+            || e.is_connection_dropped()
+            || matches!(
+                e.retry_method(),
+                RetryMethod::Reconnect | RetryMethod::RetryImmediately | RetryMethod::WaitAndRetry
+            ));
     let kind = match e.kind() {
         redis::ErrorKind::InvalidClientConfig => ConnectorErrorKind::Other,
         _ => ConnectorErrorKind::Upstream,
@@ -406,6 +409,17 @@ mod tests {
         let mut no_url = redis_cfg("");
         no_url.url = None;
         assert!(CacheStore::connect(&no_url).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn redis_refused_login_is_not_retryable() {
+        // The test server has no password: any password is refused.
+        let store = CacheStore::connect(&redis_cfg("redis://:wrong@127.0.0.1:6379/0"))
+            .await
+            .expect("lazy: no connection yet");
+        let e = store.get("k").await.unwrap_err();
+        assert!(!e.retryable, "{e:?}");
+        assert!(e.message.contains("redis:"), "{e:?}");
     }
 
     #[tokio::test]

@@ -194,7 +194,9 @@ impl HttpConn {
         Ok(HttpConn {
             name: name.to_owned(),
             client,
-            base: cfg.url.trim_end_matches('/').to_owned(),
+            // As configured: without a task path the base is called as it
+            // stands (`/hook/` and `/hook` may be different endpoints).
+            base: cfg.url.clone(),
             base_url: reqwest::Url::parse(cfg.url.trim_end_matches('/')).ok(),
             headers,
             timeout,
@@ -861,10 +863,16 @@ mod tests {
     #[test]
     fn paths_join_the_base_url_with_one_slash() {
         let c = conn("http://example.com/api/", true);
-        assert_eq!(c.url(None), "http://example.com/api");
+        assert_eq!(c.url(None), "http://example.com/api/");
+        assert_eq!(c.url(Some("")), "http://example.com/api/");
         assert_eq!(c.url(Some("/x")), "http://example.com/api/x");
         assert_eq!(c.url(Some("x?a=1")), "http://example.com/api/x?a=1");
+        assert_eq!(c.url(Some("?a=1")), "http://example.com/api/?a=1");
+        // Without the slash, none is added.
+        let c = conn("http://example.com/api", true);
+        assert_eq!(c.url(None), "http://example.com/api");
         assert_eq!(c.url(Some("?a=1")), "http://example.com/api?a=1");
+        assert_eq!(c.url(Some("x")), "http://example.com/api/x");
         // A base URL with a query keeps it a query.
         let c = conn("http://example.com/api/?api_key=K", true);
         assert_eq!(c.url(None), "http://example.com/api/?api_key=K");
