@@ -11,7 +11,7 @@
 //! runs, and the problem is also returned as a warning so `validate` can show it.
 
 use crate::diag::Diagnostic;
-use crate::functions::Function;
+use crate::functions::{Function, FunctionKind};
 use crate::logic::{self, Logic};
 use crate::path::{Path, PathSet, Segment};
 use crate::validate;
@@ -727,6 +727,9 @@ impl Cx {
         field: &str,
     ) -> Option<FunctionPlan> {
         let function = Function::from_name(name)?;
+        if function.kind() == FunctionKind::Data {
+            self.unknown_data_keys(function, input, field);
+        }
         let data_result = match function {
             Function::ParseJson | Function::ParseXml => {
                 let mut p = Problems::default();
@@ -816,6 +819,26 @@ impl Cx {
         })
     }
 
+    /// A data function's misspelt field (`onReject`, `prety`, a mapping's
+    /// `lgoic`) is a warning, as a connector function's is: it would
+    /// otherwise be dropped in silence (`filter` then halts by default).
+    fn unknown_data_keys(&mut self, function: Function, input: &Map<String, Json>, field: &str) {
+        let known: Vec<&str> = function.input_schema().iter().map(|f| f.name).collect();
+        self.unknown_keys(input, &known, field);
+        let (list, item_keys): (&str, &[&str]) = match function {
+            Function::Map => ("mappings", &["path", "logic"]),
+            Function::Validation => ("rules", &["logic", "message"]),
+            _ => return,
+        };
+        if let Some(Json::Array(items)) = input.get(list) {
+            for (i, item) in items.iter().enumerate() {
+                if let Some(obj) = item.as_object() {
+                    self.unknown_keys(obj, item_keys, &format!("{field}.{list}[{i}]"));
+                }
+            }
+        }
+    }
+
     /// Connector and composition functions: the validator has checked the
     /// input's shape; here their JSONLogic is compiled (errors are errors).
     fn io_function(
@@ -826,6 +849,22 @@ impl Cx {
     ) -> Option<FunctionPlan> {
         let known: Vec<&str> = function.input_schema().iter().map(|f| f.name).collect();
         self.unknown_keys(input, &known, field);
+        // A static field beside its computed twin (`path` and `path_logic`):
+        // the twin wins, as the spec says, but one of them is a mistake.
+        // (`channel_call`'s pairs are exactly-one-of rules, errors.)
+        if function != Function::ChannelCall {
+            for twin in &known {
+                if let Some(name) = twin.strip_suffix("_logic")
+                    && input.contains_key(name)
+                    && input.contains_key(*twin)
+                {
+                    self.warnings.push(Diagnostic {
+                        field: join(field, name),
+                        message: format!("ignored: {twin} is given too, and is used instead"),
+                    });
+                }
+            }
+        }
         let connector: Box<str> = str_field(input, "connector").unwrap_or_default().into();
         let output = |key: &str| WritePath::parse(str_field(input, key).unwrap_or("data"));
         let plan = match function {
@@ -1350,6 +1389,53 @@ mod tests {
         let fields: Vec<&str> = compiled.warnings.iter().map(|w| w.field.as_str()).collect();
         assert_eq!(fields, ["condition", "tasks[0].condition"]);
         assert!(compiled.warnings[0].message.contains("never runs"));
+    }
+
+    /// A data function's misspelt field, a mapping's or rule's, and a
+    /// static field beside its `_logic` twin are warnings with their paths.
+    #[test]
+    fn misspelt_data_inputs_and_doubled_twins_are_warnings() {
+        let def = json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "f", "name": "f", "function": {"name": "filter",
+             "input": {"condition": false, "onReject": "skip"}}},
+            {"id": "m", "name": "m", "function": {"name": "map",
+             "input": {"mappings": [{"path": "a", "logic": 1}, {"path": "b", "logic": 1, "lgoic": 2}]}}},
+            {"id": "v", "name": "v", "function": {"name": "validation",
+             "input": {"rules": [{"logic": true, "message": "m", "halt": true}]}}},
+            {"id": "p", "name": "p", "function": {"name": "publish_json",
+             "input": {"source": "a", "target": "b", "prety": true}}},
+            {"id": "h", "name": "h", "function": {"name": "http_call",
+             "input": {"connector": "c", "path": "/x", "path_logic": "/y",
+                       "body": 1, "body_logic": 2}}},
+            {"id": "k", "name": "k", "function": {"name": "cache_read",
+             "input": {"connector": "c", "key": "a", "key_logic": "b"}}}]});
+        let compiled = compile_workflow(&def).unwrap();
+        let warnings: Vec<(&str, &str)> = compiled
+            .warnings
+            .iter()
+            .map(|w| (w.field.as_str(), w.message.as_str()))
+            .collect();
+        assert_eq!(
+            warnings.iter().map(|w| w.0).collect::<Vec<_>>(),
+            [
+                "tasks[0].function.input.onReject",
+                "tasks[1].function.input.mappings[1].lgoic",
+                "tasks[2].function.input.rules[0].halt",
+                "tasks[3].function.input.prety",
+                "tasks[4].function.input.path",
+                "tasks[4].function.input.body",
+                "tasks[5].function.input.key",
+            ],
+            "{warnings:?}"
+        );
+        assert_eq!(
+            warnings[0].1,
+            "unknown field, ignored; expected one of condition, on_reject"
+        );
+        assert_eq!(
+            warnings[4].1,
+            "ignored: path_logic is given too, and is used instead"
+        );
     }
 
     /// `cache_write.ttl_secs` is any positive number of seconds, kept to the

@@ -1202,7 +1202,9 @@ impl<'a> Machine<'a> {
                 Ok(Step2::Done(Flow::Continue))
             }
             FunctionPlan::Filter { condition, skip } => {
-                let pass = self.eval(condition, arena).map_err(fail)?;
+                let pass = self
+                    .eval(condition, arena)
+                    .map_err(|m| fail(format!("condition: {m}")))?;
                 if truthy(&pass) {
                     Ok(Step2::Done(Flow::Continue))
                 } else if *skip {
@@ -1226,7 +1228,9 @@ impl<'a> Machine<'a> {
                 level,
                 fields,
             } => {
-                let text = self.eval(message, arena).map_err(fail)?;
+                let text = self
+                    .eval(message, arena)
+                    .map_err(|m| fail(format!("message: {m}")))?;
                 let mut text = display(&text);
                 let mut extra = Vec::with_capacity(fields.len());
                 for (k, logic) in fields {
@@ -1344,10 +1348,22 @@ impl<'a> Machine<'a> {
         source.path.get(root)
     }
 
-    fn source(&mut self, source: &'a Source, arena: &'a Bump) -> Result<Json, String> {
+    /// Evaluates a connector input's rule; an error names the input field
+    /// (`body_logic: NaN: …`), as `map`'s name their mapping.
+    fn eval_field(
+        &mut self,
+        logic: &'a Logic,
+        arena: &'a Bump,
+        field: &str,
+    ) -> Result<Value<'a>, String> {
+        self.eval(logic, arena).map_err(|m| format!("{field}: {m}"))
+    }
+
+    /// A static input or its `<field>_logic` rule's value.
+    fn source(&mut self, source: &'a Source, arena: &'a Bump, field: &str) -> Result<Json, String> {
         match source {
             Source::Static(v) => Ok(v.clone()),
-            Source::Logic(l) => self.eval(l, arena).map(|v| v.to_json()),
+            Source::Logic(l) => self.eval_field(l, arena, field).map(|v| v.to_json()),
         }
     }
 
@@ -1355,14 +1371,14 @@ impl<'a> Machine<'a> {
         &mut self,
         source: &'a Source,
         arena: &'a Bump,
-        what: &str,
+        field: &str,
     ) -> Result<String, String> {
         match source {
             Source::Static(Json::String(s)) => Ok(s.clone()),
             Source::Static(other) => Ok(display_json(other)),
-            Source::Logic(l) => match self.eval(l, arena)? {
+            Source::Logic(l) => match self.eval_field(l, arena, field)? {
                 Value::Str(s) => Ok(s.to_owned()),
-                Value::Null => Err(format!("{what} evaluated to null")),
+                Value::Null => Err(format!("{field} evaluated to null")),
                 other => Ok(display(&other)),
             },
         }
@@ -1382,7 +1398,7 @@ impl<'a> Machine<'a> {
                 };
                 let body = match &p.body {
                     None => None,
-                    Some(s) => Some(self.source(s, arena)?),
+                    Some(s) => Some(self.source(s, arena, "body_logic")?),
                 };
                 IoRequest::Http(HttpRequest {
                     connector: p.connector.to_string(),
@@ -1419,7 +1435,7 @@ impl<'a> Machine<'a> {
             }
             FunctionPlan::CacheRead(p) => IoRequest::CacheGet {
                 connector: p.connector.to_string(),
-                key: self.source_string(&p.key, arena, "key")?,
+                key: self.source_string(&p.key, arena, "key_logic")?,
             },
             FunctionPlan::CacheWrite(p) => {
                 // A string as it is, anything else as its JSON text (the
@@ -1428,14 +1444,14 @@ impl<'a> Machine<'a> {
                 let value = match &p.value {
                     Source::Static(Json::String(s)) => s.clone(),
                     Source::Static(v) => v.to_string(),
-                    Source::Logic(l) => match self.eval(l, arena)? {
+                    Source::Logic(l) => match self.eval_field(l, arena, "value_logic")? {
                         Value::Str(s) => s.to_owned(),
                         other => other.to_json_string(),
                     },
                 };
                 IoRequest::CacheSet {
                     connector: p.connector.to_string(),
-                    key: self.source_string(&p.key, arena, "key")?,
+                    key: self.source_string(&p.key, arena, "key_logic")?,
                     value,
                     ttl: p.ttl,
                 }
@@ -1444,12 +1460,12 @@ impl<'a> Machine<'a> {
                 connector: p.connector.to_string(),
                 database: p.database.to_string(),
                 collection: p.collection.to_string(),
-                filter: self.source(&p.filter, arena)?,
+                filter: self.source(&p.filter, arena, "filter_logic")?,
             }),
             FunctionPlan::PublishKafka(p) => {
                 let key = match &p.key {
                     None => None,
-                    Some(l) => match self.eval(l, arena)? {
+                    Some(l) => match self.eval_field(l, arena, "key_logic")? {
                         Value::Null => None,
                         Value::Str(s) => Some(s.to_owned()),
                         other => Some(display(&other)),
@@ -1457,7 +1473,9 @@ impl<'a> Machine<'a> {
                 };
                 let mut bytes = Vec::with_capacity(256);
                 match &p.value {
-                    Some(l) => self.eval(l, arena)?.write_json(&mut bytes),
+                    Some(l) => self
+                        .eval_field(l, arena, "value_logic")?
+                        .write_json(&mut bytes),
                     // The spec's default: the full data context. Its
                     // metadata is masked (credential headers, secret-named
                     // keys) before it leaves the service.
@@ -1482,7 +1500,7 @@ impl<'a> Machine<'a> {
             FunctionPlan::ChannelCall(p) => {
                 let channel = self.source_string(&p.channel, arena, "channel_logic")?;
                 let data = match &p.data {
-                    Some(s) => self.source(s, arena)?,
+                    Some(s) => self.source(s, arena, "data_logic")?,
                     None => self.ctx.payload.to_json(),
                 };
                 let request_id = match self.ctx.metadata {

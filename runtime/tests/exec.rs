@@ -957,6 +957,51 @@ fn connector_calls_go_through_the_traits() {
     assert_eq!(seen[0].timeout_ms, 30_000);
 }
 
+/// A rule of a connector's input that fails to evaluate names its field,
+/// so a task with both `path_logic` and `body_logic` says which one.
+#[test]
+fn failing_input_rules_name_their_field() {
+    let nan = json!({"/": [1, 0]});
+    let cases = [
+        (
+            "http_call",
+            json!({"connector": "api", "path_logic": "/x", "body_logic": nan}),
+            "http_call: body_logic: ",
+        ),
+        (
+            "http_call",
+            json!({"connector": "api", "path_logic": nan}),
+            "http_call: path_logic: ",
+        ),
+        ("filter", json!({"condition": nan}), "filter: condition: "),
+        ("log", json!({"message": nan}), "log: message: "),
+    ];
+    for (function, input, prefix) in cases {
+        let p = plan(wf(json!([task("t", function, input)])));
+        let http = Arc::new(FakeHttp {
+            seen: Mutex::new(Vec::new()),
+            answer: Ok(Json::Null),
+        });
+        let services = Services {
+            http: Some(http.clone()),
+            ..Default::default()
+        };
+        let r = run_with(
+            &[&p],
+            json!({"data": {}}),
+            &[],
+            &services,
+            &Options::default(),
+        );
+        let Status::Failed(f) = &r.exec.status else {
+            panic!("{function}: {:?}", r.exec.status)
+        };
+        assert!(f.message.starts_with(prefix), "{}", f.message);
+        assert!(f.message.contains("NaN"), "{}", f.message);
+        assert!(http.seen.lock().unwrap().is_empty(), "nothing was sent");
+    }
+}
+
 #[test]
 fn connector_failures_are_classified() {
     let p = plan(wf(json!([task(
