@@ -119,6 +119,24 @@ impl Req {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The first query parameter given more than once. The admin API and
+    /// trace reads take one value per parameter, and which of two a request
+    /// meant (`dry_run=true&dry_run=false`, `tag=a&tag=b`) is not for the
+    /// server to guess.
+    /// (`query` keeps the last value of each, as `metadata.query` needs, so
+    /// the raw query is read again; only admin and trace reads ask.)
+    pub fn repeated_query(&self) -> Option<String> {
+        let mut seen: Vec<String> = Vec::new();
+        for pair in self.uri.query()?.split('&').filter(|p| !p.is_empty()) {
+            let key = percent_decode(pair.split_once('=').map_or(pair, |(k, _)| k));
+            if seen.contains(&key) {
+                return Some(key);
+            }
+            seen.push(key);
+        }
+        None
+    }
+
     /// A header's value as text; pass a `HeaderName` constant on hot paths
     /// (a `&str` name is parsed on every lookup).
     pub fn header(&self, name: impl http::header::AsHeaderName) -> Option<&str> {

@@ -165,6 +165,11 @@ pub async fn read(app: &Arc<App>, req: &Req, rest: &[&str]) -> ApiResult {
         let id = id.to_ascii_lowercase();
         return api::ok(&app.store.get_trace(&id).await?.to_json());
     }
+    if let Some(name) = req.repeated_query() {
+        return Err(ApiError::bad_request(format!(
+            "query parameter '{name}' is given more than once"
+        )));
+    }
     let (limit, offset) = crate::admin::paging(req)?;
     let status = match req.query("status") {
         None => None,

@@ -1157,7 +1157,7 @@ async fn dry_run_imports_predict_the_import() {
     );
     assert_eq!(real["dry_run"], false);
 
-    for bad in ["1x", "yes", "TRUE"] {
+    for bad in ["1x", "yes", "TRUE", "true&dry_run=false"] {
         s.admin(
             "POST",
             &format!("/workflows/import?dry_run={bad}"),
@@ -1165,6 +1165,20 @@ async fn dry_run_imports_predict_the_import() {
         )
         .await
         .error(400, "BAD_REQUEST");
+    }
+    // A repeated parameter is refused by name, on lists and trace reads too.
+    for (path, name) in [
+        ("/api/v1/admin/workflows?tag=a&limit=5&tag=b", "tag"),
+        (
+            "/api/v1/data/traces?status=failed&status=completed",
+            "status",
+        ),
+    ] {
+        let r = s.call("GET", path, None).await;
+        assert_eq!(
+            r.error(400, "BAD_REQUEST")["message"],
+            format!("query parameter '{name}' is given more than once")
+        );
     }
     let one = s
         .admin(
