@@ -1479,6 +1479,31 @@ async fn a_mask_left_in_a_definition_is_refused() {
     let r = s.admin("POST", "/connectors", Some(copied)).await;
     r.error(400, "BAD_REQUEST");
     assert_eq!(r.detail_fields(), ["config.auth.token"]);
+    // A masked connection string is named as a mask, not as a bad scheme,
+    // beside the definition's other problems.
+    for ty in ["db", "mongodb"] {
+        let config = json!({"connection_string": "******", "pool_size": -1});
+        let copied = json!({"name": "cs", "connector_type": ty, "config": config});
+        let r = s.admin("POST", "/connectors", Some(copied)).await;
+        let e = r.error(400, "BAD_REQUEST");
+        let details = e["details"].as_array().unwrap();
+        assert_eq!(details[0]["field"], "config.connection_string", "{e}");
+        assert!(
+            details[0]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("holds the mask"),
+            "{e}"
+        );
+        assert_eq!(
+            details
+                .iter()
+                .filter(|d| d["field"] == "config.connection_string")
+                .count(),
+            1,
+            "{e}"
+        );
+    }
 
     // A value that only holds the mask ("keep the scheme and the secret")
     // cannot be put back either: it was stored and sent as `Bearer ******`.
