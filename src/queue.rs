@@ -152,7 +152,11 @@ pub async fn shutdown(app: &App, drain: Duration) {
         // An abort takes effect at the task's next poll: a worker running on
         // another thread may still record a claim it just made. Its end is
         // awaited (briefly) before the cut-off runs are read, so none is left
-        // `running` until its lease runs out.
+        // `running` until its lease runs out. Workers the first wait saw
+        // end are not awaited again (a finished handle polled twice
+        // panics: session 23, the service then exited 101 with its cut-off
+        // runs still `running`).
+        workers.retain(|w| !w.is_finished());
         let _ = tokio::time::timeout(
             Duration::from_secs(1),
             futures_util::future::join_all(workers),

@@ -683,6 +683,38 @@ async fn a_backlog_longer_than_the_lease_runs_each_trace_once() {
     );
 }
 
+/// A drain that runs out while one worker runs a trace and the others have
+/// ended (idle) hands the run back to `pending` without spending an attempt,
+/// and the server returns normally. (Awaiting the ended workers a second
+/// time panicked, and the run stayed `running` until its lease ran out.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_runs_out_hands_the_running_trace_back() {
+    let mut s = start_with(Db::Sqlite, |c| {
+        c.queue.workers = 4;
+        c.server.shutdown_drain_secs = 1;
+        c.security.allow_private_networks = true;
+    })
+    .await;
+    let upstream = crate::support::slow_upstream(Duration::from_secs(8)).await;
+    s.http_connector("slow-up", &upstream).await;
+    s.deploy(
+        json!({"workflow_id": "slow", "name": "slow", "tasks": [
+            {"id": "call", "name": "call", "function": {"name": "http_call", "input": {
+                "connector": "slow-up", "method": "POST", "path": "/slow", "response_path": "up"}}}]}),
+        json!({"channel_id": "slow", "name": "slow", "channel_type": "async", "protocol": "http",
+               "workflow_id": "slow", "config_json": {"timeout_ms": 20000}}),
+    )
+    .await;
+    let id = submit(&s, "/api/v1/data/slow", json!({"data": {}}), &[]).await;
+    poll(&s, &id, |t| t["status"] == "running").await;
+    let app = s.app.clone();
+    // Unwraps the server task's result: a panic in the drain fails here.
+    s.shutdown().await;
+    let trace = app.store.get_trace(&id).await.unwrap().to_json();
+    assert_eq!(trace["status"], "pending", "{trace}");
+    assert_eq!(trace["attempts"], 0, "{trace}");
+}
+
 /// An async submission to a channel without an active workflow is refused
 /// at once, as a sync request is (404), instead of accepted (202) and then
 /// failed and retried as a trace.
