@@ -245,6 +245,15 @@ impl From<StorageError> for ApiError {
                 tracing::error!(error = %m, "storage error");
                 ApiError::internal("storage error; see the service log")
             }
+            StorageError::Unavailable(m) => {
+                tracing::error!(error = %m, "storage unavailable");
+                let mut e = ApiError::new(
+                    Code::ServiceUnavailable,
+                    "storage unavailable; retry later (see the service log)",
+                );
+                e.retry_after = Some(1);
+                e
+            }
             StorageError::Backup(m) => {
                 tracing::error!(error = %m, "backup directory unusable");
                 ApiError::internal(format!("{m} (storage.backup_dir)"))

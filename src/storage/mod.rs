@@ -69,6 +69,11 @@ pub enum StorageError {
     Invalid(String, Vec<sluice_compiler::diag::Diagnostic>),
     #[error("{0}")]
     Database(String),
+    /// The database cannot be reached (no connection within the pool's
+    /// acquire timeout, a connection lost): a 503 the caller may retry,
+    /// not an internal fault.
+    #[error("{0}")]
+    Unavailable(String),
     /// The backup directory cannot be used (a 500 whose message names the
     /// directory and the reason: the fix is in the configuration, not in
     /// the database).
@@ -745,6 +750,12 @@ const TRANSIENT_PREFIX: &str = "concurrent change";
 /// (409, never 500); the rest `Database`. Operations that know a better message
 /// for a unique violation map it themselves with `unique_as`.
 pub(crate) fn db_err(e: sqlx::Error) -> StorageError {
+    if matches!(
+        e,
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_)
+    ) {
+        return StorageError::Unavailable(format!("database unavailable: {e}"));
+    }
     if let sqlx::Error::Database(d) = &e {
         if d.is_unique_violation() {
             return StorageError::Conflict(format!(

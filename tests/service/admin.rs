@@ -2406,3 +2406,52 @@ async fn a_list_answer_imports_unchanged() {
     .await
     .error(400, "BAD_REQUEST");
 }
+
+/// A database that cannot be reached is a 503 with `Retry-After` (the
+/// caller may retry; nothing was accepted), not a 500 "internal error".
+/// The PostgreSQL storage goes through a TCP proxy the test then cuts.
+#[tokio::test]
+async fn an_unreachable_database_is_a_503() {
+    use tokio::io::copy_bidirectional;
+    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy_addr = proxy.local_addr().unwrap();
+    let (cut, _) = tokio::sync::watch::channel(false);
+    let cut_rx = cut.subscribe();
+    let forwarding = tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = proxy.accept().await {
+            let mut cut = cut_rx.clone();
+            tokio::spawn(async move {
+                let Ok(mut outbound) = tokio::net::TcpStream::connect("127.0.0.1:5432").await
+                else {
+                    return;
+                };
+                tokio::select! {
+                    _ = copy_bidirectional(&mut inbound, &mut outbound) => {}
+                    _ = cut.wait_for(|c| *c) => {}
+                }
+            });
+        }
+    });
+    let s = start_with(Db::Postgres, |c| {
+        c.storage.url = c
+            .storage
+            .url
+            .replace("127.0.0.1:5432", &proxy_addr.to_string());
+    })
+    .await;
+    s.admin("GET", "/workflows", None).await.ok(200);
+    // The database goes away: open connections drop, new ones are refused.
+    forwarding.abort();
+    let _ = forwarding.await;
+    cut.send(true).unwrap();
+    let r = s.admin("GET", "/workflows", None).await;
+    let e = r.error(503, "SERVICE_UNAVAILABLE");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("storage unavailable"),
+        "{e}"
+    );
+    assert!(r.headers.contains_key("retry-after"), "{:?}", r.headers);
+}
