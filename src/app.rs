@@ -27,6 +27,9 @@ pub struct App {
     pub started: Instant,
     /// Set once start-up (migrations, first reload) has completed.
     pub ready: AtomicBool,
+    /// Set when a shutdown signal arrives: `/readyz` answers 503 from then
+    /// on (during `server.shutdown_delay_secs` and the drain).
+    pub stopping: AtomicBool,
     /// Requests being served now (for `server.max_in_flight` load shedding).
     pub in_flight: AtomicU64,
     /// Async trace workers (started by `crate::start`, stopped by `crate::queue::shutdown`).
@@ -99,6 +102,7 @@ impl App {
             services,
             started: Instant::now(),
             ready: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
             in_flight: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),

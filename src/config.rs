@@ -36,6 +36,11 @@ pub struct Server {
     pub port: u16,
     /// How long in-flight requests may finish after a shutdown signal.
     pub shutdown_drain_secs: u64,
+    /// How long the service keeps accepting requests after a shutdown
+    /// signal, with `/readyz` answering 503, before it closes its listener
+    /// and drains (0: at once). Gives a load balancer time to take the
+    /// replica out of rotation.
+    pub shutdown_delay_secs: u64,
     /// Requests served at once; more are shed with 503.
     pub max_in_flight: u64,
     /// How long a client may take to send a request's head (then the
@@ -244,6 +249,7 @@ impl Default for Config {
                 host: "127.0.0.1".into(),
                 port: 8080,
                 shutdown_drain_secs: 30,
+                shutdown_delay_secs: 0,
                 request_read_timeout_secs: 30,
                 max_in_flight: 10_000,
                 admin_max_payload_size: 32 << 20,
@@ -625,6 +631,10 @@ impl Config {
             (
                 "server.shutdown_drain_secs",
                 self.server.shutdown_drain_secs,
+            ),
+            (
+                "server.shutdown_delay_secs",
+                self.server.shutdown_delay_secs,
             ),
             (
                 "server.request_read_timeout_secs",

@@ -368,6 +368,7 @@ fn fixed_schemas() -> Json {
             "checks": {"type": "object", "properties": {
                 "startup": {"type": "boolean"}, "engine": {"type": "boolean"},
                 "database": {"type": "boolean"}, "synced": {"type": "boolean"},
+                "stopping": {"type": "boolean"},
             }},
         }},
         "StatusChange": {"type": "object", "required": ["status"], "additionalProperties": false, "properties": {

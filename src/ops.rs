@@ -69,10 +69,14 @@ pub async fn readyz(app: &App) -> ApiResult {
     let database = database_ok(app).await;
     // Behind the stored generation (another replica's change not loaded yet).
     let synced = !app.behind.load(Ordering::Acquire);
-    let ready = started && engine && database && synced;
+    // Shutting down (still serving during `server.shutdown_delay_secs` and
+    // the drain): out of rotation.
+    let stopping = app.stopping.load(Ordering::Acquire);
+    let ready = started && engine && database && synced && !stopping;
     let body = json!({
         "status": if ready { "ready" } else { "not_ready" },
-        "checks": {"startup": started, "engine": engine, "database": database, "synced": synced},
+        "checks": {"startup": started, "engine": engine, "database": database,
+                   "synced": synced, "stopping": stopping},
     });
     Ok(json_response(
         if ready {

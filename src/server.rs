@@ -202,7 +202,8 @@ fn starting_answer(path: &str) -> HttpResponse {
         "/readyz" => crate::api::json_response(
             unavailable,
             &json!({"status": "not_ready", "checks": {
-                "startup": false, "engine": false, "database": false, "synced": false}}),
+                "startup": false, "engine": false, "database": false, "synced": false,
+                "stopping": false}}),
         ),
         "/health" => crate::api::json_response(
             unavailable,
@@ -242,6 +243,11 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
     let read_timeout = Duration::from_secs(app.config.server.request_read_timeout_secs);
     let builder = Arc::new(builder);
     tokio::pin!(shutdown);
+    // After the signal, `server.shutdown_delay_secs` more of accepting (with
+    // `/readyz` at 503) before the listener closes.
+    let mut signalled = false;
+    let delay = tokio::time::sleep(Duration::MAX / 4);
+    tokio::pin!(delay);
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -275,7 +281,17 @@ pub async fn run(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Out
                     }
                 });
             }
-            () = &mut shutdown => break,
+            () = &mut shutdown, if !signalled => {
+                signalled = true;
+                app.stopping.store(true, Ordering::Release);
+                let secs = app.config.server.shutdown_delay_secs;
+                if secs == 0 {
+                    break;
+                }
+                tracing::info!(delay_secs = secs, "shutting down; still serving while /readyz says 503");
+                delay.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(secs));
+            }
+            () = &mut delay, if signalled => break,
         }
     }
     drop(listener);

@@ -186,11 +186,15 @@ pub fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::Promethe
 
 /// Counters whose labels name connectors, channels and clients, so none of
 /// their series exists before the first event.
-const ANNOUNCED: [&str; 4] = [
-    names::CIRCUIT_BREAKER_TRIPS_TOTAL,
-    names::CIRCUIT_BREAKER_REJECTIONS_TOTAL,
-    names::RATE_LIMIT_REJECTIONS_TOTAL,
-    names::GOVERNANCE_BACKEND_ERRORS_TOTAL,
+const ANNOUNCED: [(&str, &str); 6] = [
+    (names::CIRCUIT_BREAKER_TRIPS_TOTAL, "counter"),
+    (names::CIRCUIT_BREAKER_REJECTIONS_TOTAL, "counter"),
+    (names::RATE_LIMIT_REJECTIONS_TOTAL, "counter"),
+    (names::GOVERNANCE_BACKEND_ERRORS_TOTAL, "counter"),
+    // Until the first request has been answered (a scrape is counted
+    // after its own answer).
+    (names::HTTP_REQUESTS_TOTAL, "counter"),
+    (names::HTTP_REQUEST_DURATION_SECONDS, "histogram"),
 ];
 
 /// The `/metrics` text. A counter of [`ANNOUNCED`] that has no series yet is
@@ -201,10 +205,11 @@ const ANNOUNCED: [&str; 4] = [
 /// series for good).
 pub fn render(handle: &metrics_exporter_prometheus::PrometheusHandle) -> String {
     let mut text = handle.render();
-    for name in ANNOUNCED {
+    for (name, kind) in ANNOUNCED {
         let has_series = text.lines().any(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+            l.strip_prefix(name).is_some_and(|rest| {
+                rest.starts_with('{') || rest.starts_with(' ') || rest.starts_with("_bucket")
+            })
         });
         if !has_series {
             let help = names::ALL
@@ -215,7 +220,7 @@ pub fn render(handle: &metrics_exporter_prometheus::PrometheusHandle) -> String 
             if !text.is_empty() && !text.ends_with('\n') {
                 text.push('\n');
             }
-            text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n"));
+            text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
         }
     }
     text
@@ -310,5 +315,45 @@ mod escape_tests {
             ),
             "hello\\n2026-11-27T00:00:00Z ERROR sluice: FORGED\\r\\u{1b}[31m\\u{2028}"
         );
+    }
+}
+
+#[cfg(test)]
+mod render_tests {
+    use super::*;
+
+    /// Before any request the HTTP families are announced with their types
+    /// (an `absent()` alert does not fire at start-up); once they have
+    /// series the announcement is not repeated.
+    #[test]
+    fn http_families_are_announced_until_their_first_sample() {
+        use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &[0.1, 1.0])
+            .unwrap()
+            .build_recorder();
+        let handle = recorder.handle();
+        let text = render(&handle);
+        assert!(
+            text.contains("# TYPE http_requests_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE http_request_duration_seconds histogram\n"),
+            "{text}"
+        );
+        metrics::with_local_recorder(&recorder, || {
+            let labels = [("method", "GET"), ("path", "/healthz"), ("status", "200")];
+            metrics::counter!(names::HTTP_REQUESTS_TOTAL, &labels).increment(1);
+            metrics::histogram!(names::HTTP_REQUEST_DURATION_SECONDS, &labels).record(0.01);
+        });
+        let text = render(&handle);
+        for name in ["http_requests_total", "http_request_duration_seconds"] {
+            let types = text
+                .lines()
+                .filter(|l| l.starts_with(&format!("# TYPE {name} ")))
+                .count();
+            assert_eq!(types, 1, "{name}:\n{text}");
+        }
     }
 }

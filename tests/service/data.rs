@@ -617,6 +617,43 @@ async fn hot_reload_under_load_drops_nothing() {
     assert!(gen_now >= 50);
 }
 
+/// With `server.shutdown_delay_secs`, a stopping service keeps answering
+/// while `/readyz` says 503 (`stopping`), so a load balancer takes it out
+/// before connections are refused; then it closes and returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_delay_keeps_serving_with_readiness_off() {
+    let mut s = start_with(Db::Sqlite, |c| c.server.shutdown_delay_secs = 2).await;
+    let (base, client) = (s.base.clone(), s.client.clone());
+    let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    let started = std::time::Instant::now();
+    let stopping = tokio::spawn(async move {
+        s.shutdown().await;
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // A new connection is still accepted and served; readiness is off.
+    let fresh = reqwest::Client::new();
+    let ready = fresh.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let body: Json = ready.json().await.unwrap();
+    assert_eq!(body["checks"]["stopping"], true, "{body}");
+    let health = fresh.get(format!("{base}/healthz")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    stopping.await.unwrap();
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(2),
+        "closed before the delay: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        reqwest::Client::new()
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .is_err()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_finishes_an_in_flight_request() {
     let mut s = start_with(Db::Sqlite, |c| {
