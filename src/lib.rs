@@ -77,6 +77,14 @@ pub async fn start_with_services(
             "the stored definitions do not compile; serving with an empty engine"
         ),
     }
+    match app.store.end_orphaned_leases().await {
+        Ok(0) => {}
+        Ok(n) => tracing::warn!(
+            traces = n,
+            "async traces were left running by a stopped process; they run again"
+        ),
+        Err(e) => tracing::warn!(error = %e, "could not end the leases of orphaned traces"),
+    }
     queue::start(&app);
     kafka::start(&app);
     sync::start(&app);

@@ -548,6 +548,26 @@ impl Store {
         .await
     }
 
+    /// Traces left `running` by a process that is gone, on a store no other
+    /// process serves (SQLite: `serve` holds the file's lock, so nothing
+    /// else can be running them): their leases end now and the first sweep
+    /// runs them again, as it would once the lease ran out (the lost run
+    /// counts as an attempt, as a lapsed lease's does). Returns how many.
+    /// The server backends wait for the leases: another replica may hold them.
+    pub async fn end_orphaned_leases(&self) -> Result<u64, StorageError> {
+        if self.backend() != Backend::Sqlite {
+            return Ok(0);
+        }
+        let ended;
+        dispatch!(self, pool => {
+            ended = execute!(
+                pool,
+                "UPDATE traces SET lease_until = 0 WHERE status = 'running'"
+            )?;
+        });
+        Ok(ended)
+    }
+
     /// Moves up to `limit` dead letters whose retry is due back to `pending` and
     /// returns their ids (the entry is removed; a new failure writes a new one).
     pub async fn requeue_due_traces(&self, limit: i64) -> Result<Vec<String>, StorageError> {

@@ -772,3 +772,83 @@ async fn kafka_partitions_are_split_and_each_message_runs_once() {
         "the joining replicas got no partition: {per_replica:?}"
     );
 }
+
+/// SQLite is served by one process: traces a killed `serve` left `running`
+/// are nobody's, and the next start runs them at once instead of waiting
+/// out their lease (`queue.lease_secs`, here an hour).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_on_sqlite_runs_what_a_killed_process_left_running() {
+    crate::support::install_crypto();
+    let url = fresh_database(Db::Sqlite).await;
+    let upstream = crate::support::slow_upstream(Duration::from_secs(3)).await;
+    let env = [
+        ("SERVICE_QUEUE__LEASE_SECS", "3600"),
+        ("SERVICE_SECURITY__ALLOW_PRIVATE_NETWORKS", "true"),
+    ];
+    let first = replica_with(&url, &env).await;
+    let c = reqwest::Client::new();
+    let base = first.base.clone();
+    admin(&c, &base, "POST", "/connectors", json!({"name": "slow", "connector_type": "http",
+        "config": {"type": "http", "url": upstream, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})).await;
+    admin(&c, &base, "POST", "/workflows", json!({"workflow_id": "work", "name": "work", "tasks": [
+        {"id": "call", "name": "call", "function": {"name": "http_call", "input": {"connector": "slow", "method": "POST", "path": "/w"}}}
+    ]})).await;
+    admin(
+        &c,
+        &base,
+        "PATCH",
+        "/workflows/work/status",
+        json!({"status": "active"}),
+    )
+    .await;
+    admin(&c, &base, "POST", "/channels", json!({"channel_id": "work", "name": "work",
+        "channel_type": "async", "protocol": "http", "workflow_id": "work", "config_json": {"timeout_ms": 10000}})).await;
+    admin(
+        &c,
+        &base,
+        "PATCH",
+        "/channels/work/status",
+        json!({"status": "active"}),
+    )
+    .await;
+    let r: Json = c
+        .post(format!("{base}/api/v1/data/work"))
+        .json(&json!({"data": {}}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = r["trace_id"].as_str().unwrap().to_owned();
+    let trace = |base: String| {
+        let (c, id) = (c.clone(), id.clone());
+        async move {
+            c.get(format!("{base}/api/v1/data/traces/{id}"))
+                .send()
+                .await
+                .unwrap()
+                .json::<Json>()
+                .await
+                .unwrap()["data"]
+                .clone()
+        }
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while trace(base.clone()).await["status"] != "running" {
+        assert!(Instant::now() < until, "never ran");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(first); // SIGKILL mid-run
+    let second = replica_with(&url, &env).await;
+    let until = Instant::now() + Duration::from_secs(20);
+    let done = loop {
+        let t = trace(second.base.clone()).await;
+        if t["status"] == "completed" {
+            break t;
+        }
+        assert!(Instant::now() < until, "still waiting for its lease: {t}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(done["attempts"], 2, "{done}");
+}
