@@ -825,6 +825,32 @@ impl Cx {
     fn unknown_data_keys(&mut self, function: Function, input: &Map<String, Json>, field: &str) {
         let known: Vec<&str> = function.input_schema().iter().map(|f| f.name).collect();
         self.unknown_keys(input, &known, field);
+        // Paths under `data` that name a root of the context are most likely
+        // meant from the context: `target: "data.order"` writes
+        // `data.data.order`.
+        let in_data: &[&str] = match function {
+            Function::ParseJson | Function::ParseXml => &["target"],
+            Function::PublishJson | Function::PublishXml => &["source", "target"],
+            _ => &[],
+        };
+        for key in in_data {
+            if let Some(Json::String(path)) = input.get(*key)
+                && let Some(root) = ["data", "temp_data", "metadata", "payload"]
+                    .into_iter()
+                    .find(|r| {
+                        path.strip_prefix(r)
+                            .is_some_and(|rest| rest.starts_with('.'))
+                    })
+            {
+                self.warnings.push(Diagnostic {
+                    field: join(field, key),
+                    message: format!(
+                        "is a path under data, so this is data.{path}; \
+                         drop the leading '{root}.' if it names the context's {root}"
+                    ),
+                });
+            }
+        }
         let (list, item_keys): (&str, &[&str]) = match function {
             Function::Map => ("mappings", &["path", "logic"]),
             Function::Validation => ("rules", &["logic", "message"]),
@@ -1334,9 +1360,12 @@ fn log_fn(input: &Map<String, Json>) -> Result<FunctionPlan, Vec<InputProblem>> 
         Some(Some("debug")) => Ok(LogLevel::Debug),
         Some(Some("warn")) => Ok(LogLevel::Warn),
         Some(Some("error")) => Ok(LogLevel::Error),
-        Some(_) => Err(InputProblem(
+        Some(other) => Err(InputProblem(
             "level".into(),
-            "must be one of trace, debug, info, warn, error".into(),
+            match other {
+                Some(s) => format!("must be one of trace, debug, info, warn, error, got '{s}'"),
+                None => "must be one of trace, debug, info, warn, error".into(),
+            },
         )),
     });
     let mut fields = Vec::new();
@@ -1408,7 +1437,11 @@ mod tests {
              "input": {"connector": "c", "path": "/x", "path_logic": "/y",
                        "body": 1, "body_logic": 2}}},
             {"id": "k", "name": "k", "function": {"name": "cache_read",
-             "input": {"connector": "c", "key": "a", "key_logic": "b"}}}]});
+             "input": {"connector": "c", "key": "a", "key_logic": "b"}}},
+            {"id": "j", "name": "j", "function": {"name": "parse_json",
+             "input": {"source": "payload", "target": "data.order"}}},
+            {"id": "q", "name": "q", "function": {"name": "publish_json",
+             "input": {"source": "order", "target": "database.text"}}}]});
         let compiled = compile_workflow(&def).unwrap();
         let warnings: Vec<(&str, &str)> = compiled
             .warnings
@@ -1425,6 +1458,7 @@ mod tests {
                 "tasks[4].function.input.path",
                 "tasks[4].function.input.body",
                 "tasks[5].function.input.key",
+                "tasks[6].function.input.target",
             ],
             "{warnings:?}"
         );
@@ -1435,6 +1469,11 @@ mod tests {
         assert_eq!(
             warnings[4].1,
             "ignored: path_logic is given too, and is used instead"
+        );
+        assert_eq!(
+            warnings[7].1,
+            "is a path under data, so this is data.data.order; \
+             drop the leading 'data.' if it names the context's data"
         );
     }
 

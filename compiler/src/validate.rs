@@ -235,7 +235,7 @@ impl Ctx {
         if allowed.contains(&s) {
             Some(s)
         } else {
-            self.push(&at.key(key), one_of_message(allowed));
+            self.push(&at.key(key), one_of_message(allowed, s));
             None
         }
     }
@@ -301,8 +301,8 @@ fn range_message(min: Option<i64>, max: Option<i64>) -> Option<String> {
     })
 }
 
-fn one_of_message(allowed: &[&str]) -> String {
-    format!("must be one of {}", allowed.join(", "))
+fn one_of_message(allowed: &[&str], got: &str) -> String {
+    format!("must be one of {}, got '{got}'", allowed.join(", "))
 }
 
 /// `[A-Za-z0-9][A-Za-z0-9._-]*` (ASCII only).
@@ -849,7 +849,7 @@ fn check_field(c: &mut Ctx, field: &FieldSchema, v: &Json, at: &FieldPath) {
             if let Some(s) = v.as_str()
                 && !allowed.contains(&s)
             {
-                c.push(at, one_of_message(allowed));
+                c.push(at, one_of_message(allowed, s));
             }
         }
         Constraint::Positive => {
@@ -976,7 +976,7 @@ pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {
                             );
                         }
                     }
-                    Json::String(_) => c.push(&at.index(i), one_of_message(HttpMethod::NAMES)),
+                    Json::String(s) => c.push(&at.index(i), one_of_message(HttpMethod::NAMES, s)),
                     other => c.mismatch(&at.index(i), "string", other),
                 }
             }
@@ -1181,7 +1181,7 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
                 if !HttpMethod::NAMES.contains(m) {
                     c.push(
                         &at.key("allowed_methods").index(i),
-                        one_of_message(HttpMethod::NAMES),
+                        one_of_message(HttpMethod::NAMES, m),
                     );
                 }
             }

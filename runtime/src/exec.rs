@@ -1379,6 +1379,12 @@ impl<'a> Machine<'a> {
             Source::Logic(l) => match self.eval_field(l, arena, field)? {
                 Value::Str(s) => Ok(s.to_owned()),
                 Value::Null => Err(format!("{field} evaluated to null")),
+                // A path, key or channel name is text: a container here is
+                // a mistake (it was sent as its JSON text, `/%7B%22a%22:1%7D`).
+                Value::Array(_) => Err(format!("{field} evaluated to an array; expected a string")),
+                Value::Object(_) => {
+                    Err(format!("{field} evaluated to an object; expected a string"))
+                }
                 other => Ok(display(&other)),
             },
         }

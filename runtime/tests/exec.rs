@@ -976,6 +976,35 @@ fn failing_input_rules_name_their_field() {
         ("filter", json!({"condition": nan}), "filter: condition: "),
         ("log", json!({"message": nan}), "log: message: "),
     ];
+    // A path that is not text is refused before anything is sent.
+    let p = plan(wf(json!([task(
+        "t",
+        "http_call",
+        json!({"connector": "api", "path_logic": {"var": "data"}})
+    )])));
+    let http = Arc::new(FakeHttp {
+        seen: Mutex::new(Vec::new()),
+        answer: Ok(Json::Null),
+    });
+    let services = Services {
+        http: Some(http.clone()),
+        ..Default::default()
+    };
+    let r = run_with(
+        &[&p],
+        json!({"data": {"a": 1}}),
+        &[],
+        &services,
+        &Options::default(),
+    );
+    let Status::Failed(f) = &r.exec.status else {
+        panic!("{:?}", r.exec.status)
+    };
+    assert_eq!(
+        f.message,
+        "http_call: path_logic evaluated to an object; expected a string"
+    );
+    assert!(http.seen.lock().unwrap().is_empty());
     for (function, input, prefix) in cases {
         let p = plan(wf(json!([task("t", function, input)])));
         let http = Arc::new(FakeHttp {

@@ -145,7 +145,7 @@ fn reports_every_problem_with_exact_paths() {
             ("tasks[1].function.name", "unknown function 'Foo'"),
             (
                 "tasks[2].function.input.method",
-                "must be one of GET, POST, PUT, PATCH, DELETE",
+                "must be one of GET, POST, PUT, PATCH, DELETE, got 'FETCH'",
             ),
             (
                 "tasks[2].function.input.timeout_ms",
@@ -217,7 +217,10 @@ fn workflow_top_level_fields() {
             ("description", "must be at most 2048 characters"),
             ("tags[1]", "expected string, got integer"),
             ("continue_on_error", "expected boolean, got string"),
-            ("status", "must be one of draft, active, archived, paused"),
+            (
+                "status",
+                "must be one of draft, active, archived, paused, got 'running'",
+            ),
             ("version", "must be at least 1"),
             ("rollout_percentage", "must be between 1 and 100"),
             ("rollout.bucket_start", "must be between 0 and 100"),
@@ -376,7 +379,10 @@ fn step_structure() {
             ("tasks[6].function.input", "expected object, got array"),
             ("tasks[7].continue_on_error", "expected boolean, got null"),
             ("tasks[7].terminal", "expected boolean, got integer"),
-            ("tasks[7].halt_on", "must be one of never, failure"),
+            (
+                "tasks[7].halt_on",
+                "must be one of never, failure, got 'always'",
+            ),
             ("tasks[8].name", "expected string, got integer"),
             ("tasks[8].terminal", "expected boolean, got string"),
             (
@@ -543,7 +549,7 @@ fn http_call_input() {
             ),
             (
                 "tasks[0].function.input.method",
-                "must be one of GET, POST, PUT, PATCH, DELETE",
+                "must be one of GET, POST, PUT, PATCH, DELETE, got 'get'",
             ),
             (
                 "tasks[0].function.input.path",
@@ -1007,10 +1013,13 @@ fn channel_top_level_fields() {
         &[
             ("channel_id", ID_RULE),
             ("name", "must not be empty"),
-            ("channel_type", "must be one of sync, async"),
-            ("protocol", "must be one of rest, http, kafka"),
+            ("channel_type", "must be one of sync, async, got 'stream'"),
+            ("protocol", "must be one of rest, http, kafka, got 'grpc'"),
             ("workflow_id", "is required"),
-            ("status", "must be one of draft, active, archived"),
+            (
+                "status",
+                "must be one of draft, active, archived, got 'paused'",
+            ),
             ("version", "expected integer, got string"),
             ("description", "expected string, got integer"),
             ("priority", "expected integer, got number"),
@@ -1050,12 +1059,12 @@ fn rest_channels_need_route_and_methods() {
         &[
             (
                 "methods[0]",
-                "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS",
+                "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS, got 'get'",
             ),
             ("methods[1]", "expected string, got integer"),
             (
                 "methods[2]",
-                "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS",
+                "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS, got 'TRACE'",
             ),
         ],
     );
@@ -1205,7 +1214,7 @@ fn channel_config_json() {
             ),
             (
                 "config_json.cors.allowed_methods[0]",
-                "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS",
+                "must be one of GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS, got 'FETCH'",
             ),
             ("config_json.cors.max_age_secs", "must not be negative"),
             ("config_json.topic", "expected string, got integer"),
@@ -1423,7 +1432,7 @@ fn connector_top_level() {
             ("name", ID_RULE),
             (
                 "connector_type",
-                "must be one of http, db, cache, mongodb, kafka, object_storage",
+                "must be one of http, db, cache, mongodb, kafka, object_storage, got 'sql'",
             ),
             ("config", "expected object, got array"),
         ],
@@ -1475,7 +1484,10 @@ fn http_connector_rules() {
             "http",
             json!({"url": "https://x", "auth": {"type": "oauth"}}),
         )),
-        &[("config.auth.type", "must be one of bearer, basic, api_key")],
+        &[(
+            "config.auth.type",
+            "must be one of bearer, basic, api_key, got 'oauth'",
+        )],
     );
     check(
         validate_connector(&connector(
@@ -1579,7 +1591,10 @@ fn other_connector_rules() {
     check_cfg(
         "cache",
         json!({"backend": "memcached"}),
-        &[("config.backend", "must be one of memory, redis")],
+        &[(
+            "config.backend",
+            "must be one of memory, redis, got 'memcached'",
+        )],
     );
     check_cfg(
         "cache",
@@ -1632,7 +1647,7 @@ fn other_connector_rules() {
         &[
             (
                 "config.sasl.mechanism",
-                "must be one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512",
+                "must be one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, got 'plain'",
             ),
             ("config.sasl.username", "is required"),
             ("config.sasl.password", "is required"),
@@ -1715,7 +1730,10 @@ fn env_references() {
     // Enumerated discriminators cannot be deferred to the environment.
     check(
         validate_connector(&connector("cache", json!({"backend": "env://BACKEND"}))),
-        &[("config.backend", "must be one of memory, redis")],
+        &[(
+            "config.backend",
+            "must be one of memory, redis, got 'env://BACKEND'",
+        )],
     );
 }
 
