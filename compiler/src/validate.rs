@@ -904,7 +904,8 @@ pub fn channel_warnings(def: &Json) -> Vec<Diagnostic> {
     let Some(obj) = def.as_object() else {
         return Vec::new();
     };
-    obj.keys()
+    let mut out: Vec<Diagnostic> = obj
+        .keys()
         .filter(|k| !CHANNEL_KEYS.contains(&k.as_str()))
         .map(|k| {
             Diagnostic::new(
@@ -915,7 +916,27 @@ pub fn channel_warnings(def: &Json) -> Vec<Diagnostic> {
                 ),
             )
         })
-        .collect()
+        .collect();
+    // Settings an async channel accepts and cannot use (a Kafka channel's
+    // are errors; these stay warnings so stored channels keep loading).
+    if obj.get("channel_type").and_then(Json::as_str) == Some("async")
+        && let Some(Json::Object(cfg)) = obj.get("config_json")
+    {
+        if cfg.contains_key("backpressure") {
+            out.push(Diagnostic::new(
+                "config_json.backpressure",
+                "ignored: an async channel's runs are bounded by queue.workers; \
+                 backpressure sheds a sync channel's requests",
+            ));
+        }
+        if cfg.contains_key("cache") {
+            out.push(Diagnostic::new(
+                "config_json.cache",
+                "ignored: an async channel answers 202 with a new trace id, which is never cached",
+            ));
+        }
+    }
+    out
 }
 
 pub fn validate_channel(def: &Json) -> Vec<Diagnostic> {

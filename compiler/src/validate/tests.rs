@@ -996,6 +996,26 @@ fn minimal_channels() {
     );
 }
 
+/// An async channel's `backpressure` and `cache` would be stored and never
+/// used: each is a warning naming why (a sync channel's are not).
+#[test]
+fn async_channels_warn_of_settings_they_cannot_use() {
+    let channel = |channel_type: &str| {
+        json!({"channel_id": "c", "name": "c", "channel_type": channel_type, "protocol": "http",
+               "workflow_id": "w", "config_json": {"backpressure": {"max_concurrent": 1},
+               "cache": {"enabled": true, "ttl_secs": 5}}})
+    };
+    let fields = |def: &Json| -> Vec<String> {
+        channel_warnings(def).into_iter().map(|d| d.field).collect()
+    };
+    assert_eq!(
+        fields(&channel("async")),
+        ["config_json.backpressure", "config_json.cache"]
+    );
+    assert!(fields(&channel("sync")).is_empty());
+    assert!(validate_channel(&channel("async")).is_empty());
+}
+
 #[test]
 fn channel_top_level_fields() {
     let c = json!({
