@@ -1378,6 +1378,15 @@ fn list_backups(app: &App, req: &Req) -> ApiResult {
     // The page is checked before the directory is read: a bad `limit` is
     // the caller's 400 whatever state the directory is in.
     paging(req)?;
+    // The shared decisions' "the endpoint answers 400" on PostgreSQL and
+    // MySQL: listing files this store never writes would answer an empty
+    // (or a stale SQLite-era) list where creating one is refused.
+    if app.store.backend() != crate::storage::Backend::Sqlite {
+        return Err(crate::storage::StorageError::BadRequest(
+            crate::storage::BACKUPS_NEED_SQLITE.into(),
+        )
+        .into());
+    }
     paged(
         req,
         Store::list_backups(Path::new(&app.config.storage.backup_dir))?,

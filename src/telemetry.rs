@@ -186,7 +186,7 @@ pub fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::Promethe
 
 /// Counters whose labels name connectors, channels and clients, so none of
 /// their series exists before the first event.
-const ANNOUNCED: [(&str, &str); 6] = [
+const ANNOUNCED: [(&str, &str); 9] = [
     (names::CIRCUIT_BREAKER_TRIPS_TOTAL, "counter"),
     (names::CIRCUIT_BREAKER_REJECTIONS_TOTAL, "counter"),
     (names::RATE_LIMIT_REJECTIONS_TOTAL, "counter"),
@@ -195,6 +195,10 @@ const ANNOUNCED: [(&str, &str); 6] = [
     // after its own answer).
     (names::HTTP_REQUESTS_TOTAL, "counter"),
     (names::HTTP_REQUEST_DURATION_SECONDS, "histogram"),
+    // Until a channel has served.
+    (names::MESSAGES_TOTAL, "counter"),
+    (names::MESSAGE_DURATION_SECONDS, "histogram"),
+    (names::CHANNEL_EXECUTIONS_TOTAL, "counter"),
 ];
 
 /// The `/metrics` text. A counter of [`ANNOUNCED`] that has no series yet is

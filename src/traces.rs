@@ -159,16 +159,16 @@ pub async fn read(app: &Arc<App>, req: &Req, rest: &[&str]) -> ApiResult {
             "GET, HEAD",
         ));
     }
+    if let Some(name) = req.repeated_query() {
+        return Err(ApiError::bad_request(format!(
+            "query parameter '{name}' is given more than once"
+        )));
+    }
     if let [id] = rest {
         // Trace ids are UUIDs, written lowercase; a UUID read back in
         // uppercase names the same trace (RFC 9562).
         let id = id.to_ascii_lowercase();
         return api::ok(&app.store.get_trace(&id).await?.to_json());
-    }
-    if let Some(name) = req.repeated_query() {
-        return Err(ApiError::bad_request(format!(
-            "query parameter '{name}' is given more than once"
-        )));
     }
     let (limit, offset) = crate::admin::paging(req)?;
     let status = match req.query("status") {

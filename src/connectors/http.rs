@@ -245,6 +245,18 @@ impl HttpConn {
             Some((b, q)) => (b, Some(q)),
             None => (self.base.as_str(), None),
         };
+        // A `#` in the task's path is data (an id such as `A#1`), never a
+        // fragment (a request sends none): kept as `%23`. Read as a
+        // fragment it cut the path there and dropped the base URL's query,
+        // where credentials often are.
+        let escaped;
+        let path = match path {
+            Some(p) if p.contains('#') => {
+                escaped = p.replace('#', "%23");
+                Some(escaped.as_str())
+            }
+            other => other,
+        };
         let (path, query) = match path {
             None => ("", None),
             Some(p) => match p.split_once('?') {
@@ -883,6 +895,16 @@ mod tests {
             "http://example.com/api/x?api_key=K&a=1"
         );
         assert_eq!(c.url(Some("?a=1")), "http://example.com/api/?api_key=K&a=1");
+        // `#` is data, not a fragment: the base's query stays.
+        assert_eq!(
+            c.url(Some("/orders/A#1?x=#2")),
+            "http://example.com/api/orders/A%231?api_key=K&x=%232"
+        );
+        let url = reqwest::Url::parse(&c.url(Some("#frag"))).unwrap();
+        assert_eq!(
+            (url.path(), url.query()),
+            ("/api/%23frag", Some("api_key=K"))
+        );
     }
 
     #[test]

@@ -40,10 +40,7 @@ impl Store {
     /// second's name exists, waits for the next second instead of overwriting.
     pub async fn backup(&self, dir: &Path) -> Result<Json, StorageError> {
         if self.backend() != Backend::Sqlite {
-            return Err(StorageError::BadRequest(
-                "backups are only available with SQLite storage; use the database's own tools (pg_dump, mariadb-dump)"
-                    .into(),
-            ));
+            return Err(StorageError::BadRequest(super::BACKUPS_NEED_SQLITE.into()));
         }
         if self.inner.url.is_none() {
             // `VACUUM INTO` ran on a connection of its own, another (empty)

@@ -81,6 +81,10 @@ pub enum StorageError {
     Backup(String),
 }
 
+/// Why `/backups` answers 400 on PostgreSQL and MySQL.
+pub const BACKUPS_NEED_SQLITE: &str = "backups are only available with SQLite storage; \
+     use the database's own tools (pg_dump, mariadb-dump)";
+
 /// The two versioned resources; they share one lifecycle implementation and differ
 /// only in table, labels and the channel-name uniqueness rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
