@@ -1,52 +1,21 @@
-//! Runs the fuzz target bodies over the checked-in seed corpus (`fuzz/seeds/`),
-//! so CI exercises them on stable Rust without libFuzzer.
+//! Runs the compiler's fuzz target bodies over the checked-in seed corpus.
 
-use std::path::PathBuf;
-
-fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../fuzz/seeds")
-        .join(target);
-    let mut out: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .map(|p| (p.display().to_string(), std::fs::read(&p).unwrap()))
-        .collect();
-    out.sort();
-    assert!(!out.is_empty(), "no seeds in {}", dir.display());
-    out
-}
+#[path = "../../fuzz/seed_corpus.rs"]
+mod seed_corpus;
+use seed_corpus::run_seeds;
+use sluice_compiler::fuzz;
 
 #[test]
 fn workflow_target_survives_its_seeds() {
-    for (name, bytes) in seeds("workflow") {
-        eprintln!("seed {name}");
-        sluice_compiler::fuzz::workflow_definition(&bytes);
-        // Every prefix too: truncated input is the commonest malformed input.
-        for cut in (0..bytes.len()).step_by(7) {
-            sluice_compiler::fuzz::workflow_definition(&bytes[..cut]);
-        }
-    }
+    run_seeds("workflow", 7, fuzz::workflow_definition);
 }
 
 #[test]
 fn logic_target_survives_its_seeds() {
-    for (name, bytes) in seeds("logic") {
-        eprintln!("seed {name}");
-        sluice_compiler::fuzz::logic_rule(&bytes);
-        for cut in (0..bytes.len()).step_by(5) {
-            sluice_compiler::fuzz::logic_rule(&bytes[..cut]);
-        }
-    }
+    run_seeds("logic", 5, fuzz::logic_rule);
 }
 
 #[test]
 fn sql_target_survives_its_seeds() {
-    for (name, bytes) in seeds("sql") {
-        eprintln!("seed {name}");
-        sluice_compiler::fuzz::sql_statement(&bytes);
-        for cut in 0..bytes.len() {
-            sluice_compiler::fuzz::sql_statement(&bytes[..cut]);
-        }
-    }
+    run_seeds("sql", 1, fuzz::sql_statement);
 }

@@ -903,6 +903,19 @@ struct FakeHttp {
     answer: Result<Json, ConnectorError>,
 }
 
+/// An HTTP fake answering `answer`, and services that hold it.
+fn fake_http(answer: Result<Json, ConnectorError>) -> (Arc<FakeHttp>, Services) {
+    let http = Arc::new(FakeHttp {
+        seen: Mutex::new(Vec::new()),
+        answer,
+    });
+    let services = Services {
+        http: Some(http.clone()),
+        ..Default::default()
+    };
+    (http, services)
+}
+
 #[async_trait]
 impl HttpClient for FakeHttp {
     async fn call(&self, scope: &CallScope, req: HttpRequest) -> Result<Json, ConnectorError> {
@@ -933,14 +946,7 @@ fn connector_calls_go_through_the_traits() {
             json!({"mappings": [{"path": "name", "logic": {"var": "data.customer.name"}}]})
         )
     ])));
-    let http = Arc::new(FakeHttp {
-        seen: Mutex::new(Vec::new()),
-        answer: Ok(json!({"name": "Ada"})),
-    });
-    let services = Services {
-        http: Some(http.clone()),
-        ..Default::default()
-    };
+    let (http, services) = fake_http(Ok(json!({"name": "Ada"})));
     let r = run_with(
         &[&p],
         json!({"data": {"id": 7}}),
@@ -982,14 +988,7 @@ fn failing_input_rules_name_their_field() {
         "http_call",
         json!({"connector": "api", "path_logic": {"var": "data"}})
     )])));
-    let http = Arc::new(FakeHttp {
-        seen: Mutex::new(Vec::new()),
-        answer: Ok(Json::Null),
-    });
-    let services = Services {
-        http: Some(http.clone()),
-        ..Default::default()
-    };
+    let (http, services) = fake_http(Ok(Json::Null));
     let r = run_with(
         &[&p],
         json!({"data": {"a": 1}}),
@@ -1007,14 +1006,7 @@ fn failing_input_rules_name_their_field() {
     assert!(http.seen.lock().unwrap().is_empty());
     for (function, input, prefix) in cases {
         let p = plan(wf(json!([task("t", function, input)])));
-        let http = Arc::new(FakeHttp {
-            seen: Mutex::new(Vec::new()),
-            answer: Ok(Json::Null),
-        });
-        let services = Services {
-            http: Some(http.clone()),
-            ..Default::default()
-        };
+        let (http, services) = fake_http(Ok(Json::Null));
         let r = run_with(
             &[&p],
             json!({"data": {}}),
@@ -1044,14 +1036,7 @@ fn connector_failures_are_classified() {
         (ConnectorErrorKind::Upstream, FailureKind::Upstream),
         (ConnectorErrorKind::Other, FailureKind::Task),
     ] {
-        let http = Arc::new(FakeHttp {
-            seen: Mutex::new(Vec::new()),
-            answer: Err(ConnectorError::new(kind, "nope")),
-        });
-        let services = Services {
-            http: Some(http),
-            ..Default::default()
-        };
+        let (_, services) = fake_http(Err(ConnectorError::new(kind, "nope")));
         let r = run_with(
             &[&p],
             json!({"data": {}}),
@@ -1193,14 +1178,7 @@ fn a_passed_deadline_stops_cpu_bound_work_and_connector_calls() {
 
     // A connector call is never started past the deadline, even as the
     // first step.
-    let http = Arc::new(FakeHttp {
-        seen: Mutex::new(Vec::new()),
-        answer: Ok(json!({})),
-    });
-    let services = Services {
-        http: Some(http.clone()),
-        ..Default::default()
-    };
+    let (http, services) = fake_http(Ok(json!({})));
     let p = plan(wf(json!([task(
         "call",
         "http_call",

@@ -46,6 +46,43 @@ pub(crate) async fn replica_with(db: &str, env: &[(&str, &str)]) -> Replica {
     r
 }
 
+/// An active async channel `work` whose workflow calls the `upstream` once
+/// (`POST /w`, no retries) and then copies `payload.n` to `n`.
+async fn deploy_slow_work(c: &reqwest::Client, base: &str, upstream: &str, timeout_ms: u64) {
+    admin(c, base, "POST", "/connectors", json!({"name": "slow", "connector_type": "http",
+        "config": {"type": "http", "url": upstream, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})).await;
+    admin(c, base, "POST", "/workflows", json!({"workflow_id": "work", "name": "work", "tasks": [
+        {"id": "call", "name": "call", "function": {"name": "http_call", "input": {"connector": "slow", "method": "POST", "path": "/w"}}},
+        {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [{"path": "n", "logic": {"var": "payload.n"}}]}}}
+    ]})).await;
+    admin(
+        c,
+        base,
+        "PATCH",
+        "/workflows/work/status",
+        json!({"status": "active"}),
+    )
+    .await;
+    admin(
+        c,
+        base,
+        "POST",
+        "/channels",
+        json!({"channel_id": "work", "name": "work",
+        "channel_type": "async", "protocol": "http", "workflow_id": "work",
+        "config_json": {"timeout_ms": timeout_ms}}),
+    )
+    .await;
+    admin(
+        c,
+        base,
+        "PATCH",
+        "/channels/work/status",
+        json!({"status": "active"}),
+    )
+    .await;
+}
+
 async fn admin(c: &reqwest::Client, base: &str, method: &str, path: &str, body: Json) -> Json {
     crate::support::admin_call(c, base, method, path, body).await
 }
@@ -180,30 +217,7 @@ async fn async_work_survives_a_killed_replica() {
         replica_with(&url, &env).await,
     ];
     let c = reqwest::Client::new();
-    admin(&c, &first.base, "POST", "/connectors", json!({"name": "slow", "connector_type": "http",
-        "config": {"type": "http", "url": upstream, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})).await;
-    admin(&c, &first.base, "POST", "/workflows", json!({"workflow_id": "work", "name": "work", "tasks": [
-        {"id": "call", "name": "call", "function": {"name": "http_call", "input": {"connector": "slow", "method": "POST", "path": "/w"}}},
-        {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [{"path": "n", "logic": {"var": "payload.n"}}]}}}
-    ]})).await;
-    admin(
-        &c,
-        &first.base,
-        "PATCH",
-        "/workflows/work/status",
-        json!({"status": "active"}),
-    )
-    .await;
-    admin(&c, &first.base, "POST", "/channels", json!({"channel_id": "work", "name": "work",
-        "channel_type": "async", "protocol": "http", "workflow_id": "work", "config_json": {"timeout_ms": 1000}})).await;
-    admin(
-        &c,
-        &first.base,
-        "PATCH",
-        "/channels/work/status",
-        json!({"status": "active"}),
-    )
-    .await;
+    deploy_slow_work(&c, &first.base, &upstream, 1000).await;
     let bases: Vec<String> = std::iter::once(first.base.clone())
         .chain(others.iter().map(|r| r.base.clone()))
         .collect();
@@ -788,29 +802,7 @@ async fn a_restart_on_sqlite_runs_what_a_killed_process_left_running() {
     let first = replica_with(&url, &env).await;
     let c = reqwest::Client::new();
     let base = first.base.clone();
-    admin(&c, &base, "POST", "/connectors", json!({"name": "slow", "connector_type": "http",
-        "config": {"type": "http", "url": upstream, "retry": {"max_retries": 0, "retry_delay_ms": 10}}})).await;
-    admin(&c, &base, "POST", "/workflows", json!({"workflow_id": "work", "name": "work", "tasks": [
-        {"id": "call", "name": "call", "function": {"name": "http_call", "input": {"connector": "slow", "method": "POST", "path": "/w"}}}
-    ]})).await;
-    admin(
-        &c,
-        &base,
-        "PATCH",
-        "/workflows/work/status",
-        json!({"status": "active"}),
-    )
-    .await;
-    admin(&c, &base, "POST", "/channels", json!({"channel_id": "work", "name": "work",
-        "channel_type": "async", "protocol": "http", "workflow_id": "work", "config_json": {"timeout_ms": 10000}})).await;
-    admin(
-        &c,
-        &base,
-        "PATCH",
-        "/channels/work/status",
-        json!({"status": "active"}),
-    )
-    .await;
+    deploy_slow_work(&c, &base, &upstream, 10000).await;
     let r: Json = c
         .post(format!("{base}/api/v1/data/work"))
         .json(&json!({"data": {}}))
