@@ -64,11 +64,7 @@ pub async fn dispatch(app: &Arc<App>, req: &Req, segments: &[&str], who: Princip
             "{title} with id '{id}' not found"
         )));
     }
-    if let Some(name) = req.repeated_query() {
-        return Err(ApiError::bad_request(format!(
-            "query parameter '{name}' is given more than once"
-        )));
-    }
+    req.single_valued_query()?;
     match segments {
         [kind @ ("workflows" | "channels")] => {
             let kind = kind_of(kind);

@@ -122,15 +122,15 @@ impl Req {
             .map(|(_, v)| v.as_str())
     }
 
-    /// The first query parameter given more than once. The admin API and
-    /// trace reads take one value per parameter, and which of two a request
-    /// meant (`dry_run=true&dry_run=false`, `tag=a&tag=b`) is not for the
-    /// server to guess.
-    /// (`query` keeps the last value of each, as `metadata.query` needs, so
-    /// the raw query is read again; only admin and trace reads ask.)
-    /// Only the parameters the service reads count: a client's own (a
-    /// cache buster `_`) is ignored however often it comes.
-    pub fn repeated_query(&self) -> Option<String> {
+    /// A 400 when a query parameter the service reads is given more than
+    /// once: the admin API and trace reads take one value per parameter,
+    /// and which of two a request meant (`dry_run=true&dry_run=false`,
+    /// `tag=a&tag=b`) is not for the server to guess. A client's own
+    /// parameter (a cache buster `_`) is ignored however often it comes.
+    /// The raw query is read again: `query` keeps the last value of each,
+    /// as `metadata.query` needs.
+    pub fn single_valued_query(&self) -> Result<(), ApiError> {
+        // The names the admin and trace handlers read with `query`.
         const READ: &[&str] = &[
             "limit",
             "offset",
@@ -148,17 +148,20 @@ impl Req {
             "protocol",
         ];
         let mut seen: Vec<String> = Vec::new();
-        for pair in self.uri.query()?.split('&').filter(|p| !p.is_empty()) {
+        let pairs = self.uri.query().unwrap_or_default().split('&');
+        for pair in pairs.filter(|p| !p.is_empty()) {
             let key = percent_decode(pair.split_once('=').map_or(pair, |(k, _)| k));
             if !READ.contains(&key.as_str()) {
                 continue;
             }
             if seen.contains(&key) {
-                return Some(key);
+                return Err(ApiError::bad_request(format!(
+                    "query parameter '{key}' is given more than once"
+                )));
             }
             seen.push(key);
         }
-        None
+        Ok(())
     }
 
     /// A header's value as text; pass a `HeaderName` constant on hot paths

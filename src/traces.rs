@@ -159,11 +159,7 @@ pub async fn read(app: &Arc<App>, req: &Req, rest: &[&str]) -> ApiResult {
             "GET, HEAD",
         ));
     }
-    if let Some(name) = req.repeated_query() {
-        return Err(ApiError::bad_request(format!(
-            "query parameter '{name}' is given more than once"
-        )));
-    }
+    req.single_valued_query()?;
     if let [id] = rest {
         // Trace ids are UUIDs, written lowercase; a UUID read back in
         // uppercase names the same trace (RFC 9562).
