@@ -903,6 +903,21 @@ struct FakeHttp {
     answer: Result<Json, ConnectorError>,
 }
 
+/// Runs `p` on `{"data": payload}` with `services`; the run must fail.
+fn failure(p: &Plan, payload: Json, services: &Services) -> Failure {
+    let r = run_with(
+        &[p],
+        json!({ "data": payload }),
+        &[],
+        services,
+        &Options::default(),
+    );
+    match r.exec.status {
+        Status::Failed(f) => f,
+        other => panic!("expected a failure, got {other:?}"),
+    }
+}
+
 /// An HTTP fake answering `answer`, and services that hold it.
 fn fake_http(answer: Result<Json, ConnectorError>) -> (Arc<FakeHttp>, Services) {
     let http = Arc::new(FakeHttp {
@@ -989,16 +1004,7 @@ fn failing_input_rules_name_their_field() {
         json!({"connector": "api", "path_logic": {"var": "data"}})
     )])));
     let (http, services) = fake_http(Ok(Json::Null));
-    let r = run_with(
-        &[&p],
-        json!({"data": {"a": 1}}),
-        &[],
-        &services,
-        &Options::default(),
-    );
-    let Status::Failed(f) = &r.exec.status else {
-        panic!("{:?}", r.exec.status)
-    };
+    let f = failure(&p, json!({"a": 1}), &services);
     assert_eq!(
         f.message,
         "http_call: path_logic evaluated to an object; expected a string"
@@ -1007,17 +1013,8 @@ fn failing_input_rules_name_their_field() {
     for (function, input, prefix) in cases {
         let p = plan(wf(json!([task("t", function, input)])));
         let (http, services) = fake_http(Ok(Json::Null));
-        let r = run_with(
-            &[&p],
-            json!({"data": {}}),
-            &[],
-            &services,
-            &Options::default(),
-        );
-        let Status::Failed(f) = &r.exec.status else {
-            panic!("{function}: {:?}", r.exec.status)
-        };
-        assert!(f.message.starts_with(prefix), "{}", f.message);
+        let f = failure(&p, json!({}), &services);
+        assert!(f.message.starts_with(prefix), "{function}: {}", f.message);
         assert!(f.message.contains("NaN"), "{}", f.message);
         assert!(http.seen.lock().unwrap().is_empty(), "nothing was sent");
     }
@@ -1037,30 +1034,12 @@ fn connector_failures_are_classified() {
         (ConnectorErrorKind::Other, FailureKind::Task),
     ] {
         let (_, services) = fake_http(Err(ConnectorError::new(kind, "nope")));
-        let r = run_with(
-            &[&p],
-            json!({"data": {}}),
-            &[],
-            &services,
-            &Options::default(),
-        );
-        let Status::Failed(f) = &r.exec.status else {
-            panic!()
-        };
+        let f = failure(&p, json!({}), &services);
         assert_eq!(f.kind, want);
         assert_eq!(f.message, "http_call: nope");
     }
     // Without a configured client the task fails with a clear message.
-    let r = run_with(
-        &[&p],
-        json!({"data": {}}),
-        &[],
-        &Services::default(),
-        &Options::default(),
-    );
-    let Status::Failed(f) = &r.exec.status else {
-        panic!()
-    };
+    let f = failure(&p, json!({}), &Services::default());
     assert!(
         f.message.contains("no HTTP client is configured"),
         "{}",
