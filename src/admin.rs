@@ -432,7 +432,29 @@ async fn delete(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) -> A
             label = kind.label()
         )));
     }
+    // A channel's breakers go with it (every name its versions had): one
+    // created later under a name starts closed (audit 67: it inherited an
+    // open breaker).
+    let names: Vec<String> = match kind {
+        Kind::Channel => app
+            .store
+            .versions(kind, id)
+            .await
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|r| {
+                r.definition
+                    .get("name")
+                    .and_then(Json::as_str)
+                    .map(str::to_owned)
+            })
+            .collect(),
+        Kind::Workflow => Vec::new(),
+    };
     app.store.delete(kind, id, audit(who, "delete")).await?;
+    for name in &names {
+        app.connectors.policy.breakers.forget_channel(name);
+    }
     reload_after_change(app, who).await;
     api::no_content()
 }
@@ -488,6 +510,9 @@ fn percentage(body: &Json, field: &str, required: bool) -> Result<Option<i64>, A
             let message = match v.as_i64() {
                 Some(n) if (1..=100).contains(&n) => return Ok(Some(n)),
                 Some(_) => format!("must be an integer from 1 to 100, got {v}"),
+                None if sluice_compiler::diag::is_huge_integer(v) => {
+                    format!("must be an integer from 1 to 100, got {v}")
+                }
                 // The spec's wording for a value of the wrong type.
                 None => format!(
                     "expected integer, got {}",
@@ -582,7 +607,9 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
             None => {
                 problem(
                     "version",
-                    if v.is_i64() || v.is_u64() {
+                    if sluice_compiler::diag::is_huge_integer(v) {
+                        format!("must be a positive integer up to {}, got {v}", i64::MAX)
+                    } else if v.is_i64() {
                         format!("must be a positive integer, got {v}")
                     } else {
                         format!(
@@ -670,11 +697,13 @@ async fn rollout(app: &App, req: &Req, id: &str, who: Principal) -> ApiResult {
     if !problems.is_empty() {
         return Err(ApiError::invalid("request", problems));
     }
-    let record = app
+    let (record, changed) = app
         .store
         .set_rollout(Kind::Workflow, id, p, audit(who, "rollout"))
         .await?;
-    reload_after_change(app, who).await;
+    if changed {
+        reload_after_change(app, who).await;
+    }
     api::ok(&record.to_json(Kind::Workflow))
 }
 
@@ -1114,7 +1143,11 @@ async fn create_connector(app: &App, req: &Req, who: Principal) -> ApiResult {
         .create_connector(&def, audit(who, "create"))
         .await?;
     connectors_changed(app).await;
-    api::created(&masked(record.to_connector_json()))
+    with_warnings(
+        http::StatusCode::CREATED,
+        masked(record.to_connector_json()),
+        &validate::connector_warnings(&def),
+    )
 }
 
 async fn get_connector(app: &App, name: &str) -> ApiResult {
@@ -1146,7 +1179,11 @@ async fn update_connector(app: &App, req: &Req, name: &str, who: Principal) -> A
     // breakers: the failures they counted were the old definition's.
     app.connectors.policy.breakers.forget_connector(name);
     connectors_changed(app).await;
-    api::ok(&masked(record.to_connector_json()))
+    with_warnings(
+        http::StatusCode::OK,
+        masked(record.to_connector_json()),
+        &validate::connector_warnings(&def),
+    )
 }
 
 /// Wherever `new` holds exactly what the API showed for the stored value
@@ -1199,14 +1236,20 @@ async fn delete_connector(app: &App, name: &str, who: Principal) -> ApiResult {
 async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
     let items = import_items(req.json()?)?;
     let dry_run = dry_run_flag(req)?;
-    let (mut created, mut failed) = (Vec::new(), Vec::new());
+    let (mut created, mut failed, mut warned) = (Vec::new(), Vec::new(), Vec::new());
     let mut seen = std::collections::HashSet::new();
     for (index, item) in items.into_iter().enumerate() {
         let def = match checked_connector(item, None)
             .and_then(|def| storable(app, &def).map(|()| def))
             .and_then(|def| no_masks(&def).map(|()| def))
         {
-            Ok(def) => def,
+            Ok(def) => {
+                let warnings = validate::connector_warnings(&def);
+                if !warnings.is_empty() {
+                    warned.push(json!({"index": index, "details": warnings}));
+                }
+                def
+            }
             Err(e) => {
                 // Problems at the root (not an object, too deep) at `field: ""`.
                 let details = e.details.unwrap_or_else(|| {
@@ -1246,7 +1289,15 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
     if !dry_run && !created.is_empty() {
         connectors_changed(app).await;
     }
-    api::ok(&json!({"created": created, "failed": failed, "dry_run": dry_run}))
+    // Warnings only for the items that were (or would be) created, in the
+    // shape of the workflow and channel imports.
+    warned.retain(|w| !failed.iter().any(|f| f["index"] == w["index"]));
+    api::ok(&json!({
+        "created": created,
+        "failed": failed,
+        "warnings": warned,
+        "dry_run": dry_run,
+    }))
 }
 
 async fn reload_connectors(app: &App, who: Principal) -> ApiResult {

@@ -266,8 +266,35 @@ pub type ApiResult = Result<HttpResponse, ApiError>;
 
 /// A JSON response with the given status.
 pub fn json_response<T: Serialize + ?Sized>(status: StatusCode, body: &T) -> HttpResponse {
-    let bytes = serde_json::to_vec(body).unwrap_or_else(|_| b"{}".to_vec());
-    bytes_response(status, Bytes::from(bytes))
+    bytes_response(status, Bytes::from(to_json_bytes(body)))
+}
+
+/// Compact JSON with numbers written as the data plane writes them
+/// (JavaScript's `JSON.stringify`): a trace's or a dry run's `data` reads
+/// the same as the sync answer would (`18446744073709552000`, `1e21`; audit
+/// 66: serde_json wrote `1.8446744073709552e+19`, `1e+21`).
+pub fn to_json_bytes<T: Serialize + ?Sized>(body: &T) -> Vec<u8> {
+    let mut out = Vec::with_capacity(128);
+    let mut serializer = serde_json::Serializer::with_formatter(&mut out, JsNumbers);
+    match body.serialize(&mut serializer) {
+        Ok(()) => out,
+        Err(_) => b"{}".to_vec(),
+    }
+}
+
+/// serde_json's compact output, floats aside.
+struct JsNumbers;
+
+impl serde_json::ser::Formatter for JsNumbers {
+    fn write_f64<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        value: f64,
+    ) -> std::io::Result<()> {
+        let mut text = Vec::with_capacity(32);
+        sluice_compiler::value::write_float(value, &mut text);
+        writer.write_all(&text)
+    }
 }
 
 /// A response whose body is already JSON text.
@@ -382,5 +409,20 @@ pub(crate) fn failure_log_allowed() -> Option<u64> {
             Ok(_) => return Some(LEFT_OUT.swap(0, Ordering::Relaxed)),
             Err(seen) => current = seen,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Admin and trace answers write numbers as the data plane does.
+    #[test]
+    fn answers_write_numbers_like_the_data_plane() {
+        let body = serde_json::json!({"big": 18446744073709551616.0_f64, "a": 1.1e20 * 1.0,
+            "d": 1e21, "small": 0.1, "i": -5, "u": u64::MAX, "x": [1.5, -0.0]});
+        let text = String::from_utf8(super::to_json_bytes(&body)).unwrap();
+        assert_eq!(
+            text,
+            r#"{"big":18446744073709552000,"a":110000000000000000000,"d":1e21,"small":0.1,"i":-5,"u":18446744073709551615,"x":[1.5,0]}"#
+        );
     }
 }

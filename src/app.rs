@@ -45,6 +45,10 @@ pub struct App {
     /// Set while this replica knows it serves an older generation than
     /// storage holds (`/readyz` answers 503 meanwhile).
     pub behind: AtomicBool,
+    /// Set while the last reload could not build the stored definitions
+    /// (the previous engine keeps serving, behind what the API reports):
+    /// `/health` is degraded until a reload succeeds.
+    pub reload_failed: AtomicBool,
     /// The reload-propagation loop (`crate::sync`), stopped at shutdown.
     pub sync: std::sync::Mutex<Option<tokio::task::AbortHandle>>,
     /// Kafka channel consumers (started by `crate::start` when `kafka.enabled`).
@@ -95,6 +99,7 @@ impl App {
             kafka: crate::kafka::Consumers::default(),
             otel: None,
             behind: AtomicBool::new(false),
+            reload_failed: AtomicBool::new(false),
             sync: std::sync::Mutex::new(None),
             config,
             store,
@@ -159,6 +164,11 @@ impl App {
             Ok(b) => b,
             Err(e) => {
                 metrics::counter!(names::ENGINE_RELOADS_TOTAL, "status" => "failure").increment(1);
+                // Definitions that do not build (not a busy or lost database,
+                // which the database check and the next reload cover).
+                if matches!(e, ReloadError::Invalid(_)) {
+                    self.reload_failed.store(true, Ordering::Release);
+                }
                 if self.engine.load().generation == 0 {
                     // At start-up there is no previous engine to keep.
                     tracing::warn!(?e, "engine load failed; no engine is serving");
@@ -185,6 +195,7 @@ impl App {
             .record(built.elapsed.as_secs_f64());
         metrics::gauge!(names::ACTIVE_WORKFLOWS).set(built.snapshot.active_workflows as f64);
         let old = self.engine.swap(Arc::new(built.snapshot));
+        self.reload_failed.store(false, Ordering::Release);
         // Freeing a large engine takes a while: on a thread of its own at
         // background priority, not on a runtime worker.
         let _ = std::thread::Builder::new()

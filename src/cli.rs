@@ -165,7 +165,11 @@ fn problems_of(
         _ => "workflow",
     };
     match kind {
-        "connector" => (kind, validate::validate_connector(def), Vec::new()),
+        "connector" => (
+            kind,
+            validate::validate_connector(def),
+            validate::connector_warnings(def),
+        ),
         "channel" => (
             kind,
             validate::validate_channel(def),

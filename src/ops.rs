@@ -31,12 +31,17 @@ async fn database_ok(app: &App) -> bool {
     )
 }
 
-/// 200 when the database answers `SELECT 1` and the engine is loaded; else
-/// 503 with `status: degraded`.
+/// 200 when the database answers `SELECT 1` and the engine is loaded and
+/// current (its last reload built); else 503 with `status: degraded`.
 pub async fn health(app: &App) -> ApiResult {
     let database = database_ok(app).await;
     let snapshot = app.engine.load();
-    let engine = snapshot.generation > 0;
+    let loaded = snapshot.generation > 0;
+    // Loaded, but the stored definitions no longer build: the engine serves
+    // an older state than the API reports (a stored definition edited in
+    // the database, or rules that changed with an upgrade).
+    let stale = app.reload_failed.load(Ordering::Acquire);
+    let engine = loaded && !stale;
     let healthy = database && engine;
     let body = json!({
         "status": if healthy { "ok" } else { "degraded" },
@@ -45,7 +50,11 @@ pub async fn health(app: &App) -> ApiResult {
         "workflows_loaded": snapshot.workflows_loaded,
         "components": {
             "database": if database { "ok" } else { "unavailable" },
-            "engine": if engine { "ok" } else { "not_loaded" },
+            "engine": match (loaded, stale) {
+                (false, _) => "not_loaded",
+                (true, true) => "reload_failed",
+                (true, false) => "ok",
+            },
         },
     });
     let status = if healthy {

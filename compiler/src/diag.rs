@@ -70,6 +70,22 @@ pub fn type_name(v: &serde_json::Value) -> &'static str {
     }
 }
 
+/// An integer beyond `i64` (`9223372036854775808`, or one beyond `u64`,
+/// which serde_json reads as a float): out of range, not of the wrong type.
+/// A float of such a size written with an exponent counts too (it cannot be
+/// told apart once parsed, and is out of range either way).
+pub fn is_huge_integer(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Number(n) => {
+            n.as_i64().is_none()
+                && (n.is_u64()
+                    || n.as_f64()
+                        .is_some_and(|f| f.fract() == 0.0 && f.abs() >= 9.2e18))
+        }
+        _ => false,
+    }
+}
+
 /// A field path under construction. Cheap enough for validation (one small
 /// string per visited field), and it renders exactly as `details[].field`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]

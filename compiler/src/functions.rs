@@ -424,6 +424,20 @@ pub fn catalogue_json() -> serde_json::Value {
     out
 }
 
+/// Whether `name` can be an XML element or attribute name as `publish_xml`
+/// writes it (a letter or `_`, then letters, digits, `_`, `-`, `.`, `:`);
+/// checked when a plan is compiled (`root_element`) and when a key is written.
+pub fn check_xml_name(name: &str) -> Result<(), String> {
+    let mut chars = name.chars();
+    let ok = chars.next().is_some_and(|c| c.is_alphabetic() || c == '_')
+        && chars.all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | ':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("'{name}' is not a valid XML element name"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -62,7 +62,7 @@ pub enum PathError {
     #[error("cannot write key '{key}' into an array at '{at}'")]
     KeyIntoArray { key: String, at: String },
     #[error("array index {index} at '{at}' is over the limit of {MAX_WRITE_INDEX}")]
-    IndexTooLarge { index: usize, at: String },
+    IndexTooLarge { index: String, at: String },
 }
 
 impl Path {
@@ -207,12 +207,14 @@ impl Segment {
         if let Some(rest) = text.strip_prefix('#') {
             return Segment::new(rest, None);
         }
+        // A number too large for `usize` is still an index (one no array
+        // reaches, and over the write limit), not an object key: which one a
+        // segment is must not depend on how many digits it has.
         let index = if !text.is_empty()
-            && text.len() <= 18
             && text.bytes().all(|b| b.is_ascii_digit())
             && (text == "0" || !text.starts_with('0'))
         {
-            text.parse().ok()
+            Some(text.parse().unwrap_or(usize::MAX))
         } else {
             None
         };
@@ -455,7 +457,8 @@ fn set_tree<'a>(
 fn check_index(index: usize, path: &Path, depth: usize) -> Result<(), PathError> {
     if index > MAX_WRITE_INDEX {
         return Err(PathError::IndexTooLarge {
-            index,
+            // The segment's own digits (an index beyond `usize` is saturated).
+            index: path.segments[depth].key.to_string(),
             at: path.prefix_string(depth + 1),
         });
     }
@@ -705,5 +708,14 @@ mod tests {
             .set(v, Value::Null, &arena)
             .unwrap_err();
         assert!(matches!(err, PathError::IndexTooLarge { .. }));
+        // However many digits: an index, not a key (audit 69).
+        let err = Path::parse("b.99999999999999999999")
+            .set(v, Value::Int(1), &arena)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "array index 99999999999999999999 at 'b.99999999999999999999' is over the limit of 100000"
+        );
+        assert_eq!(Path::parse("a.99999999999999999999").get(v), None);
     }
 }

@@ -527,6 +527,20 @@ fn str_field<'j>(obj: &'j Map<String, Json>, key: &str) -> Option<&'j str> {
     obj.get(key).and_then(Json::as_str)
 }
 
+/// The text of a rule that is a falsy JSONLogic literal (`null`, `false`,
+/// `0`, `""`, `[]`): a condition that can never hold.
+fn falsy_literal(rule: &Json) -> Option<String> {
+    let falsy = match rule {
+        Json::Null => true,
+        Json::Bool(b) => !b,
+        Json::Number(n) => n.as_f64() == Some(0.0),
+        Json::String(s) => s.is_empty(),
+        Json::Array(items) => items.is_empty(),
+        Json::Object(_) => false,
+    };
+    falsy.then(|| rule.to_string())
+}
+
 fn join(prefix: &str, field: &str) -> String {
     if prefix.is_empty() {
         field.to_owned()
@@ -598,12 +612,14 @@ impl Cx {
     /// constant-true compiles to `None` ("always").
     fn condition(&mut self, rule: Option<&Json>, field: &str) -> Option<Logic> {
         let rule = rule?;
-        if rule.is_null() {
-            // A JSONLogic literal, and falsy: most likely meant as "none".
+        if let Some(literal) = falsy_literal(rule) {
+            // A JSONLogic literal, and falsy: `null` most likely meant as
+            // "none", `[]` or `false` left from an edit.
             self.warnings.push(Diagnostic {
                 field: field.into(),
-                message: "null is a falsy JSONLogic literal: this never runs (omit the key to always run)"
-                    .into(),
+                message: format!(
+                    "{literal} is a falsy JSONLogic literal: this never runs (omit the key to always run)"
+                ),
             });
         }
         let logic = self.logic(rule, field)?;
@@ -652,9 +668,10 @@ impl Cx {
 
     fn loop_plan(&mut self, def: &Json, field: &str) -> Option<LoopPlan> {
         let obj = def.as_object()?;
+        // `{"max": 5, "maxx": 9}` passed without a word (audit 66).
+        self.unknown_keys(obj, &["max", "init", "increment", "counter"], field);
         let max = obj.get("max").and_then(Json::as_u64)?;
         let counter = str_field(obj, "counter").unwrap_or("temp_data.loop_index");
-        let _ = field;
         Some(LoopPlan {
             max: max.min(u32::MAX as u64) as u32,
             init: obj.get("init").and_then(Json::as_f64).unwrap_or(0.0),
@@ -772,11 +789,13 @@ impl Cx {
                 let paths = publish_fn(input, &mut p);
                 let root = p.take(match input.get("root_element") {
                     None => Ok("root"),
-                    Some(Json::String(s)) if !s.is_empty() => Ok(s.as_str()),
-                    Some(Json::String(_)) => Err(InputProblem(
+                    Some(Json::String(s)) if s.is_empty() => Err(InputProblem(
                         "root_element".into(),
                         "must not be empty".into(),
                     )),
+                    Some(Json::String(s)) => crate::functions::check_xml_name(s)
+                        .map(|()| s.as_str())
+                        .map_err(|why| InputProblem("root_element".into(), why)),
                     Some(other) => Err(InputProblem(
                         "root_element".into(),
                         format!("expected string, got {}", json_type(other)),
@@ -825,6 +844,16 @@ impl Cx {
     fn unknown_data_keys(&mut self, function: Function, input: &Map<String, Json>, field: &str) {
         let known: Vec<&str> = function.input_schema().iter().map(|f| f.name).collect();
         self.unknown_keys(input, &known, field);
+        // As for a task's condition: a falsy literal most likely meant as
+        // "none", and here it halts every run.
+        if function == Function::Filter
+            && let Some(literal) = input.get("condition").and_then(falsy_literal)
+        {
+            self.warnings.push(Diagnostic {
+                field: join(field, "condition"),
+                message: format!("{literal} is a falsy JSONLogic literal: every run is rejected"),
+            });
+        }
         // Paths under `data` that name a root of the context are most likely
         // meant from the context: `target: "data.order"` writes
         // `data.data.order`.
@@ -1418,6 +1447,25 @@ mod tests {
         let fields: Vec<&str> = compiled.warnings.iter().map(|w| w.field.as_str()).collect();
         assert_eq!(fields, ["condition", "tasks[0].condition"]);
         assert!(compiled.warnings[0].message.contains("never runs"));
+        // A filter's null condition rejects every run (audit 69).
+        let def = json!({"workflow_id": "w", "name": "w", "condition": [], "tasks": [
+            {"id": "f", "name": "f", "function": {"name": "filter", "input": {"condition": null}}}]});
+        let compiled = compile_workflow(&def).unwrap();
+        let fields: Vec<&str> = compiled.warnings.iter().map(|w| w.field.as_str()).collect();
+        assert_eq!(fields, ["condition", "tasks[0].function.input.condition"]);
+        assert!(compiled.warnings[0].message.starts_with("[] is a falsy"));
+        assert!(
+            compiled.warnings[1]
+                .message
+                .contains("every run is rejected")
+        );
+        // A loop's misspelt key too.
+        let def = json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "g", "name": "g", "loop": {"max": 2, "inc": 2}, "tasks": [
+                {"id": "a", "name": "a", "function": {"name": "log", "input": {"message": "m"}}}]}]});
+        let compiled = compile_workflow(&def).unwrap();
+        let fields: Vec<&str> = compiled.warnings.iter().map(|w| w.field.as_str()).collect();
+        assert_eq!(fields, ["tasks[0].loop.inc"]);
     }
 
     /// A data function's misspelt field, a mapping's or rule's, and a
@@ -1426,7 +1474,7 @@ mod tests {
     fn misspelt_data_inputs_and_doubled_twins_are_warnings() {
         let def = json!({"workflow_id": "w", "name": "w", "tasks": [
             {"id": "f", "name": "f", "function": {"name": "filter",
-             "input": {"condition": false, "onReject": "skip"}}},
+             "input": {"condition": {"var": "ok"}, "onReject": "skip"}}},
             {"id": "m", "name": "m", "function": {"name": "map",
              "input": {"mappings": [{"path": "a", "logic": 1}, {"path": "b", "logic": 1, "lgoic": 2}]}}},
             {"id": "v", "name": "v", "function": {"name": "validation",

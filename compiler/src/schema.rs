@@ -78,6 +78,25 @@ pub fn plain_descriptions(schema: &mut Json) {
     }
 }
 
+/// Writes integral floats (`"default": 0.0` of an `f64` field) as integers,
+/// as every answer of the service writes numbers: the schema served, printed
+/// and committed is then the same document whichever writer wrote it.
+fn integral_numbers(v: &mut Json) {
+    match v {
+        Json::Number(n) if !n.is_i64() && !n.is_u64() => {
+            if let Some(f) = n.as_f64()
+                && f.fract() == 0.0
+                && f.abs() < 9.0e15
+            {
+                *v = Json::from(f as i64);
+            }
+        }
+        Json::Object(m) => m.values_mut().for_each(integral_numbers),
+        Json::Array(items) => items.iter_mut().for_each(integral_numbers),
+        _ => {}
+    }
+}
+
 /// The JSON Schema of one kind of definition.
 pub fn definition_schema(kind: DefinitionKind) -> Json {
     let mut schema = match kind {
@@ -87,6 +106,7 @@ pub fn definition_schema(kind: DefinitionKind) -> Json {
     };
     strip_null(&mut schema);
     plain_descriptions(&mut schema);
+    integral_numbers(&mut schema);
     if let Json::Object(m) = &mut schema {
         // Files may name their schema; the key is ignored by the service.
         if let Some(Json::Object(props)) = m.get_mut("properties") {

@@ -30,8 +30,7 @@ pub const MAX_NAME_LEN: usize = 255;
 /// Longest `description`.
 pub const MAX_DESCRIPTION_LEN: usize = 2048;
 
-const ID_RULE: &str =
-    "must start with a letter or digit and contain only letters, digits, '.', '-', '_'";
+const ID_RULE: &str = "must start with an ASCII letter or digit and contain only ASCII letters, digits, '.', '-', '_'";
 
 /// Collects diagnostics; every check pushes and carries on.
 #[derive(Default)]
@@ -101,7 +100,7 @@ impl Ctx {
     ) -> Option<&'a str> {
         let s = self.string(obj, key, at, required)?;
         if s.trim().is_empty() {
-            self.push(&at.key(key), "must not be empty");
+            self.push(&at.key(key), empty_or_blank(s));
             return None;
         }
         Some(s)
@@ -169,14 +168,17 @@ impl Ctx {
         };
         let n = match v.as_i64() {
             Some(n) => n,
-            None if v.is_u64() => {
-                // Beyond i64: over any upper bound, and out of range for the
-                // serde types otherwise.
-                let msg = match max {
-                    Some(_) => range_message(min, max).unwrap_or_default(),
-                    None => "is out of range".to_owned(),
+            None if crate::diag::is_huge_integer(v) => {
+                // Beyond i64: over any upper bound (or under any lower one),
+                // and out of range for the serde types otherwise. The
+                // message names the range either way.
+                let negative = v.as_f64().is_some_and(|f| f < 0.0);
+                let msg = match (negative, max) {
+                    (false, Some(_)) => range_message(min, max),
+                    (false, None) => range_message(min, Some(i64::MAX)),
+                    (true, _) => range_message(Some(min.unwrap_or(i64::MIN)), max),
                 };
-                self.push(&at, msg);
+                self.push(&at, msg.unwrap_or_default());
                 return None;
             }
             None => {
@@ -299,6 +301,16 @@ fn range_message(min: Option<i64>, max: Option<i64>) -> Option<String> {
         (None, Some(hi)) => format!("must be at most {hi}"),
         (None, None) => return None,
     })
+}
+
+/// The message for a string with nothing but whitespace in it: "empty"
+/// would misread `"  "` (audit 66).
+fn empty_or_blank(s: &str) -> &'static str {
+    if s.is_empty() {
+        "must not be empty"
+    } else {
+        "must not be blank (only whitespace)"
+    }
 }
 
 fn one_of_message(allowed: &[&str], got: &str) -> String {
@@ -839,9 +851,9 @@ fn check_field(c: &mut Ctx, field: &FieldSchema, v: &Json, at: &FieldPath) {
     // an empty one can never work. So does `channel_call.channel`, which is
     // optional only because `channel_logic` may stand in for it.
     if (field.required || field.name == "channel")
-        && v.as_str().is_some_and(|s| s.trim().is_empty())
+        && let Some(s) = v.as_str().filter(|s| s.trim().is_empty())
     {
-        c.push(at, "must not be empty");
+        c.push(at, empty_or_blank(s));
     }
     match field.constraint {
         Constraint::None => {}
@@ -1348,6 +1360,89 @@ fn unknown_keys(c: &mut Ctx, obj: &Map<String, Json>, at: &FieldPath, known: &[&
 }
 
 // --------------------------------------------------------------- connectors
+
+/// The top-level keys of a connector definition.
+const CONNECTOR_KEYS: &[&str] = &[
+    "name",
+    "connector_type",
+    "config",
+    "description",
+    "created_at",
+    "updated_at",
+];
+
+/// The `config` keys each connector type reads (`type` and `retry` are
+/// every type's).
+fn connector_config_keys(kind: ConnectorType) -> &'static [&'static str] {
+    match kind {
+        ConnectorType::Http => &["type", "retry", "url", "auth", "headers", "timeout_ms"],
+        ConnectorType::Db => &[
+            "type",
+            "retry",
+            "connection_string",
+            "max_connections",
+            "query_timeout_ms",
+            "connect_timeout_ms",
+        ],
+        ConnectorType::Cache => &["type", "retry", "backend", "url", "max_entries"],
+        ConnectorType::Mongodb => &[
+            "type",
+            "retry",
+            "connection_string",
+            "query_timeout_ms",
+            "connect_timeout_ms",
+        ],
+        ConnectorType::Kafka => &["type", "retry", "brokers", "client_id", "sasl"],
+        ConnectorType::ObjectStorage => &[
+            "type",
+            "retry",
+            "endpoint",
+            "bucket",
+            "region",
+            "access_key",
+            "secret_key",
+        ],
+    }
+}
+
+/// A connector's warnings: each key at the top or in `config` that its
+/// type does not read (a misspelt `query_timeout` was stored and the
+/// default 30 s used without a word), as a workflow's and a channel's
+/// unknown keys are warned of. Warnings, not errors: connectors stored
+/// with such keys keep loading.
+pub fn connector_warnings(def: &Json) -> Vec<Diagnostic> {
+    let Some(obj) = def.as_object() else {
+        return Vec::new();
+    };
+    let unknown = |at: &FieldPath, keys: &Map<String, Json>, known: &[&str]| {
+        keys.keys()
+            .filter(|k| !known.contains(&k.as_str()))
+            .map(|k| {
+                Diagnostic::new(
+                    at.key(k).as_str(),
+                    format!(
+                        "unknown field, ignored; expected one of {}",
+                        known.join(", ")
+                    ),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let root = FieldPath::root();
+    let mut out = unknown(&root, obj, CONNECTOR_KEYS);
+    let kind = obj
+        .get("connector_type")
+        .and_then(Json::as_str)
+        .and_then(ConnectorType::from_name);
+    if let (Some(kind), Some(Json::Object(cfg))) = (kind, obj.get("config")) {
+        out.extend(unknown(
+            &root.key("config"),
+            cfg,
+            connector_config_keys(kind),
+        ));
+    }
+    out
+}
 
 /// Validates a connector definition; empty means valid.
 pub fn validate_connector(def: &Json) -> Vec<Diagnostic> {

@@ -238,20 +238,36 @@ where
         match machine.run(&arena) {
             Next::Done => break,
             Next::Io(io) => {
-                let call = services.perform(scope, io);
                 let result = match (options.deadline, options.timer) {
                     (Some(deadline), Some(timer)) => {
-                        let mut call = std::pin::pin!(call);
-                        let mut expired = timer(deadline);
-                        // The call first: an answer that is ready when the
-                        // deadline also is still counts.
-                        std::future::poll_fn(|cx| match call.as_mut().poll(cx) {
-                            std::task::Poll::Ready(result) => std::task::Poll::Ready(Some(result)),
-                            std::task::Poll::Pending => expired.as_mut().poll(cx).map(|()| None),
-                        })
-                        .await
+                        let connector = services
+                            .cut
+                            .as_ref()
+                            .and_then(|_| io.connector().map(str::to_owned));
+                        let result = {
+                            let mut call = std::pin::pin!(services.perform(scope, io));
+                            let mut expired = timer(deadline);
+                            // The call first: an answer that is ready when the
+                            // deadline also is still counts.
+                            std::future::poll_fn(|cx| match call.as_mut().poll(cx) {
+                                std::task::Poll::Ready(result) => {
+                                    std::task::Poll::Ready(Some(result))
+                                }
+                                std::task::Poll::Pending => {
+                                    expired.as_mut().poll(cx).map(|()| None)
+                                }
+                            })
+                            .await
+                        };
+                        // Abandoned (and dropped, above) at the deadline.
+                        if let (None, Some(cut), Some(connector)) =
+                            (&result, &services.cut, connector)
+                        {
+                            cut.cut(scope, &connector);
+                        }
+                        result
                     }
-                    _ => Some(call.await),
+                    _ => Some(services.perform(scope, io).await),
                 };
                 match result {
                     Some(result) => machine.resume(result, &arena),
@@ -660,6 +676,18 @@ impl<'a> Machine<'a> {
         {
             return Err(TaskError::task(format!(
                 "cannot write '{}': data is an object or an array, and the value is {}",
+                target.text,
+                sluice_compiler::value::type_name(value)
+            )));
+        }
+        // `metadata` is the request's context (`headers`, `query`, `path`,
+        // ...), read by later conditions: replaced whole, it stays an object.
+        if target.path.segments().is_empty()
+            && target.area == sluice_compiler::plan::Area::Metadata
+            && !matches!(value, Value::Object(_))
+        {
+            return Err(TaskError::task(format!(
+                "cannot write '{}': metadata is an object, and the value is {}",
                 target.text,
                 sluice_compiler::value::type_name(value)
             )));

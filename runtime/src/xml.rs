@@ -170,7 +170,7 @@ fn attach<'a>(
 
 /// Serializes `value` as an XML document under `root`.
 pub fn to_xml(value: &Value<'_>, root: &str) -> Result<String, String> {
-    check_name(root)?;
+    sluice_compiler::functions::check_xml_name(root)?;
     // Its items would each be a root element: not a document (`parse_xml`
     // refuses the text it would make).
     if let Value::Array(_) = value {
@@ -183,17 +183,6 @@ pub fn to_xml(value: &Value<'_>, root: &str) -> Result<String, String> {
     let mut out = String::with_capacity(128);
     write_element(root, value, &mut out, 0)?;
     Ok(out)
-}
-
-fn check_name(name: &str) -> Result<(), String> {
-    let mut chars = name.chars();
-    let ok = chars.next().is_some_and(|c| c.is_alphabetic() || c == '_')
-        && chars.all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | ':'));
-    if ok {
-        Ok(())
-    } else {
-        Err(format!("'{name}' is not a valid XML element name"))
-    }
 }
 
 fn write_element(
@@ -220,12 +209,14 @@ fn write_element(
             }
         }
         Value::Object(members) => {
-            check_name(name)?;
+            sluice_compiler::functions::check_xml_name(name)?;
             out.push('<');
             out.push_str(name);
             for (k, v) in members.iter() {
                 if let Some(attr) = k.strip_prefix('@') {
-                    check_name(attr)?;
+                    sluice_compiler::functions::check_xml_name(attr).map_err(|_| {
+                        format!("key '{k}': '{attr}' is not a valid XML attribute name")
+                    })?;
                     out.push(' ');
                     out.push_str(attr);
                     out.push_str("=\"");
@@ -246,13 +237,13 @@ fn write_element(
             out.push('>');
         }
         Value::Null => {
-            check_name(name)?;
+            sluice_compiler::functions::check_xml_name(name)?;
             out.push('<');
             out.push_str(name);
             out.push_str("/>");
         }
         scalar => {
-            check_name(name)?;
+            sluice_compiler::functions::check_xml_name(name)?;
             out.push('<');
             out.push_str(name);
             out.push('>');
@@ -343,6 +334,12 @@ mod tests {
             r#"<order id="7"><item>a &amp; b</item><item>c</item><n>1.5</n><none/></order>"#
         );
         assert!(to_xml(&v, "1bad").is_err());
+        // A bare `@` key names an attribute, and says so (audit 69).
+        let attr = json!({"@": 1});
+        assert_eq!(
+            to_xml(&Value::from_json(&attr, &arena), "order").unwrap_err(),
+            "key '@': '' is not a valid XML attribute name"
+        );
         // What publish_xml writes, parse_xml reads back to the same strings.
         let back = parse(&to_xml(&v, "order").unwrap(), &arena)
             .unwrap()

@@ -505,6 +505,12 @@ fn data_function_input_problems_show_at_execution() {
             "root_element",
             "must not be empty",
         ),
+        (
+            "publish_xml",
+            json!({"source": "x", "target": "y", "root_element": "1 bad"}),
+            "root_element",
+            "'1 bad' is not a valid XML element name",
+        ),
     ] {
         let compiled = compile_workflow(&wf(json!([task("t", function, input)]))).unwrap();
         assert_eq!(compiled.warnings.len(), 1, "{function}");
@@ -1609,6 +1615,38 @@ fn data_replaced_whole_stays_an_object() {
     let r = run(&plan(w), json!({}));
     assert!(r.exec.errors.is_empty(), "{:?}", r.exec.errors);
     assert_eq!(r.data(), json!([{"id": 1}]));
+}
+
+/// `metadata` (headers, query, path parameters) replaced whole stays an
+/// object, or later conditions read `null` from it (audit 69); `temp_data`
+/// is scratch and may hold anything.
+#[test]
+fn metadata_replaced_whole_stays_an_object() {
+    for (logic, ok) in [
+        (json!(5), false),
+        (json!({"preserve": [1]}), false),
+        (json!({"preserve": {"a": 1}}), true),
+    ] {
+        let mut w = wf(json!([task(
+            "m",
+            "map",
+            json!({"mappings": [{"path": "metadata", "logic": logic}, {"path": "temp_data", "logic": 5}]})
+        )]));
+        w["tasks"][0]["continue_on_error"] = json!(true);
+        let r = run(&plan(w), json!({}));
+        if ok {
+            assert!(r.exec.errors.is_empty(), "{:?}", r.exec.errors);
+        } else {
+            assert_eq!(r.exec.errors.len(), 1, "{logic}");
+            assert!(
+                r.exec.errors[0]
+                    .message
+                    .starts_with("cannot write 'metadata': metadata is an object"),
+                "{:?}",
+                r.exec.errors[0]
+            );
+        }
+    }
 }
 
 /// A map path with an empty segment (`a..b`, `.a`, `a.`) is an input

@@ -158,6 +158,11 @@ impl CacheStore {
         match &self.backend {
             Backend::Memory(c) => {
                 c.insert(key.to_owned(), Entry { value, ttl });
+                // Evict now, not at moka's next maintenance pass: past
+                // `max_entries` the least recently used entry is gone as
+                // soon as the write returns (audit 67: three entries of a
+                // two-entry cache read back until the next write).
+                c.run_pending_tasks();
                 Ok(())
             }
             Backend::Redis(m) => {
@@ -317,6 +322,19 @@ mod tests {
         let store = CacheStore::connect(&memory(None)).await.unwrap();
         basics(&store, "").await;
         ttl_expires(&store, "").await;
+    }
+
+    /// The least recently used entry is evicted by the write that passes
+    /// `max_entries`, not later.
+    #[tokio::test]
+    async fn memory_evicts_with_the_write_that_passes_max_entries() {
+        let store = CacheStore::connect(&memory(Some(2))).await.unwrap();
+        for key in ["x1", "x2", "x3"] {
+            store.set(key, key.into(), None).await.unwrap();
+        }
+        assert_eq!(store.get("x1").await.unwrap(), None);
+        assert_eq!(store.get("x2").await.unwrap().as_deref(), Some("x2"));
+        assert_eq!(store.get("x3").await.unwrap().as_deref(), Some("x3"));
     }
 
     #[tokio::test]

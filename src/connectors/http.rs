@@ -373,9 +373,22 @@ impl HttpConn {
             .await
             .map_err(|e| transport_error(&what, timeout, e))?;
         let status = response.status();
+        let declared_json = response
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(is_json_type);
         let bytes = read_capped(response, &what, timeout).await?;
         if status.is_success() {
-            let mut body = parse_body(&bytes);
+            let mut body = parse_body(&bytes, declared_json).map_err(|why| {
+                ConnectorError::new(
+                    ConnectorErrorKind::Upstream,
+                    format!(
+                        "{what} answered HTTP {} with a JSON body that does not parse: {why}",
+                        status.as_u16()
+                    ),
+                )
+            })?;
             // An upstream that echoes what it was sent (an echo service, a
             // debug endpoint, a "you are ..." answer) must not bring the
             // connector's credentials into the workflow's data, and from
@@ -449,13 +462,29 @@ fn base64(text: &str) -> String {
 }
 
 /// The response body as JSON when it parses, else as a string; an empty body
-/// is `null`.
-fn parse_body(bytes: &[u8]) -> Json {
+/// is `null`. A body whose `Content-Type` says JSON and that does not parse
+/// (a number beyond a double, nesting deeper than 128 levels, a cut-off
+/// document) is an error: kept as text, the workflow would read `null`
+/// from it without a word.
+fn parse_body(bytes: &[u8], declared_json: bool) -> Result<Json, String> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
-        return Json::Null;
+        return Ok(Json::Null);
     }
-    serde_json::from_slice(bytes)
-        .unwrap_or_else(|_| Json::String(String::from_utf8_lossy(bytes).into_owned()))
+    match serde_json::from_slice(bytes) {
+        Ok(json) => Ok(json),
+        Err(e) if declared_json => Err(e.to_string()),
+        Err(_) => Ok(Json::String(String::from_utf8_lossy(bytes).into_owned())),
+    }
+}
+
+/// `application/json` and the `+json` types (`application/problem+json`),
+/// parameters and case aside.
+fn is_json_type(content_type: &str) -> bool {
+    let essence = content_type.split(';').next().unwrap_or_default().trim();
+    essence.eq_ignore_ascii_case("application/json")
+        || essence
+            .rsplit_once('+')
+            .is_some_and(|(_, suffix)| suffix.eq_ignore_ascii_case("json"))
 }
 
 /// Secrets worth masking by value: at least 6 characters (shorter ones
@@ -923,9 +952,37 @@ mod tests {
 
     #[test]
     fn bodies_parse_as_json_else_string() {
-        assert_eq!(parse_body(b"{\"a\":1}"), serde_json::json!({"a": 1}));
-        assert_eq!(parse_body(b"plain"), Json::String("plain".into()));
-        assert_eq!(parse_body(b""), Json::Null);
+        for declared in [false, true] {
+            assert_eq!(
+                parse_body(b"{\"a\":1}", declared),
+                Ok(serde_json::json!({"a": 1}))
+            );
+            assert_eq!(parse_body(b" ", declared), Ok(Json::Null));
+        }
+        assert_eq!(
+            parse_body(b"plain", false),
+            Ok(Json::String("plain".into()))
+        );
+        // Said to be JSON and not: an error, not a string the workflow
+        // reads `null` from (audit 69).
+        let err = parse_body(b"{\"a\":1e400}", true).unwrap_err();
+        assert!(err.contains("number out of range"), "{err}");
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let err = parse_body(deep.as_bytes(), true).unwrap_err();
+        assert!(err.contains("recursion limit"), "{err}");
+        assert_eq!(
+            parse_body(b"{\"a\":1e400}", false),
+            Ok(Json::String("{\"a\":1e400}".into()))
+        );
+        for (t, json) in [
+            ("application/json", true),
+            ("Application/JSON; charset=utf-8", true),
+            ("application/problem+json", true),
+            ("text/plain", false),
+            ("application/jsonl", false),
+        ] {
+            assert_eq!(is_json_type(t), json, "{t}");
+        }
     }
 
     #[test]

@@ -189,10 +189,21 @@ impl Breakers {
     /// created later under the same name starts closed, and the listing no
     /// longer shows what cannot be called).
     pub fn forget_connector(&self, connector: &str) {
+        self.forget_where(|b| b.connector == connector);
+    }
+
+    /// Forgets every breaker of channel `name` (it was deleted: a channel
+    /// created later under that name starts with closed breakers, as a
+    /// connector does).
+    pub fn forget_channel(&self, name: &str) {
+        self.forget_where(|b| b.channel == name);
+    }
+
+    fn forget_where(&self, forget: impl Fn(&Breaker) -> bool) {
         let keys: Vec<String> = self
             .map
             .iter()
-            .filter(|(_, b)| b.connector == connector)
+            .filter(|(_, b)| forget(b))
             .map(|(k, _)| (*k).clone())
             .collect();
         for key in keys {
@@ -291,17 +302,33 @@ impl Permit<'_> {
         self.done = true;
         let (breakers, b) = (self.breakers, &self.breaker);
         if !failed {
-            b.failures.store(0, Ordering::Relaxed);
+            // A success admitted before the breaker opened (a slow call
+            // answering late) leaves an open breaker's count alone: the
+            // listing would show it open with no failures (audit 67).
+            if self.probe || b.state.load(Ordering::Acquire) == CLOSED {
+                b.failures.store(0, Ordering::Relaxed);
+            }
             if self.probe {
                 b.state.store(CLOSED, Ordering::Release);
                 tracing::info!(breaker = %b.key, "circuit breaker closed after a successful probe");
             }
             return;
         }
-        let n = b.failures.fetch_add(1, Ordering::AcqRel).saturating_add(1);
         if self.probe {
+            b.failures.fetch_add(1, Ordering::AcqRel);
             breakers.open(b);
-        } else if n >= breakers.threshold
+        } else {
+            breakers.failed(b);
+        }
+    }
+}
+
+impl Breakers {
+    /// Counts one failure outside a probe; the one that reaches the
+    /// threshold while closed trips the breaker.
+    fn failed(&self, b: &Arc<Breaker>) {
+        let n = b.failures.fetch_add(1, Ordering::AcqRel).saturating_add(1);
+        if n >= self.threshold
             && b.state.load(Ordering::Acquire) == CLOSED
             && b.state
                 .compare_exchange(CLOSED, HALF_OPEN, Ordering::AcqRel, Ordering::Acquire)
@@ -309,7 +336,7 @@ impl Permit<'_> {
         {
             // Parked in HALF_OPEN (which rejects) while the timestamps are
             // written; `open` then publishes OPEN. One thread trips, once.
-            breakers.open(b);
+            self.open(b);
         }
     }
 }
@@ -331,6 +358,17 @@ impl Policy {
     pub fn new(cfg: &config::CircuitBreaker) -> Policy {
         Policy {
             breakers: Breakers::new(cfg),
+        }
+    }
+
+    /// A call on `connector` the execution deadline abandoned: a failure
+    /// for its breaker, as the remote's own timeout would have been. (A
+    /// probe among them has already re-opened the breaker when dropped.)
+    pub fn deadline_cut(&self, scope: &CallScope, connector: &str) {
+        if let Some(b) = self.breakers.breaker(&scope.channel, connector)
+            && self.breakers.state_now(&b) == CLOSED
+        {
+            self.breakers.failed(&b);
         }
     }
 
@@ -612,6 +650,29 @@ mod tests {
             .unwrap();
         assert_eq!(b.state(), "closed");
         assert_eq!(policy.breakers.list()[0]["consecutive_failures"], 0);
+    }
+
+    /// A success admitted before the breaker opened leaves the open
+    /// breaker's count as it was; a call the deadline abandoned counts as
+    /// a failure (audit 67).
+    #[tokio::test]
+    async fn late_successes_and_deadline_cuts() {
+        let policy = Policy::new(&cfg(2, 3600));
+        policy.deadline_cut(&scope(), "c");
+        assert_eq!(policy.breakers.list()[0]["consecutive_failures"], 1);
+        let b = policy.breakers.map.get("ch:c").unwrap();
+        let late = policy.breakers.admit(&b).unwrap();
+        policy.deadline_cut(&scope(), "c");
+        assert_eq!(b.state(), "open");
+        late.finish(false);
+        let listed = &policy.breakers.list()[0];
+        assert_eq!(
+            (listed["state"].as_str(), &listed["consecutive_failures"]),
+            (Some("open"), &json!(2))
+        );
+        // An open breaker does not count more.
+        policy.deadline_cut(&scope(), "c");
+        assert_eq!(policy.breakers.list()[0]["consecutive_failures"], 2);
     }
 
     #[tokio::test]

@@ -433,9 +433,11 @@ fn row_json<R: sqlx::Row>(
     let mut obj = Map::with_capacity(row.len());
     for (i, col) in row.columns().iter().enumerate() {
         let ty = col.type_info().name().to_owned();
+        // The database answered; reading its answer failed here (a type
+        // with no JSON form): a task error, not an upstream one (audit 67).
         let v = cell(row, i, &ty).map_err(|e| {
             ConnectorError::new(
-                ConnectorErrorKind::Upstream,
+                ConnectorErrorKind::Other,
                 format!("column '{}' (type {ty}): {e}", col.name()),
             )
         })?;
@@ -1298,6 +1300,7 @@ mod tests {
                 assert!(e.message.contains("'arr'"), "{q}: {}", e.message);
                 assert!(e.message.contains("to_jsonb(col)"), "{q}: {}", e.message);
                 assert!(!e.retryable);
+                assert_eq!(e.kind, ConnectorErrorKind::Other, "{q}");
             }
 
             let e = pool.read("SELEC 1", &[]).await.unwrap_err();

@@ -332,7 +332,6 @@ pub(crate) fn plan_status(
             r.version, r.status
         ))
     };
-    let no_active = || conflict(format!("{label} '{id}' has no active version"));
     let with_status = |s: &[Status]| {
         rows.iter()
             .filter(|r| s.contains(&r.status))
@@ -491,7 +490,21 @@ pub(crate) fn plan_status(
                 None => with_status(from),
             };
             let Some(last) = moved.last() else {
-                return Err(no_active());
+                // Say what there is: "no active version" alone read as if
+                // the draft had not been found (audit 68).
+                let what = if target == Archived {
+                    "active or paused"
+                } else {
+                    "active"
+                };
+                let newest = rows.iter().max_by_key(|r| r.version);
+                return Err(conflict(match newest {
+                    Some(n) => format!(
+                        "{label} '{id}' has no {what} version to {action}; version {} is {}",
+                        n.version, n.status
+                    ),
+                    None => format!("{label} '{id}' has no {what} version to {action}"),
+                }));
             };
             for r in &moved {
                 changes.push(Change {
@@ -579,6 +592,15 @@ pub(crate) fn plan_rollout(
             });
         }
     }
+    // A share a version already has is no change: asked again (a retried
+    // call, a pipeline applying its state), nothing is written, audited or
+    // reloaded (audit 68).
+    changes.retain(|c| {
+        c.from != c.to
+            || rows
+                .iter()
+                .all(|r| r.version != c.version || r.rollout != c.rollout)
+    });
     Ok(Plan {
         target: newest.version,
         changes,
@@ -586,11 +608,18 @@ pub(crate) fn plan_rollout(
     })
 }
 
-fn changes_json(plan: &Plan) -> Json {
+/// The audit entry's `changes`; a channel has no rollout share to report.
+fn changes_json(kind: Kind, plan: &Plan) -> Json {
     Json::Array(
         plan.changes
             .iter()
-            .map(|c| json!({"version": c.version, "from": c.from, "to": c.to, "rollout_percentage": c.rollout}))
+            .map(|c| {
+                let mut change = json!({"version": c.version, "from": c.from, "to": c.to});
+                if kind == Kind::Workflow {
+                    change["rollout_percentage"] = c.rollout.into();
+                }
+                change
+            })
             .collect(),
     )
 }
@@ -899,25 +928,37 @@ impl Store {
     }
 
     /// Sets the share of the newest active version (1..=100); at 100 the older
-    /// active version is archived. Conflict when nothing is active.
+    /// active version is archived. Conflict when nothing is active. Returns
+    /// the newest active version and whether anything changed (asking for
+    /// the shares the versions have writes nothing).
     pub async fn set_rollout(
         &self,
         kind: Kind,
         id: &str,
         percentage: i64,
         audit: Audit,
-    ) -> Result<Record, StorageError> {
+    ) -> Result<(Record, bool), StorageError> {
         if !(1..=100).contains(&percentage) {
             return Err(StorageError::BadRequest(
                 "rollout_percentage must be between 1 and 100".into(),
             ));
         }
-        retry(|| {
-            self.apply_plan_once(kind, id, audit.clone(), &|_| Ok(()), move |rows| {
-                plan_rollout(kind, id, rows, percentage)
+        let unchanged = std::sync::atomic::AtomicBool::new(false);
+        let record = retry(|| {
+            self.apply_plan_once(kind, id, audit.clone(), &|_| Ok(()), |rows| {
+                let plan = plan_rollout(kind, id, rows, percentage)?;
+                unchanged.store(
+                    plan.changes.is_empty(),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                Ok(plan)
             })
         })
-        .await
+        .await?;
+        Ok((
+            record,
+            !unchanged.load(std::sync::atomic::Ordering::Relaxed),
+        ))
     }
 
     async fn apply_plan_once<F>(
@@ -941,6 +982,10 @@ impl Store {
                 return Err(kind.not_found(id));
             }
             let plan = decide(&rows)?;
+            if plan.changes.is_empty() {
+                // Nothing to write: the version as it is, no audit entry.
+                return record_from_row(&fetch_one!(&mut *tx, &k.get_version, id, plan.target)?);
+            }
             for c in &plan.changes {
                 let n = execute!(&mut *tx, &k.set_state, c.to.as_str(), c.rollout, now, id, c.version, c.from.as_str())?;
                 if n != 1 {
@@ -957,7 +1002,7 @@ impl Store {
             let archived: Vec<i64> = plan.changes.iter()
                 .filter(|c| c.to == Status::Archived && c.version != plan.target)
                 .map(|c| c.version).collect();
-            let mut details = json!({"status": record.status, "changes": changes_json(&plan)});
+            let mut details = json!({"status": record.status, "changes": changes_json(kind, &plan)});
             if kind == Kind::Workflow {
                 details["rollout_percentage"] = record.rollout_percentage.into();
             }

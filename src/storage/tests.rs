@@ -626,7 +626,7 @@ async fn activation_canary_rollout_rollback_archive(s: Store, _: PathBuf) {
     assert_conflict(
         s.set_status(k, "a", Archived, None, None, admin("archive"))
             .await,
-        "workflow 'a' has no active version",
+        "workflow 'a' has no active or paused version to archive; version 1 is draft",
     );
     assert_conflict(
         s.set_rollout(k, "a", 50, admin("rollout")).await,
@@ -681,9 +681,18 @@ async fn activation_canary_rollout_rollback_archive(s: Store, _: PathBuf) {
         .collect();
     assert_eq!(engine, [("a".to_owned(), 1), ("a".to_owned(), 2)]);
     // Rollout below 100 moves the split; 100 archives the older version.
-    let r = s.set_rollout(k, "a", 60, admin("rollout")).await.unwrap();
-    assert_eq!((r.version, r.rollout_percentage), (2, 60));
+    let (r, changed) = s.set_rollout(k, "a", 60, admin("rollout")).await.unwrap();
+    assert_eq!((r.version, r.rollout_percentage, changed), (2, 60, true));
     assert_eq!(states(&s, k, "a").await, [(1, Active, 40), (2, Active, 60)]);
+    // The same split again changes nothing and records nothing (audit 68).
+    let audits = s.list_audit(None, None, None, 1000, 0).await.unwrap().1;
+    let (r, changed) = s.set_rollout(k, "a", 60, admin("rollout")).await.unwrap();
+    assert_eq!((r.version, r.rollout_percentage, changed), (2, 60, false));
+    assert_eq!(states(&s, k, "a").await, [(1, Active, 40), (2, Active, 60)]);
+    assert_eq!(
+        s.list_audit(None, None, None, 1000, 0).await.unwrap().1,
+        audits
+    );
     s.set_rollout(k, "a", 100, admin("rollout")).await.unwrap();
     assert_eq!(
         states(&s, k, "a").await,
@@ -779,7 +788,7 @@ async fn pause_and_resume(s: Store, _: PathBuf) {
     assert_conflict(
         s.set_status(k, "p", Paused, None, None, admin("pause"))
             .await,
-        "workflow 'p' has no active version",
+        "workflow 'p' has no active version to pause; version 1 is draft",
     );
     assert_conflict(
         s.set_status(k, "p", Paused, Some(1), None, admin("pause"))
@@ -879,6 +888,17 @@ async fn channels_names_and_lifecycle(s: Store, _: PathBuf) {
         states(&s, k, "c1").await,
         [(1, Archived, 100), (2, Active, 100)]
     );
+    // A channel has no rollout share, and its audit entry reports none.
+    let (entries, _) = s
+        .list_audit(Some("activate"), Some("channel"), Some("c1"), 1, 0)
+        .await
+        .unwrap();
+    assert_eq!(
+        entries[0]["details"]["changes"],
+        json!([{"version": 2, "from": "draft", "to": "active"},
+               {"version": 1, "from": "active", "to": "archived"}])
+    );
+    assert!(entries[0]["details"].get("rollout_percentage").is_none());
     assert_conflict(
         s.update_draft(k, "c1", &channel("x", "sync", "rest"), admin("update"))
             .await,
@@ -1077,6 +1097,11 @@ async fn audit_written_with_each_change_only(s: Store, _: PathBuf) {
     );
     assert!(e["created_at"].as_str().unwrap().ends_with('Z'));
     assert!(entries[0]["id"].as_i64().unwrap() > entries[1]["id"].as_i64().unwrap());
+    assert_eq!(
+        e["details"]["changes"],
+        json!([{"version": 2, "from": "active", "to": "active", "rollout_percentage": 100},
+               {"version": 1, "from": "active", "to": "archived", "rollout_percentage": 60}])
+    );
 
     // Failed changes leave no entry.
     assert!(s.create(k, "au", &wf("A", &[]), a("create")).await.is_err());

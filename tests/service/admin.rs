@@ -1233,6 +1233,39 @@ async fn dry_run_imports_predict_the_import() {
         .await;
     assert_eq!(r.ok(200)["created"], json!(["b"]));
     assert_eq!(r.body["data"]["failed"].as_array().unwrap().len(), 2);
+    // Keys a connector's type does not read are warnings, on create,
+    // update and import (audit 67: a misspelt `query_timeout` was stored
+    // and the default used without a word).
+    let typo = json!({"name": "slow", "connector_type": "db", "comment": "x",
+        "config": {"type": "db", "connection_string": "sqlite::memory:", "query_timeout": 500}});
+    let expected = json!([
+        {"field": "comment", "message": "unknown field, ignored; expected one of name, connector_type, config, description, created_at, updated_at"},
+        {"field": "config.query_timeout", "message": "unknown field, ignored; expected one of type, retry, connection_string, max_connections, query_timeout_ms, connect_timeout_ms"}
+    ]);
+    let r = s.admin("POST", "/connectors", Some(typo.clone())).await;
+    r.ok(201);
+    assert_eq!(r.body["warnings"], expected, "{}", r.text);
+    let r = s.admin("PUT", "/connectors/slow", Some(typo.clone())).await;
+    r.ok(200);
+    assert_eq!(r.body["warnings"], expected, "{}", r.text);
+    let mut other = typo.clone();
+    other["name"] = json!("slow2");
+    let r = s
+        .admin(
+            "POST",
+            "/connectors/import?dry_run=true",
+            Some(json!([conn("c"), other])),
+        )
+        .await;
+    assert_eq!(
+        r.ok(200)["warnings"],
+        json!([{"index": 1, "details": expected}]),
+        "{}",
+        r.text
+    );
+    let r = s.admin("POST", "/connectors", Some(conn("clean"))).await;
+    r.ok(201);
+    assert!(r.body.get("warnings").is_none(), "{}", r.text);
     s.admin("GET", "/connectors/b", None)
         .await
         .error(404, "NOT_FOUND");
@@ -1731,6 +1764,17 @@ async fn lifecycle_bodies_treat_null_as_a_value() {
             json!({"status": "active", "rollout_percentage": 150}),
             "rollout_percentage",
             "must be an integer from 1 to 100, got 150",
+        ),
+        // Beyond i64 (audit 66: "expected integer, got integer").
+        (
+            json!({"status": "active", "rollout_percentage": 9223372036854775808u64}),
+            "rollout_percentage",
+            "must be an integer from 1 to 100, got 9223372036854775808",
+        ),
+        (
+            json!({"status": "active", "version": 9223372036854775808u64}),
+            "version",
+            "must be a positive integer up to 9223372036854775807, got 9223372036854775808",
         ),
     ] {
         let r = s.admin("PATCH", "/workflows/nul/status", Some(body)).await;
@@ -2265,6 +2309,28 @@ async fn a_stored_version_that_does_not_compile_is_not_activated() {
         reload.detail_fields()[0].starts_with("workflows['fresh']"),
         "{}",
         reload.text
+    );
+    // The engine now serves an older state than storage holds: `/health`
+    // says so until a reload builds again (audit 68; it said `ok`).
+    let h = s.get("/health").await;
+    assert_eq!(
+        (h.status, h.body["status"].as_str()),
+        (503, Some("degraded"))
+    );
+    assert_eq!(
+        h.body["components"],
+        json!({"database": "ok", "engine": "reload_failed"})
+    );
+    sqlx::query("UPDATE workflows SET definition = ?, digest = NULL WHERE id = 'fresh'")
+        .bind(workflow("fresh").to_string())
+        .execute(&mut db)
+        .await
+        .unwrap();
+    s.admin("POST", "/engine/reload", None).await.ok(200);
+    let h = s.get("/health").await;
+    assert_eq!(
+        (h.status, h.body["components"]["engine"].as_str()),
+        (200, Some("ok"))
     );
 }
 

@@ -572,6 +572,64 @@ async fn transport_errors_never_show_the_base_url() {
     }
 }
 
+/// A remote that never answers within the channel's `timeout_ms`, with the
+/// connector's own timeout not below it (the defaults are both 30 s): each
+/// call the deadline abandons counts for the breaker, which opens (audit
+/// 67: it stayed closed, and every request waited out the deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_the_channel_deadline_abandons_open_the_breaker() {
+    let upstream = crate::support::slow_upstream(Duration::from_secs(5)).await;
+    let s = service(true).await;
+    connector(&s, "hang", json!({"url": upstream, "retry": no_retry()})).await;
+    let tasks = json!([
+        {"id": "parse", "name": "Parse", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}},
+        task("c", json!({"connector": "hang", "path": "/x"}))
+    ]);
+    s.deploy(
+        json!({"workflow_id": "hang", "name": "hang", "tasks": tasks}),
+        json!({"channel_id": "hang", "name": "hang", "channel_type": "sync", "protocol": "http",
+               "workflow_id": "hang", "config_json": {"timeout_ms": 200}}),
+    )
+    .await;
+    // failure_threshold = 2.
+    for _ in 0..2 {
+        run(&s, "hang", json!({})).await.error(504, "TIMEOUT");
+    }
+    let r = s.admin("GET", "/connectors/circuit-breakers", None).await;
+    assert_eq!(
+        (
+            r.ok(200)[0]["state"].as_str(),
+            &r.ok(200)[0]["consecutive_failures"]
+        ),
+        (Some("open"), &json!(2)),
+        "{}",
+        r.text
+    );
+    run(&s, "hang", json!({}))
+        .await
+        .error(503, "SERVICE_UNAVAILABLE");
+    // Deleting the channel forgets its breakers: one created again under
+    // the same name starts closed (it inherited the open one).
+    let channel = json!({"channel_id": "hang", "name": "hang", "channel_type": "sync",
+        "protocol": "http", "workflow_id": "hang", "config_json": {"timeout_ms": 200}});
+    assert_eq!(s.admin("DELETE", "/channels/hang", None).await.status, 204);
+    assert_eq!(
+        s.admin("GET", "/connectors/circuit-breakers", None)
+            .await
+            .ok(200),
+        &json!([])
+    );
+    s.admin("POST", "/channels", Some(channel)).await.ok(201);
+    s.admin(
+        "PATCH",
+        "/channels/hang/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    run(&s, "hang", json!({})).await.error(504, "TIMEOUT");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn circuit_breaker_opens_probes_and_closes() {
     let up = Upstream::start().await;

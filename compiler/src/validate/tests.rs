@@ -45,7 +45,7 @@ fn newer_rules_spare_stored_definitions() {
                 "tasks[0].loop",
                 "loop is allowed on the workflow and on groups, not on a task (put the task in a group: {\"id\": \"…\", \"loop\": {…}, \"tasks\": [the task]})",
             ),
-            ("tasks[1].name", "must not be empty"),
+            ("tasks[1].name", "must not be blank (only whitespace)"),
         ],
     );
     assert!(crate::plan::compile_new_workflow(&def).is_err());
@@ -213,7 +213,7 @@ fn workflow_top_level_fields() {
         validate_workflow(&def),
         &[
             ("workflow_id", "must be at most 128 characters"),
-            ("name", "must not be empty"),
+            ("name", "must not be blank (only whitespace)"),
             ("description", "must be at most 2048 characters"),
             ("tags[1]", "expected string, got integer"),
             ("continue_on_error", "expected boolean, got string"),
@@ -711,7 +711,7 @@ fn other_connector_inputs() {
             "publish_kafka",
             json!({"connector": "k", "topic": " "}),
         )),
-        &[(&p("topic"), "must not be empty")],
+        &[(&p("topic"), "must not be blank (only whitespace)")],
     );
     // A static topic no broker takes: refused in a new definition; a
     // stored one (checked before the rule) still loads.
@@ -915,7 +915,10 @@ fn channel_call_input() {
     );
     check(
         workflow_with(task("t", "channel_call", json!({"channel": " "}))),
-        &[("tasks[0].function.input.channel", "must not be empty")],
+        &[(
+            "tasks[0].function.input.channel",
+            "must not be blank (only whitespace)",
+        )],
     );
     check(
         workflow_with(task(
@@ -1757,15 +1760,39 @@ fn env_references() {
     );
 }
 
+/// Integers beyond i64 (beyond u64 too, which serde_json reads as floats)
+/// are out of range, and the message names the range (audit 66: "is out of
+/// range", or "expected integer, got number" beyond u64).
 #[test]
 fn numbers_beyond_i64_are_out_of_range() {
-    let def = json!({"name": "w", "priority": u64::MAX, "version": u64::MAX, "tasks": [task("t", "log", json!({}))]});
+    let def: Json = serde_json::from_str(
+        r#"{"name": "w", "priority": 18446744073709551615, "version": 99999999999999999999999,
+            "rollout_percentage": 18446744073709551616, "tasks": [{"id": "t", "name": "t",
+            "function": {"name": "log", "input": {}}}]}"#,
+    )
+    .unwrap();
     check(
         validate_workflow(&def),
         &[
-            ("priority", "is out of range"),
-            ("version", "is out of range"),
+            ("priority", "must be at most 9223372036854775807"),
+            ("version", "must be between 1 and 9223372036854775807"),
+            ("rollout_percentage", "must be between 1 and 100"),
         ],
+    );
+    let def: Json = serde_json::from_str(
+        r#"{"name": "w", "priority": -99999999999999999999, "tasks": [{"id": "t", "name": "t",
+            "function": {"name": "log", "input": {}}}]}"#,
+    )
+    .unwrap();
+    check(
+        validate_workflow(&def),
+        &[("priority", "must be at least -9223372036854775808")],
+    );
+    // A fraction stays a type error.
+    let def = json!({"name": "w", "priority": 1.5, "tasks": [task("t", "log", json!({}))]});
+    check(
+        validate_workflow(&def),
+        &[("priority", "expected integer, got number")],
     );
 }
 
