@@ -1146,8 +1146,28 @@ async fn create_connector(app: &App, req: &Req, who: Principal) -> ApiResult {
     with_warnings(
         http::StatusCode::CREATED,
         masked(record.to_connector_json()),
-        &validate::connector_warnings(&def),
+        &connector_def_warnings(app, &def),
     )
+}
+
+/// A connector's warnings: the keys its type does not read, and an HTTP
+/// connector whose URL is a literal address the SSRF guard refuses (every
+/// call would fail while `security.allow_private_networks` is false; a host
+/// name is only judged when it is resolved, at call time).
+fn connector_def_warnings(app: &App, def: &Json) -> Vec<Diagnostic> {
+    let mut out = validate::connector_warnings(def);
+    if !app.config.security.allow_private_networks
+        && def.get("connector_type").and_then(Json::as_str) == Some("http")
+        && let Some(url) = def.pointer("/config/url").and_then(Json::as_str)
+        && let Ok(url) = reqwest::Url::parse(url)
+        && let Err(refused) = crate::connectors::ssrf::check_url(&url)
+    {
+        out.push(Diagnostic::new(
+            "config.url",
+            format!("{refused}: every call fails while security.allow_private_networks is false"),
+        ));
+    }
+    out
 }
 
 async fn get_connector(app: &App, name: &str) -> ApiResult {
@@ -1182,7 +1202,7 @@ async fn update_connector(app: &App, req: &Req, name: &str, who: Principal) -> A
     with_warnings(
         http::StatusCode::OK,
         masked(record.to_connector_json()),
-        &validate::connector_warnings(&def),
+        &connector_def_warnings(app, &def),
     )
 }
 
@@ -1244,7 +1264,7 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
             .and_then(|def| no_masks(&def).map(|()| def))
         {
             Ok(def) => {
-                let warnings = validate::connector_warnings(&def);
+                let warnings = connector_def_warnings(app, &def);
                 if !warnings.is_empty() {
                     warned.push(json!({"index": index, "details": warnings}));
                 }

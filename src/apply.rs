@@ -126,7 +126,12 @@ fn is_definition(name: &str) -> bool {
 /// all files are reported together, before anything is sent.
 fn read_locals(dir: &Path) -> Result<Vec<Local>, Vec<String>> {
     if !dir.is_dir() {
-        return Err(vec![format!("{}: not a directory", dir.display())]);
+        // A path that is not there says so, as `sluice test` does.
+        let why = match std::fs::metadata(dir) {
+            Err(e) => e.to_string(),
+            Ok(_) => "not a directory".to_owned(),
+        };
+        return Err(vec![format!("{}: {why}", dir.display())]);
     }
     let mut locals = Vec::new();
     let mut problems = Vec::new();

@@ -685,6 +685,13 @@ impl Config {
         if self.kafka.brokers.trim().is_empty() {
             return fail("kafka.brokers", "must not be empty");
         }
+        // Every Kafka channel without its own `consumer_group` joins this
+        // one; empty, its consumers could not be created and retried
+        // forever with /health ok (audit 71). A channel's own empty
+        // `consumer_group` is refused the same way.
+        if self.kafka.group_id.trim().is_empty() {
+            return fail("kafka.group_id", "must not be empty");
+        }
         if self.kafka.dlq.enabled && self.kafka.dlq.topic.trim().is_empty() {
             return fail(
                 "kafka.dlq.topic",
@@ -1557,6 +1564,10 @@ mod tests {
         .unwrap_err()
         .0;
         assert_eq!(e, "invalid value for 'kafka.brokers': must not be empty");
+        let e = load(None, &[("SERVICE_KAFKA__GROUP_ID", "")])
+            .unwrap_err()
+            .0;
+        assert_eq!(e, "invalid value for 'kafka.group_id': must not be empty");
         let e = load(
             None,
             &[

@@ -343,6 +343,15 @@ fn fixed_schemas() -> Json {
     let integer = json!({"type": "integer"});
     let diagnostic = json!({"type": "object", "required": ["field", "message"], "properties": {"field": string, "message": string}});
     let task_error = json!({"type": "object", "required": ["code", "task_id", "message"], "properties": {"code": string, "task_id": string, "message": string}});
+    // A function field's rule: a name, or the allowed values (audit 71: typed
+    // a string, and `http_call.method` answers `{"one_of": [...]}`).
+    let constraint = json!({
+        "description": "A rule beyond the type: a name (`positive`, `string_map`) or the allowed values (`{\"one_of\": [\"GET\", ...]}`).",
+        "oneOf": [
+            {"type": "string"},
+            {"type": "object", "required": ["one_of"], "properties": {"one_of": {"type": "array", "items": {"type": "string"}}}}
+        ]
+    });
     json!({
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["code", "message"],
@@ -410,7 +419,7 @@ fn fixed_schemas() -> Json {
         "FunctionSchema": {"type": "object", "properties": {"name": string, "kind": string, "fields": {"type": "array", "items": {"type": "object", "properties": {
             "name": string, "type": string, "required": {"type": "boolean"}, "description": string, "category": string,
             "default": {"description": "The value taken when the field is absent."},
-            "constraint": {"type": "string", "description": "A rule beyond the type (e.g. string_map)."},
+            "constraint": constraint,
         }}}}},
         "AuditEntry": {"type": "object", "properties": {
             "id": integer, "principal": string, "action": string, "resource_type": string, "resource_id": string,

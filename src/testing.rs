@@ -406,7 +406,6 @@ fn run_case(
         documents: Some(stubs.clone()),
         publisher: Some(stubs.clone()),
         channels: Some(stubs.clone()),
-        cut: None,
     };
     let meta = &case.request.metadata;
     let pairs = |area| crate::data::metadata_pairs(meta, area);

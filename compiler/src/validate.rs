@@ -1369,6 +1369,7 @@ const CONNECTOR_KEYS: &[&str] = &[
     "description",
     "created_at",
     "updated_at",
+    "$schema",
 ];
 
 /// The `config` keys each connector type reads (`type` and `retry` are

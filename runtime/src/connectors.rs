@@ -88,6 +88,10 @@ pub struct HttpRequest {
     pub headers: Vec<(String, String)>,
     pub body: Option<Json>,
     pub timeout_ms: u64,
+    /// Whether the answer's body is kept (`response_path` given); without
+    /// it the body is discarded, so a body that does not parse is no
+    /// failure.
+    pub keep_body: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -208,18 +212,6 @@ pub struct Services {
     pub documents: Option<Arc<dyn DocumentStore>>,
     pub publisher: Option<Arc<dyn Publisher>>,
     pub channels: Option<Arc<dyn ChannelInvoker>>,
-    /// Told of each connector call the execution deadline abandoned.
-    pub cut: Option<Arc<dyn CutCalls>>,
-}
-
-/// Told when the execution deadline abandons a connector call still waiting
-/// for its remote. The service counts it against the connector's circuit
-/// breaker: with a connector timeout not below the channel's (the defaults
-/// are both 30 s) a remote that never answers would otherwise never open it.
-/// A call dropped because the client went away is not reported (that says
-/// nothing about the remote).
-pub trait CutCalls: Send + Sync {
-    fn cut(&self, scope: &CallScope, connector: &str);
 }
 
 impl fmt::Debug for Services {
@@ -231,7 +223,6 @@ impl fmt::Debug for Services {
             .field("documents", &self.documents.is_some())
             .field("publisher", &self.publisher.is_some())
             .field("channels", &self.channels.is_some())
-            .field("cut", &self.cut.is_some())
             .finish()
     }
 }
@@ -256,23 +247,6 @@ pub enum IoRequest {
     Find(FindRequest),
     Publish(PublishRequest),
     Invoke(InvokeRequest),
-}
-
-impl IoRequest {
-    /// The connector the call goes to (`None` for a `channel_call`, whose
-    /// callee's own calls report for themselves).
-    pub fn connector(&self) -> Option<&str> {
-        match self {
-            IoRequest::Http(r) => Some(&r.connector),
-            IoRequest::SqlRead(r) | IoRequest::SqlWrite(r) => Some(&r.connector),
-            IoRequest::CacheGet { connector, .. } | IoRequest::CacheSet { connector, .. } => {
-                Some(connector)
-            }
-            IoRequest::Find(r) => Some(&r.connector),
-            IoRequest::Publish(r) => Some(&r.connector),
-            IoRequest::Invoke(_) => None,
-        }
-    }
 }
 
 /// What a connector call produced: the value to store (if any), and for a

@@ -240,30 +240,21 @@ where
             Next::Io(io) => {
                 let result = match (options.deadline, options.timer) {
                     (Some(deadline), Some(timer)) => {
-                        let connector = services
-                            .cut
-                            .as_ref()
-                            .and_then(|_| io.connector().map(str::to_owned));
-                        let result = {
-                            let mut call = std::pin::pin!(services.perform(scope, io));
-                            let mut expired = timer(deadline);
-                            // The call first: an answer that is ready when the
-                            // deadline also is still counts.
-                            std::future::poll_fn(|cx| match call.as_mut().poll(cx) {
-                                std::task::Poll::Ready(result) => {
-                                    std::task::Poll::Ready(Some(result))
-                                }
-                                std::task::Poll::Pending => {
-                                    expired.as_mut().poll(cx).map(|()| None)
-                                }
-                            })
-                            .await
-                        };
-                        // Abandoned (and dropped, above) at the deadline.
-                        if let (None, Some(cut), Some(connector)) =
-                            (&result, &services.cut, connector)
-                        {
-                            cut.cut(scope, &connector);
+                        // Declared before the call, so dropped after it.
+                        let abandoning = Abandoning::default();
+                        let mut call = std::pin::pin!(services.perform(scope, io));
+                        let mut expired = timer(deadline);
+                        // The call first: an answer that is ready when the
+                        // deadline also is still counts.
+                        let result = std::future::poll_fn(|cx| match call.as_mut().poll(cx) {
+                            std::task::Poll::Ready(result) => std::task::Poll::Ready(Some(result)),
+                            std::task::Poll::Pending => expired.as_mut().poll(cx).map(|()| None),
+                        })
+                        .await;
+                        if result.is_none() {
+                            // The call is dropped at the end of this block
+                            // with the flag up.
+                            abandoning.raise();
                         }
                         result
                     }
@@ -277,6 +268,44 @@ where
         }
     }
     Ok(machine.finish(start, options))
+}
+
+thread_local! {
+    static ABANDONING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the connector call being dropped now was abandoned at the
+/// execution deadline (its remote did not answer in the channel's
+/// `timeout_ms`), rather than dropped because the client went away or the
+/// service is stopping. A connector's circuit breaker counts the first as a
+/// failure, as the call's own timeout would have been, and not the second
+/// (that says nothing about the remote). Read from `Drop` implementations:
+/// the flag is up only while the executor drops the abandoned call, on this
+/// thread; a `channel_call` callee's calls dropped with it see it too.
+pub fn abandoned_at_deadline() -> bool {
+    ABANDONING.with(std::cell::Cell::get)
+}
+
+/// Raises the flag for the drop of the call declared after it, and puts
+/// back what it was when dropped itself (an outer execution abandoning a
+/// `channel_call` may have raised it already).
+#[derive(Default)]
+struct Abandoning {
+    before: std::cell::Cell<Option<bool>>,
+}
+
+impl Abandoning {
+    fn raise(&self) {
+        self.before.set(Some(ABANDONING.with(|f| f.replace(true))));
+    }
+}
+
+impl Drop for Abandoning {
+    fn drop(&mut self) {
+        if let Some(before) = self.before.get() {
+            ABANDONING.with(|f| f.set(before));
+        }
+    }
 }
 
 /// An execution's arena, taken from a small per-thread pool and given back
@@ -1445,6 +1474,7 @@ impl<'a> Machine<'a> {
                         .collect(),
                     body,
                     timeout_ms: p.timeout_ms,
+                    keep_body: p.response_path.is_some(),
                 })
             }
             FunctionPlan::DbRead(p) | FunctionPlan::DbWrite(p) => {

@@ -380,7 +380,8 @@ impl HttpConn {
             .is_some_and(is_json_type);
         let bytes = read_capped(response, &what, timeout).await?;
         if status.is_success() {
-            let mut body = parse_body(&bytes, declared_json).map_err(|why| {
+            // A body that is discarded (no `response_path`) need not parse.
+            let mut body = parse_body(&bytes, declared_json && req.keep_body).map_err(|why| {
                 ConnectorError::new(
                     ConnectorErrorKind::Upstream,
                     format!(
@@ -617,6 +618,7 @@ mod tests {
             headers: vec![],
             body: None,
             timeout_ms: 2000,
+            keep_body: true,
         }
     }
 

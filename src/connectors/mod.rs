@@ -213,9 +213,6 @@ impl Connectors {
         if services.publisher.is_none() && self.kafka_enabled {
             services.publisher = Some(self.clone());
         }
-        if services.cut.is_none() {
-            services.cut = Some(self.clone());
-        }
         services
     }
 
@@ -518,14 +515,6 @@ pub(crate) async fn silent_server() -> (u16, tokio::task::JoinHandle<()>) {
         }
     });
     (port, held)
-}
-
-/// A call the execution deadline abandoned counts against its breaker as a
-/// timeout would (docs/decisions.md, "One call policy").
-impl sluice_runtime::connectors::CutCalls for Connectors {
-    fn cut(&self, scope: &CallScope, connector: &str) {
-        self.policy.deadline_cut(scope, connector);
-    }
 }
 
 #[cfg(test)]

@@ -342,9 +342,26 @@ impl Breakers {
 }
 
 impl Drop for Permit<'_> {
+    /// A call dropped without an outcome: abandoned at the execution
+    /// deadline, it failed (the remote did not answer in time); dropped
+    /// because the client went away or the service is stopping, it says
+    /// nothing about the remote, and a probe's slot is given back (the next
+    /// call probes).
     fn drop(&mut self) {
-        if !self.done && self.probe {
-            self.breakers.open(&self.breaker);
+        if self.done {
+            return;
+        }
+        let b = &self.breaker;
+        if sluice_runtime::exec::abandoned_at_deadline() {
+            if self.probe {
+                b.failures.fetch_add(1, Ordering::AcqRel);
+                self.breakers.open(b);
+            } else {
+                self.breakers.failed(b);
+            }
+        } else if self.probe {
+            // Still cooled down: the next call is the probe.
+            b.state.store(OPEN, Ordering::Release);
         }
     }
 }
@@ -358,17 +375,6 @@ impl Policy {
     pub fn new(cfg: &config::CircuitBreaker) -> Policy {
         Policy {
             breakers: Breakers::new(cfg),
-        }
-    }
-
-    /// A call on `connector` the execution deadline abandoned: a failure
-    /// for its breaker, as the remote's own timeout would have been. (A
-    /// probe among them has already re-opened the breaker when dropped.)
-    pub fn deadline_cut(&self, scope: &CallScope, connector: &str) {
-        if let Some(b) = self.breakers.breaker(&scope.channel, connector)
-            && self.breakers.state_now(&b) == CLOSED
-        {
-            self.breakers.failed(&b);
         }
     }
 
@@ -653,16 +659,15 @@ mod tests {
     }
 
     /// A success admitted before the breaker opened leaves the open
-    /// breaker's count as it was; a call the deadline abandoned counts as
-    /// a failure (audit 67).
+    /// breaker's count as it was (audit 67: listed open with 0 failures).
     #[tokio::test]
-    async fn late_successes_and_deadline_cuts() {
+    async fn late_successes_leave_an_open_breaker_alone() {
         let policy = Policy::new(&cfg(2, 3600));
-        policy.deadline_cut(&scope(), "c");
-        assert_eq!(policy.breakers.list()[0]["consecutive_failures"], 1);
-        let b = policy.breakers.map.get("ch:c").unwrap();
+        let b = policy.breakers.breaker("ch", "c").unwrap();
         let late = policy.breakers.admit(&b).unwrap();
-        policy.deadline_cut(&scope(), "c");
+        for _ in 0..2 {
+            policy.breakers.admit(&b).unwrap().finish(true);
+        }
         assert_eq!(b.state(), "open");
         late.finish(false);
         let listed = &policy.breakers.list()[0];
@@ -670,9 +675,22 @@ mod tests {
             (listed["state"].as_str(), &listed["consecutive_failures"]),
             (Some("open"), &json!(2))
         );
-        // An open breaker does not count more.
-        policy.deadline_cut(&scope(), "c");
-        assert_eq!(policy.breakers.list()[0]["consecutive_failures"], 2);
+    }
+
+    /// A call dropped outside the executor's deadline (the client went
+    /// away) counts nothing, and a probe dropped so gives its slot back.
+    #[tokio::test]
+    async fn calls_dropped_by_the_client_count_nothing() {
+        let policy = Policy::new(&cfg(1, 0));
+        let b = policy.breakers.breaker("ch", "c").unwrap();
+        drop(policy.breakers.admit(&b).unwrap());
+        assert_eq!(policy.breakers.list()[0]["consecutive_failures"], 0);
+        policy.breakers.admit(&b).unwrap().finish(true);
+        let probe = policy.breakers.admit(&b).unwrap();
+        assert!(probe.probe);
+        drop(probe);
+        // Not re-opened with a fresh cooldown: the next call probes.
+        assert!(policy.breakers.admit(&b).unwrap().probe);
     }
 
     #[tokio::test]
@@ -732,16 +750,6 @@ mod tests {
             .call(&scope(), "slow", &NO_RETRY, || async { Err(timeout()) })
             .await;
         assert_eq!(r.unwrap_err().kind, ConnectorErrorKind::CircuitOpen);
-    }
-
-    #[tokio::test]
-    async fn a_dropped_probe_reopens_the_breaker() {
-        let policy = Policy::new(&cfg(1, 0));
-        let b = policy.breakers.breaker("ch", "c").unwrap();
-        policy.breakers.admit(&b).unwrap().finish(true);
-        assert_eq!(b.state(), "open");
-        drop(policy.breakers.admit(&b).unwrap());
-        assert_eq!(b.state(), "open");
     }
 
     #[tokio::test]

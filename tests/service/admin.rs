@@ -1236,10 +1236,10 @@ async fn dry_run_imports_predict_the_import() {
     // Keys a connector's type does not read are warnings, on create,
     // update and import (audit 67: a misspelt `query_timeout` was stored
     // and the default used without a word).
-    let typo = json!({"name": "slow", "connector_type": "db", "comment": "x",
+    let typo = json!({"name": "slow", "connector_type": "db", "comment": "x", "$schema": "../schemas/connector.json",
         "config": {"type": "db", "connection_string": "sqlite::memory:", "query_timeout": 500}});
     let expected = json!([
-        {"field": "comment", "message": "unknown field, ignored; expected one of name, connector_type, config, description, created_at, updated_at"},
+        {"field": "comment", "message": "unknown field, ignored; expected one of name, connector_type, config, description, created_at, updated_at, $schema"},
         {"field": "config.query_timeout", "message": "unknown field, ignored; expected one of type, retry, connection_string, max_connections, query_timeout_ms, connect_timeout_ms"}
     ]);
     let r = s.admin("POST", "/connectors", Some(typo.clone())).await;

@@ -1474,6 +1474,15 @@ async fn apply_checks_every_file_before_sending_and_uses_the_api_key() {
         .await;
     r.error(404, "NOT_FOUND");
 
+    // A directory that is not there is named as missing (audit 71: "not a
+    // directory").
+    let out = apply(&s, &dir.join("missing"), &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("missing: No such file or directory"),
+        "{}",
+        text(&out)
+    );
     std::fs::remove_file(dir.join("workflows/bad.json")).unwrap();
     std::fs::remove_file(dir.join("channels/nameless.json")).unwrap();
     // Without the key the server refuses, and apply says so with exit 1.

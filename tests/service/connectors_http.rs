@@ -135,6 +135,11 @@ async fn answer(
             .header("content-type", "text/plain")
             .body(Full::new(Bytes::from_static(b"hello")))
             .unwrap(),
+        // Said to be JSON, and not readable as such.
+        ["badjson"] => Response::builder()
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(br#"{"a": 1e999}"#)))
+            .unwrap(),
         ["flaky", n, id] => {
             let n: u32 = n.parse().unwrap();
             let mut c = counters.lock().unwrap();
@@ -271,6 +276,8 @@ async fn every_input_field_auth_env_and_masking() {
             task("del", json!({"connector": "apikey", "method": "DELETE", "path": "/echo/k", "response_path": "temp_data.del"})),
             task("text", json!({"connector": "echo", "path": "/text", "response_path": "text"})),
             task("discard", json!({"connector": "echo", "method": "PATCH", "path": "/echo/discarded"})),
+            // A body discarded need not parse.
+            task("discard_bad", json!({"connector": "echo", "path": "/badjson"})),
             {"id": "copy", "name": "copy", "function": {"name": "map", "input": {"mappings": [
                 {"path": "del", "logic": {"var": "temp_data.del"}}]}}}
         ]),
@@ -340,6 +347,28 @@ async fn every_input_field_auth_env_and_masking() {
         r.text
     );
     assert!(up.hits("/text")[0].uri == "/text");
+    assert_eq!(up.hits("/badjson").len(), 1);
+    // Kept, a body said to be JSON that does not parse is an upstream
+    // failure naming the parser's reason (it was kept as text).
+    deploy(
+        &s,
+        "badjson",
+        json!([task(
+            "b",
+            json!({"connector": "echo", "path": "/badjson", "response_path": "b"})
+        )]),
+    )
+    .await;
+    let m = run(&s, "badjson", json!({}))
+        .await
+        .error(502, "UPSTREAM_ERROR")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        m.contains("with a JSON body that does not parse: number out of range"),
+        "{m}"
+    );
 
     // A missing variable is a task error naming it (a value never appears).
     connector(
@@ -608,17 +637,47 @@ async fn calls_the_channel_deadline_abandons_open_the_breaker() {
     run(&s, "hang", json!({}))
         .await
         .error(503, "SERVICE_UNAVAILABLE");
+    // A caller's deadline that abandons a `channel_call` abandons the
+    // callee's connector call too: it counts for the callee's breaker (as
+    // it did not, audit 70).
+    s.deploy(
+        json!({"workflow_id": "caller", "name": "caller", "tasks": [
+            {"id": "c", "name": "c", "function": {"name": "channel_call", "input": {"channel": "inner"}}}]}),
+        json!({"channel_id": "caller", "name": "caller", "channel_type": "sync", "protocol": "http",
+               "workflow_id": "caller", "config_json": {"timeout_ms": 200}}),
+    )
+    .await;
+    s.deploy(
+        json!({"workflow_id": "inner", "name": "inner", "tasks": tasks}),
+        json!({"channel_id": "inner", "name": "inner", "channel_type": "sync", "protocol": "http",
+               "workflow_id": "inner", "config_json": {"timeout_ms": 5000}}),
+    )
+    .await;
+    run(&s, "caller", json!({})).await.error(504, "TIMEOUT");
+    let r = s.admin("GET", "/connectors/circuit-breakers", None).await;
+    let inner = r
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["key"] == "inner:hang")
+        .cloned()
+        .unwrap_or_else(|| panic!("{}", r.text));
+    assert_eq!(inner["consecutive_failures"], 1, "{inner}");
     // Deleting the channel forgets its breakers: one created again under
     // the same name starts closed (it inherited the open one).
     let channel = json!({"channel_id": "hang", "name": "hang", "channel_type": "sync",
         "protocol": "http", "workflow_id": "hang", "config_json": {"timeout_ms": 200}});
     assert_eq!(s.admin("DELETE", "/channels/hang", None).await.status, 204);
-    assert_eq!(
-        s.admin("GET", "/connectors/circuit-breakers", None)
-            .await
-            .ok(200),
-        &json!([])
-    );
+    let r = s.admin("GET", "/connectors/circuit-breakers", None).await;
+    let keys: Vec<&str> = r
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["inner:hang"]);
     s.admin("POST", "/channels", Some(channel)).await.ok(201);
     s.admin(
         "PATCH",

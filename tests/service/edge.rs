@@ -466,6 +466,29 @@ async fn openapi_schemas_are_complete_and_resolve() {
     }
 }
 
+/// The function catalogue the service answers is what the document
+/// describes (audit 71: `constraint` was typed a string, and `http_call`'s
+/// `method` has an object).
+#[tokio::test]
+async fn functions_answer_as_the_document_says() {
+    let s = start(Db::Sqlite).await;
+    let spec = s.get("/api/v1/openapi.json").await.body;
+    let schema = &spec["components"]["schemas"]["FunctionSchema"];
+    assert!(!schema.to_string().contains("$ref"), "{schema}");
+    let validator = jsonschema::draft4::new(schema).unwrap();
+    let functions = s.admin("GET", "/functions", None).await;
+    let functions = functions.ok(200).as_array().unwrap();
+    assert!(
+        functions
+            .iter()
+            .any(|f| f["fields"].to_string().contains("one_of"))
+    );
+    for f in functions {
+        let errors: Vec<String> = validator.iter_errors(f).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "{}: {errors:?}", f["name"]);
+    }
+}
+
 /// With `metrics.enabled` off, `/metrics` is 404 and the document does not
 /// offer it.
 #[tokio::test]
