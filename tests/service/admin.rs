@@ -1266,6 +1266,20 @@ async fn dry_run_imports_predict_the_import() {
     let r = s.admin("POST", "/connectors", Some(conn("clean"))).await;
     r.ok(201);
     assert!(r.body.get("warnings").is_none(), "{}", r.text);
+    // A literal address the SSRF guard refuses: every call would fail.
+    let local = json!({"name": "local", "connector_type": "http",
+        "config": {"type": "http", "url": "http://127.0.0.1:9/"}});
+    let r = s.admin("POST", "/connectors", Some(local)).await;
+    r.ok(201);
+    assert_eq!(r.body["warnings"][0]["field"], "config.url", "{}", r.text);
+    assert!(
+        r.body["warnings"][0]["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("every call fails while security.allow_private_networks is false"),
+        "{}",
+        r.text
+    );
     s.admin("GET", "/connectors/b", None)
         .await
         .error(404, "NOT_FOUND");
