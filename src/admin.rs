@@ -982,7 +982,17 @@ async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
             }
         }
     }
-    // Warnings only for the items that were (or would be) created.
+    import_answer(created, failed, warned, dry_run)
+}
+
+/// An import's answer (workflows, channels and connectors alike), with
+/// warnings only for the items that were (or would be) created.
+fn import_answer(
+    created: Vec<Json>,
+    failed: Vec<Json>,
+    mut warned: Vec<Json>,
+    dry_run: bool,
+) -> ApiResult {
     warned.retain(|w| !failed.iter().any(|f| f["index"] == w["index"]));
     api::ok(&json!({
         "created": created,
@@ -1309,15 +1319,7 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
     if !dry_run && !created.is_empty() {
         connectors_changed(app).await;
     }
-    // Warnings only for the items that were (or would be) created, in the
-    // shape of the workflow and channel imports.
-    warned.retain(|w| !failed.iter().any(|f| f["index"] == w["index"]));
-    api::ok(&json!({
-        "created": created,
-        "failed": failed,
-        "warnings": warned,
-        "dry_run": dry_run,
-    }))
+    import_answer(created, failed, warned, dry_run)
 }
 
 async fn reload_connectors(app: &App, who: Principal) -> ApiResult {

@@ -908,6 +908,27 @@ const CHANNEL_KEYS: &[&str] = &[
     "$schema",
 ];
 
+/// An `unknown field, ignored` warning for each key of `obj` at `at` that
+/// is not in `known`.
+fn unknown_key_warnings(
+    at: &FieldPath,
+    obj: &Map<String, Json>,
+    known: &[&str],
+) -> Vec<Diagnostic> {
+    obj.keys()
+        .filter(|k| !known.contains(&k.as_str()))
+        .map(|k| {
+            Diagnostic::new(
+                at.key(k).as_str(),
+                format!(
+                    "unknown field, ignored; expected one of {}",
+                    known.join(", ")
+                ),
+            )
+        })
+        .collect()
+}
+
 /// A channel's warnings: each top-level key it does not have (a misspelt
 /// `validaton_logic` would otherwise be stored and do nothing), as a
 /// workflow's unknown keys are warned of. (Inside `config_json` an unknown
@@ -916,19 +937,7 @@ pub fn channel_warnings(def: &Json) -> Vec<Diagnostic> {
     let Some(obj) = def.as_object() else {
         return Vec::new();
     };
-    let mut out: Vec<Diagnostic> = obj
-        .keys()
-        .filter(|k| !CHANNEL_KEYS.contains(&k.as_str()))
-        .map(|k| {
-            Diagnostic::new(
-                k,
-                format!(
-                    "unknown field, ignored; expected one of {}",
-                    CHANNEL_KEYS.join(", ")
-                ),
-            )
-        })
-        .collect();
+    let mut out = unknown_key_warnings(&FieldPath::root(), obj, CHANNEL_KEYS);
     // Settings an async channel accepts and cannot use (a Kafka channel's
     // are errors; these stay warnings so stored channels keep loading).
     if obj.get("channel_type").and_then(Json::as_str) == Some("async")
@@ -1415,28 +1424,14 @@ pub fn connector_warnings(def: &Json) -> Vec<Diagnostic> {
     let Some(obj) = def.as_object() else {
         return Vec::new();
     };
-    let unknown = |at: &FieldPath, keys: &Map<String, Json>, known: &[&str]| {
-        keys.keys()
-            .filter(|k| !known.contains(&k.as_str()))
-            .map(|k| {
-                Diagnostic::new(
-                    at.key(k).as_str(),
-                    format!(
-                        "unknown field, ignored; expected one of {}",
-                        known.join(", ")
-                    ),
-                )
-            })
-            .collect::<Vec<_>>()
-    };
     let root = FieldPath::root();
-    let mut out = unknown(&root, obj, CONNECTOR_KEYS);
+    let mut out = unknown_key_warnings(&root, obj, CONNECTOR_KEYS);
     let kind = obj
         .get("connector_type")
         .and_then(Json::as_str)
         .and_then(ConnectorType::from_name);
     if let (Some(kind), Some(Json::Object(cfg))) = (kind, obj.get("config")) {
-        out.extend(unknown(
+        out.extend(unknown_key_warnings(
             &root.key("config"),
             cfg,
             connector_config_keys(kind),
