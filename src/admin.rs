@@ -1169,6 +1169,9 @@ fn connector_def_warnings(app: &App, def: &Json) -> Vec<Diagnostic> {
     if !app.config.security.allow_private_networks
         && def.get("connector_type").and_then(Json::as_str) == Some("http")
         && let Some(url) = def.pointer("/config/url").and_then(Json::as_str)
+        // An `env://` reference is resolved when the connector is built;
+        // its value is not checked (nor shown) here.
+        && !url.starts_with("env://")
         && let Ok(url) = reqwest::Url::parse(url)
         && let Err(refused) = crate::connectors::ssrf::check_url(&url)
     {

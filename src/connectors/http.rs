@@ -35,6 +35,9 @@ pub struct HttpConn {
     headers: HeaderMap,
     timeout: Duration,
     guarded: bool,
+    /// The base URL's host when the URL came from the environment
+    /// (`env://`): an SSRF refusal of it gives the reason, not the host.
+    env_host: Option<String>,
     /// The connector's credentials as sent (token, password, key, the
     /// values of credential headers, the URL's password and secret query
     /// values; at least 4 characters, longest first): masked by value in
@@ -163,6 +166,13 @@ impl HttpConn {
             }
         }
         let secrets = super::secret_forms(secrets);
+        let env_host = from_env
+            .contains(&cfg.url)
+            .then(|| {
+                url.host_str()
+                    .map(|h| h.trim_matches(['[', ']']).to_owned())
+            })
+            .flatten();
         let timeout = cfg
             .timeout_ms
             .map_or(settings.default_timeout, Duration::from_millis);
@@ -201,6 +211,7 @@ impl HttpConn {
             headers,
             timeout,
             guarded,
+            env_host,
             secrets,
             strict,
         })
@@ -322,7 +333,9 @@ impl HttpConn {
             )));
         }
         if self.guarded {
-            ssrf::check_url(&url).map_err(|r| ConnectorError::other(format!("{what}: {r}")))?;
+            ssrf::check_url(&url).map_err(|r| {
+                ConnectorError::other(format!("{what}: {}", r.hiding(self.env_host.as_deref())))
+            })?;
         }
         // Connector headers (and auth) first, then the task's; a task header
         // replaces a connector header of the same name.
@@ -371,7 +384,7 @@ impl HttpConn {
         let response = builder
             .send()
             .await
-            .map_err(|e| transport_error(&what, timeout, e))?;
+            .map_err(|e| transport_error(&what, timeout, e, self.env_host.as_deref()))?;
         let status = response.status();
         let declared_json = response
             .headers()
@@ -446,7 +459,7 @@ async fn read_capped(
     while let Some(chunk) = response
         .chunk()
         .await
-        .map_err(|e| transport_error(what, timeout, e))?
+        .map_err(|e| transport_error(what, timeout, e, None))?
     {
         if body.len() + chunk.len() > MAX_RESPONSE_BYTES {
             return Err(too_large());
@@ -507,11 +520,17 @@ fn snippet(text: &str) -> String {
 /// `Timeout`; everything else on the wire (connect, reset, truncated body)
 /// is an upstream failure worth retrying. reqwest's message would end with
 /// "for url (...)", the full URL: it is dropped, as messages never carry
-/// the base URL (it may hold credentials).
-fn transport_error(what: &str, timeout: Duration, e: reqwest::Error) -> ConnectorError {
+/// the base URL (it may hold credentials); a refusal of `env_host` (the
+/// base URL's host, taken from the environment) does not name it.
+fn transport_error(
+    what: &str,
+    timeout: Duration,
+    e: reqwest::Error,
+    env_host: Option<&str>,
+) -> ConnectorError {
     let e = &e.without_url();
     if let Some(refused) = ssrf::find_refused(e) {
-        return ConnectorError::other(format!("{what}: {refused}"));
+        return ConnectorError::other(format!("{what}: {}", refused.hiding(env_host)));
     }
     if e.is_timeout() {
         return ConnectorError::new(
@@ -1060,6 +1079,38 @@ mod tests {
             .unwrap_err();
         assert!(!e.retryable);
         assert!(e.message.contains("host 'localhost'"), "{}", e.message);
+    }
+
+    /// A base URL taken from the environment never shows, its host
+    /// included: the guard's refusal gives the reason alone, for a literal
+    /// address (the URL check) and a name (the resolver) alike. The same
+    /// URLs written in the definition are named as before.
+    #[tokio::test]
+    async fn a_refused_host_from_the_environment_is_not_named() {
+        for (url, shown, why) in [
+            ("http://10.9.8.7:1234/p", "10.9.8.7", "private (RFC 1918)"),
+            ("http://localhost:9/secretpath", "localhost", "loopback"),
+            ("http://[::1]:9/p", "::1", "loopback"),
+        ] {
+            let cfg: HttpConnector =
+                serde_json::from_value(serde_json::json!({"url": url})).unwrap();
+            let from_env = [url.to_owned()];
+            let c = HttpConn::build("api", &cfg, &settings(false), &from_env).unwrap();
+            let e = c.send(&CallScope::default(), &get("/x")).await.unwrap_err();
+            assert!(!e.message.contains(shown), "{url}: {}", e.message);
+            assert!(
+                e.message.contains(&format!(
+                    "refused to call the connector's host (taken from the environment): {why} addresses are blocked"
+                )),
+                "{url}: {}",
+                e.message
+            );
+            let e = conn(url, false)
+                .send(&CallScope::default(), &get("/x"))
+                .await
+                .unwrap_err();
+            assert!(e.message.contains(shown), "{url}: {}", e.message);
+        }
     }
 
     #[tokio::test]

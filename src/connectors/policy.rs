@@ -380,8 +380,8 @@ impl Policy {
 
     /// Runs `op` under the breaker of `<scope.channel>:<connector>`, retrying
     /// retryable failures up to `retry.max_retries` times with exponential
-    /// backoff. Each attempt asks the breaker for admission and reports to it,
-    /// so a breaker that opens during the retries stops them.
+    /// backoff. The breaker admits the call and counts its outcome once; one
+    /// that other calls open during the retries stops them.
     pub async fn call<T, F, Fut>(
         &self,
         scope: &CallScope,
@@ -428,6 +428,11 @@ impl Policy {
     }
 
     /// Runs `op` under the breaker with retries; also says how many retries.
+    /// The breaker admits the call once and counts its outcome once: a call
+    /// that failed after all its retries is one failure (the spec's "calls
+    /// fail"), so `max_retries` retries are all made while the breaker stays
+    /// closed. Before each retry the breaker is looked at again: opened
+    /// meanwhile by other calls, it stops the retries.
     async fn attempts<T, F, Fut>(
         &self,
         scope: &CallScope,
@@ -439,65 +444,72 @@ impl Policy {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, ConnectorError>>,
     {
-        let breaker = self.breakers.breaker(&scope.channel, connector);
+        let permit = match self.breakers.breaker(&scope.channel, connector) {
+            Some(b) => match self.breakers.admit(&b) {
+                Ok(p) => Some(p),
+                Err(refused) => return (Err(refused), 0),
+            },
+            None => None,
+        };
+        // A timeout counts even where it is not retried (a write that timed
+        // out may have happened: it is not repeated, but the remote was too
+        // slow all the same); a 4xx or a misconfiguration does not.
+        let counts = |e: &ConnectorError| {
+            e.retryable || e.kind == sluice_runtime::connectors::ConnectorErrorKind::Timeout
+        };
         let mut retries = 0u32;
-        // The failure a retry is about to repeat: when the breaker opens
-        // before the retry, the call fails with it (the cause), not with
-        // the breaker's refusal.
-        let mut last: Option<ConnectorError> = None;
         loop {
-            let permit = match &breaker {
-                Some(b) => match self.breakers.admit(b) {
-                    Ok(p) => Some(p),
-                    Err(refused) => {
-                        let Some(mut cause) = last else {
-                            return (Err(refused), retries);
-                        };
-                        // The refused retry was not made.
-                        let made = retries - 1;
-                        let after = match made {
-                            0 => String::new(),
-                            1 => "after 1 retry; ".to_owned(),
-                            n => format!("after {n} retries; "),
-                        };
-                        cause.message = format!(
-                            "{} ({after}then the circuit breaker '{}' opened)",
-                            cause.message, b.key
-                        );
-                        return (Err(cause), made);
+            let e = match op().await {
+                Ok(v) => {
+                    if let Some(p) = permit {
+                        p.finish(false);
                     }
-                },
-                None => None,
+                    return (Ok(v), retries);
+                }
+                Err(e) => e,
             };
-            let result = op().await;
-            if let Some(p) = permit {
-                // A timeout counts even where it is not retried (a write
-                // that timed out may have happened: it is not repeated, but
-                // the remote was too slow all the same).
-                p.finish(result.as_ref().is_err_and(|e| {
-                    e.retryable || e.kind == sluice_runtime::connectors::ConnectorErrorKind::Timeout
-                }));
-            }
-            match result {
-                Ok(v) => return (Ok(v), retries),
-                Err(e) if e.retryable && retries < retry.max_retries => {
-                    tokio::time::sleep(backoff(retry, retries)).await;
-                    retries += 1;
-                    last = Some(e);
+            if !(e.retryable && retries < retry.max_retries) {
+                if let Some(p) = permit {
+                    p.finish(counts(&e));
                 }
-                Err(mut e) => {
-                    if retries > 0 {
-                        e.message = format!(
-                            "{} (after {retries} {})",
-                            e.message,
-                            if retries == 1 { "retry" } else { "retries" }
-                        );
-                    }
-                    return (Err(e), retries);
-                }
+                return (Err(after_retries(e, retries, None)), retries);
             }
+            tokio::time::sleep(backoff(retry, retries)).await;
+            // Opened by other calls meanwhile (a probe holds its breaker
+            // half-open itself and goes on): the call ends with the failure
+            // the retry would have repeated, which says why.
+            if let Some(p) = &permit
+                && !p.probe
+                && p.breaker.state.load(Ordering::Acquire) != CLOSED
+            {
+                let key = p.breaker.key.clone();
+                let _ = self.breakers.reject(&p.breaker);
+                if let Some(p) = permit {
+                    p.finish(true);
+                }
+                return (Err(after_retries(e, retries, Some(&key))), retries);
+            }
+            retries += 1;
         }
     }
+}
+
+/// A call's failure, saying how many retries were made before it and, with
+/// `opened`, that the named breaker opened before the next one.
+fn after_retries(mut e: ConnectorError, retries: u32, opened: Option<&str>) -> ConnectorError {
+    let made = match retries {
+        0 => None,
+        1 => Some("after 1 retry".to_owned()),
+        n => Some(format!("after {n} retries")),
+    };
+    let note = match (made, opened) {
+        (None, None) => return e,
+        (Some(made), None) => made,
+        (None, Some(key)) => format!("then the circuit breaker '{key}' opened"),
+        (Some(made), Some(key)) => format!("{made}; then the circuit breaker '{key}' opened"),
+    };
+    e.message = format!("{} ({note})", e.message);
+    e
 }
 
 #[cfg(test)]
@@ -582,12 +594,47 @@ mod tests {
         assert_eq!(r.unwrap(), 7);
     }
 
-    /// A breaker that opens during one call's retries ends the call with
-    /// the failure that opened it (and says so), not the breaker's refusal:
-    /// the caller learns the cause. The next call is refused as open.
+    /// A call is one failure for its breaker however many retries it made
+    /// (audit 69: each attempt counted, so with the defaults the second
+    /// failing request opened the breaker, and `max_retries: 6` made 4).
+    #[tokio::test]
+    async fn a_call_counts_once_whatever_its_retries() {
+        let policy = Policy::new(&cfg(2, 30));
+        let p = RetryPolicy {
+            max_retries: 6,
+            retry_delay_ms: 1,
+        };
+        let n = AtomicUsize::new(0);
+        let fail = || async {
+            n.fetch_add(1, Ordering::Relaxed);
+            Err::<(), _>(upstream())
+        };
+        let e = policy.call(&scope(), "c", &p, fail).await.unwrap_err();
+        assert_eq!(n.load(Ordering::Relaxed), 7, "every retry is made");
+        assert_eq!(e.message, "boom (after 6 retries)");
+        let listed = &policy.breakers.list()[0];
+        assert_eq!(
+            (listed["state"].as_str(), &listed["consecutive_failures"]),
+            (Some("closed"), &json!(1))
+        );
+        // The second failing call in a row opens it (threshold 2).
+        let e = policy.call(&scope(), "c", &p, fail).await.unwrap_err();
+        assert_eq!(e.message, "boom (after 6 retries)");
+        assert_eq!(n.load(Ordering::Relaxed), 14);
+        assert_eq!(policy.breakers.list()[0]["state"], "open");
+        let e = policy.call(&scope(), "c", &p, fail).await.unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::CircuitOpen);
+        assert_eq!(n.load(Ordering::Relaxed), 14);
+    }
+
+    /// A breaker that other calls open during one call's retries stops
+    /// them; the call ends with the failure the retry would have repeated
+    /// (and says so), not the breaker's refusal: the caller learns the
+    /// cause. The next call is refused as open.
     #[tokio::test]
     async fn a_breaker_opening_during_retries_keeps_the_cause() {
-        let policy = Policy::new(&cfg(2, 30));
+        let policy = Policy::new(&cfg(1, 30));
+        let b = policy.breakers.breaker("ch", "c").unwrap();
         let p = RetryPolicy {
             max_retries: 5,
             retry_delay_ms: 1,
@@ -595,19 +642,20 @@ mod tests {
         let n = AtomicUsize::new(0);
         let e = policy
             .call(&scope(), "c", &p, || async {
-                n.fetch_add(1, Ordering::Relaxed);
+                // The second attempt fails while another call's failure
+                // opens the breaker.
+                if n.fetch_add(1, Ordering::Relaxed) == 1 {
+                    policy.breakers.admit(&b).unwrap().finish(true);
+                }
                 Err::<(), _>(upstream())
             })
             .await
             .unwrap_err();
         assert_eq!(n.load(Ordering::Relaxed), 2);
         assert_eq!(e.kind, ConnectorErrorKind::Upstream, "{e:?}");
-        assert!(
-            e.message.starts_with(&upstream().message)
-                && e.message
-                    .ends_with("(after 1 retry; then the circuit breaker 'ch:c' opened)"),
-            "{}",
-            e.message
+        assert_eq!(
+            e.message,
+            "boom (after 1 retry; then the circuit breaker 'ch:c' opened)"
         );
         let e = policy
             .call(&scope(), "c", &p, || async { Ok(()) })
@@ -705,12 +753,14 @@ mod tests {
             max_retries: 5,
             retry_delay_ms: 1,
         };
-        // The first failure opens it, which also stops the retries; the
-        // call fails with that failure.
+        // The first failing call (after its retries) opens it.
         let e = policy.call(&scope(), "c", &p, op).await.unwrap_err();
         assert_eq!(e.kind, ConnectorErrorKind::Upstream);
-        assert_eq!(e.message, "boom (then the circuit breaker 'ch:c' opened)");
-        assert_eq!(n.load(Ordering::Relaxed), 1);
+        assert_eq!(e.message, "boom (after 5 retries)");
+        assert_eq!(n.load(Ordering::Relaxed), 6);
+        let e = policy.call(&scope(), "c", &p, op).await.unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::CircuitOpen);
+        assert_eq!(n.load(Ordering::Relaxed), 6);
         // Still cooling down: listed as open.
         assert_eq!(policy.breakers.list()[0]["state"], "open");
         assert_eq!(policy.breakers.reset("nope:c"), None);

@@ -917,7 +917,14 @@ fn sql_err(e: sqlx::Error) -> ConnectorError {
             let mysql_number = d
                 .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
                 .map(|m| m.number());
-            let msg = format!("database error: {}", d.message());
+            let mut msg = format!("database error: {}", d.message());
+            // SQLITE_CANTOPEN: a connector's file is not created when
+            // missing (a typo would give an empty database).
+            if code == "14" {
+                msg.push_str(
+                    " (a SQLite connector opens an existing file; add ?mode=rwc to the connection_string to create it)",
+                );
+            }
             // 57014 query_canceled (statement_timeout); MariaDB 1969
             // max_statement_time; MySQL 3024 max_execution_time.
             if code == "57014" || matches!(mysql_number, Some(1969 | 3024)) {
@@ -1170,7 +1177,16 @@ mod tests {
         let pool = SqlPool::connect(&cfg(&format!("sqlite://{}/none.db", dir.display())))
             .await
             .unwrap();
-        assert!(pool.read("SELECT 1", &[]).await.is_err());
+        let e = pool.read("SELECT 1", &[]).await.unwrap_err();
+        // Says how to have it created (audit 69: "unable to open database
+        // file" alone).
+        assert!(
+            e.message.contains("unable to open database file")
+                && e.message
+                    .ends_with("add ?mode=rwc to the connection_string to create it)"),
+            "{}",
+            e.message
+        );
         let e = SqlPool::connect(&cfg("oracle://x")).await.unwrap_err();
         assert_eq!(e.kind, ConnectorErrorKind::Other);
         assert!(e.message.contains("oracle"), "{}", e.message);

@@ -15,11 +15,38 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 /// An outbound call the guard refused, with the reason (host and address,
 /// never credentials).
 #[derive(Debug, Clone)]
-pub struct Refused(pub String);
+pub struct Refused {
+    message: String,
+    /// The host the message names (as in the URL, without IPv6 brackets)
+    /// and why its address is refused; `None` for a refused scheme.
+    host: Option<(String, &'static str)>,
+}
+
+impl Refused {
+    fn other(message: String) -> Self {
+        Refused {
+            message,
+            host: None,
+        }
+    }
+
+    /// The message, unless it names `hidden` (a host taken from the
+    /// environment through `env://`, which never appears anywhere): then
+    /// the reason alone.
+    pub fn hiding(&self, hidden: Option<&str>) -> String {
+        match (&self.host, hidden) {
+            (Some((host, why)), Some(hidden)) if host.eq_ignore_ascii_case(hidden) => format!(
+                "refused to call the connector's host (taken from the environment): {why} \
+                 addresses are blocked (security.allow_private_networks is false)"
+            ),
+            _ => self.message.clone(),
+        }
+    }
+}
 
 impl fmt::Display for Refused {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.message)
     }
 }
 
@@ -107,13 +134,15 @@ fn v6_refusal(ip: Ipv6Addr) -> Option<&'static str> {
 /// left to [`GuardedResolver`].
 pub fn check_url(url: &Url) -> Result<(), Refused> {
     if !matches!(url.scheme(), "http" | "https") {
-        return Err(Refused(format!(
+        return Err(Refused::other(format!(
             "refused to call a {}: URL (only http and https are allowed)",
             url.scheme()
         )));
     }
     let Some(host) = url.host_str() else {
-        return Err(Refused("refused to call a URL without a host".into()));
+        return Err(Refused::other(
+            "refused to call a URL without a host".into(),
+        ));
     };
     // The URL parser has already normalized IPv4 spellings (2130706433,
     // 0x7f.1) to dotted form; IPv6 literals keep their brackets.
@@ -123,19 +152,27 @@ pub fn check_url(url: &Url) -> Result<(), Refused> {
     };
     match refusal(ip) {
         None => Ok(()),
-        Some(why) => Err(refused_ip(&ip.to_string(), ip, why)),
+        Some(why) => {
+            let mut refused = refused_ip(&ip.to_string(), ip, why);
+            // As the URL spells it, which is what `hiding` compares.
+            refused.host = Some((literal.to_owned(), why));
+            Err(refused)
+        }
     }
 }
 
-fn refused_ip(host: &str, ip: IpAddr, why: &str) -> Refused {
+fn refused_ip(host: &str, ip: IpAddr, why: &'static str) -> Refused {
     let target = if host == ip.to_string() {
         format!("address {ip}")
     } else {
         format!("host '{host}' (resolves to {ip})")
     };
-    Refused(format!(
-        "refused to call {target}: {why} addresses are blocked (security.allow_private_networks is false)"
-    ))
+    Refused {
+        message: format!(
+            "refused to call {target}: {why} addresses are blocked (security.allow_private_networks is false)"
+        ),
+        host: Some((host.to_owned(), why)),
+    }
 }
 
 /// A DNS resolver that drops refused addresses; a host with nothing else
@@ -331,7 +368,10 @@ mod tests {
         assert!(check("http://example.com/x").is_ok());
         assert!(check("https://8.8.8.8/").is_ok());
         let e = check("http://127.0.0.1:8080/x").unwrap_err();
-        assert!(e.0.contains("127.0.0.1") && e.0.contains("loopback"), "{e}");
+        assert!(
+            e.message.contains("127.0.0.1") && e.message.contains("loopback"),
+            "{e}"
+        );
         // Alternative spellings are normalized by the URL parser.
         assert!(check("http://2130706433/").is_err());
         assert!(check("http://0x7f.1/").is_err());
@@ -348,7 +388,7 @@ mod tests {
             Err(e) => e,
         };
         let r = find_refused(&*e).expect("a Refused error");
-        assert!(r.0.contains("host 'localhost'"), "{r}");
-        assert!(r.0.contains("loopback"), "{r}");
+        assert!(r.message.contains("host 'localhost'"), "{r}");
+        assert!(r.message.contains("loopback"), "{r}");
     }
 }

@@ -1280,6 +1280,13 @@ async fn dry_run_imports_predict_the_import() {
         "{}",
         r.text
     );
+    // An `env://` URL is resolved when the connector is built: nothing to
+    // judge here (it warned "refused to call a env: URL").
+    let from_env = json!({"name": "from-env", "connector_type": "http",
+        "config": {"type": "http", "url": "env://SLUICE_TEST_UNSET_URL"}});
+    let r = s.admin("POST", "/connectors", Some(from_env)).await;
+    r.ok(201);
+    assert!(r.body.get("warnings").is_none(), "{}", r.text);
     s.admin("GET", "/connectors/b", None)
         .await
         .error(404, "NOT_FOUND");

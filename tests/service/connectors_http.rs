@@ -689,6 +689,61 @@ async fn calls_the_channel_deadline_abandons_open_the_breaker() {
     run(&s, "hang", json!({})).await.error(504, "TIMEOUT");
 }
 
+/// A call is one failure for its breaker, its retries included: with
+/// `max_retries: 3` and threshold 2, the first failing request makes all
+/// four attempts and leaves the breaker closed; the second opens it (audit
+/// 69: each attempt counted, and the first request already opened it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_call_counts_once_for_its_breaker_whatever_its_retries() {
+    let up = Upstream::start().await;
+    let s = service(true).await;
+    connector(
+        &s,
+        "up",
+        json!({"type": "http", "url": up.base, "retry": {"max_retries": 3, "retry_delay_ms": 5}}),
+    )
+    .await;
+    deploy(
+        &s,
+        "once",
+        json!([task(
+            "c",
+            json!({"connector": "up", "path": "/toggle", "response_path": "r"})
+        )]),
+    )
+    .await;
+    up.failing.store(true, Ordering::SeqCst);
+    let r = run(&s, "once", json!({})).await;
+    let e = r.error(502, "UPSTREAM_ERROR");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("(after 3 retries)"),
+        "{}",
+        r.text
+    );
+    assert_eq!(up.hits("/toggle").len(), 4);
+    let breakers = s.admin("GET", "/connectors/circuit-breakers", None).await;
+    assert_eq!(
+        (
+            breakers.ok(200)[0]["state"].as_str(),
+            &breakers.ok(200)[0]["consecutive_failures"]
+        ),
+        (Some("closed"), &json!(1)),
+        "{}",
+        breakers.text
+    );
+    run(&s, "once", json!({}))
+        .await
+        .error(502, "UPSTREAM_ERROR");
+    assert_eq!(up.hits("/toggle").len(), 8);
+    run(&s, "once", json!({}))
+        .await
+        .error(503, "SERVICE_UNAVAILABLE");
+    assert_eq!(up.hits("/toggle").len(), 8);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn circuit_breaker_opens_probes_and_closes() {
     let up = Upstream::start().await;
