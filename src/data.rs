@@ -669,8 +669,9 @@ pub(crate) const METADATA_FIELDS: [&str; 6] = [
 /// What a dry run's (or a test case's) `metadata` may hold: what a
 /// request's does (shared decisions), the three maps and `method`,
 /// `channel`, `request_id` as strings (defaults POST, none, the run's own
-/// id). Anything else is a problem, not dropped: a misspelt key would run
-/// the workflow on other metadata than the writer meant. `null` is none.
+/// id); the maps' values strings, numbers or booleans. Anything else is a
+/// problem, not dropped: a misspelt key would run the workflow on other
+/// metadata than the writer meant. `null` is none.
 pub fn metadata_problems(meta: &Json) -> Vec<Diagnostic> {
     let root = sluice_compiler::diag::FieldPath::root().key("metadata");
     let Some(members) = meta.as_object() else {
@@ -688,8 +689,21 @@ pub fn metadata_problems(meta: &Json) -> Vec<Diagnostic> {
                 at,
                 format!("unknown field; expected {}", METADATA_FIELDS.join(", ")),
             ));
-        } else if METADATA_FIELDS[3..].contains(&k.as_str()) && !v.is_string() {
-            problems.push(Diagnostic::type_mismatch(&at, "string", v));
+        } else if METADATA_FIELDS[3..].contains(&k.as_str()) {
+            if !v.is_string() {
+                problems.push(Diagnostic::type_mismatch(&at, "string", v));
+            }
+        } else if let Some(pairs) = v.as_object() {
+            // A request's header, query and path values are text: numbers
+            // and booleans are taken as their text, containers and null
+            // are refused (they were dropped or written as JSON text).
+            for (name, value) in pairs {
+                if !(value.is_string() || value.is_number() || value.is_boolean()) {
+                    problems.push(Diagnostic::type_mismatch(&at.key(name), "string", value));
+                }
+            }
+        } else {
+            problems.push(Diagnostic::type_mismatch(&at, "object", v));
         }
     }
     problems
@@ -701,7 +715,8 @@ pub fn metadata_str<'m>(meta: &'m Json, key: &str) -> Option<&'m str> {
 }
 
 /// `{headers, query, path}` of a dry-run's `metadata` as owned pairs (header
-/// names lowercased; non-string values as JSON text).
+/// names lowercased; numbers and booleans as their text, see
+/// [`metadata_problems`]).
 pub fn metadata_pairs(meta: &Json, area: &str) -> Vec<(String, String)> {
     meta.get(area)
         .and_then(Json::as_object)

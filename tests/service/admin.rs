@@ -1708,6 +1708,55 @@ async fn dry_run_body_is_checked() {
         )
         .await;
     assert_eq!(r.ok(200)["data"]["seen"], "GET orders r-1", "{}", r.text);
+    // The three maps are objects of text (numbers and booleans taken as
+    // their text); audit 71: `[1]`, `null` were dropped, `{"b": 1}` became
+    // JSON text.
+    let r = s
+        .admin(
+            "POST",
+            "/workflows/w/test",
+            Some(json!({"data": {}, "metadata": {"headers": [1], "query": "x", "path": null}})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(
+        r.detail_fields(),
+        ["metadata.headers", "metadata.query", "metadata.path"],
+        "{}",
+        r.text
+    );
+    let r = s
+        .admin(
+            "POST",
+            "/workflows/w/test",
+            Some(json!({"data": {}, "metadata": {"headers": {"a": {"b": 1}, "ok": "1"}, "query": {"n": [1]}}})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(
+        r.detail_fields(),
+        ["metadata.headers.a", "metadata.query.n"],
+        "{}",
+        r.text
+    );
+    s.admin(
+        "POST",
+        "/workflows",
+        Some(json!({"workflow_id": "maps", "name": "maps", "tasks": [
+            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+                {"path": "seen", "logic": {"cat": [{"var": "metadata.query.page"}, " ",
+                    {"var": "metadata.headers.x-flag"}]}}]}}}]})),
+    )
+    .await
+    .ok(201);
+    let r = s
+        .admin(
+            "POST",
+            "/workflows/maps/test",
+            Some(json!({"data": {}, "metadata": {"query": {"page": 2}, "headers": {"X-Flag": true}}})),
+        )
+        .await;
+    assert_eq!(r.ok(200)["data"]["seen"], "2 true", "{}", r.text);
 }
 
 /// Traffic between versions follows `rollout_percentage` alone: an engine
