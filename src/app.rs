@@ -49,6 +49,10 @@ pub struct App {
     /// (the previous engine keeps serving, behind what the API reports):
     /// `/health` is degraded until a reload succeeds.
     pub reload_failed: AtomicBool,
+    /// The stored generation whose definitions this replica could not
+    /// build (0: none): `crate::sync` does not count it as behind, and
+    /// tries again when the generation moves on.
+    pub unbuildable: AtomicU64,
     /// The reload-propagation loop (`crate::sync`), stopped at shutdown.
     pub sync: std::sync::Mutex<Option<tokio::task::AbortHandle>>,
     /// Kafka channel consumers (started by `crate::start` when `kafka.enabled`).
@@ -100,6 +104,7 @@ impl App {
             otel: None,
             behind: AtomicBool::new(false),
             reload_failed: AtomicBool::new(false),
+            unbuildable: AtomicU64::new(0),
             sync: std::sync::Mutex::new(None),
             config,
             store,

@@ -14,7 +14,9 @@
 //! - **SQLite:** one process owns the file; nothing runs.
 //!
 //! While a replica knows it is behind (or cannot read the generation),
-//! `/readyz` answers 503.
+//! `/readyz` answers 503; not when the stored definitions do not build
+//! (every replica fails alike: `/health` reports it, and the next change
+//! is tried again).
 
 use crate::app::App;
 use crate::storage::Backend;
@@ -57,6 +59,11 @@ pub fn stop(app: &App) {
 pub async fn catch_up(app: &App) {
     match app.store.engine_generation().await {
         Ok(stored) if stored.max(1) as u64 > app.generation() => {
+            // Already tried: nothing newer to load until it moves on.
+            if app.unbuildable.load(Ordering::Acquire) == stored.max(1) as u64 {
+                app.behind.store(false, Ordering::Release);
+                return;
+            }
             app.behind.store(true, Ordering::Release);
             // Connectors first (unchanged ones keep their clients), then the
             // engine whose workflows call them.
@@ -71,6 +78,20 @@ pub async fn catch_up(app: &App) {
                     );
                     app.behind
                         .store(r.generation < stored as u64, Ordering::Release);
+                }
+                // The stored definitions do not build (every replica
+                // fails alike): the previous engine keeps serving and
+                // `/health` says `reload_failed`, but the replica is not
+                // behind anything it could load, so `/readyz` stays ready,
+                // as on SQLite (audit 70: the whole fleet left rotation).
+                Err(e @ crate::engine::ReloadError::Invalid(_)) => {
+                    app.unbuildable
+                        .store(stored.max(1) as u64, Ordering::Release);
+                    app.behind.store(false, Ordering::Release);
+                    tracing::warn!(
+                        ?e,
+                        "the stored definitions do not build; the previous engine keeps serving until the next change"
+                    );
                 }
                 Err(e) => tracing::warn!(?e, "could not catch up; retrying on the next check"),
             }

@@ -186,6 +186,71 @@ async fn activation_reaches_every_replica(db: Db) {
     // A replica started later serves the current definitions at once.
     let late = replica(&url).await;
     assert_eq!(generation(&c, &late.base).await, g1);
+
+    // Stored definitions that no longer build (edited in the database, as
+    // an upgrade's stricter rules could leave them): every replica keeps
+    // serving the previous engine, `/health` says `reload_failed`, and
+    // `/readyz` stays ready, as on SQLite (audit 70: every replica counted
+    // itself behind the generation it could not build, and the whole
+    // fleet answered 503).
+    let broken = json!({"name": "fleet", "tasks": 7}).to_string();
+    let update = "UPDATE workflows SET definition = {}, digest = NULL WHERE id = 'fleet'";
+    match db {
+        Db::Postgres => {
+            use sqlx::Connection;
+            let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+            sqlx::query(&update.replace("{}", "$1::jsonb"))
+                .bind(&broken)
+                .execute(&mut conn)
+                .await
+                .unwrap();
+        }
+        _ => {
+            use sqlx::Connection;
+            let mut conn = sqlx::MySqlConnection::connect(&url).await.unwrap();
+            sqlx::query(&update.replace("{}", "?"))
+                .bind(&broken)
+                .execute(&mut conn)
+                .await
+                .unwrap();
+        }
+    }
+    let reload = c
+        .post(format!("{}/api/v1/admin/engine/reload", first.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reload.status(), 409);
+    for r in [&first, &second, &third, &late] {
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            let health = c.get(format!("{}/health", r.base)).send().await.unwrap();
+            let status = health.status();
+            let body: Json = health.json().await.unwrap();
+            let ready = c.get(format!("{}/readyz", r.base)).send().await.unwrap();
+            if status == 503 && body["components"]["engine"] == "reload_failed" {
+                // Seen by this replica's own catch-up: ready, and serving.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let ready = c.get(format!("{}/readyz", r.base)).send().await.unwrap();
+                assert_eq!(ready.status(), 200, "{}", r.base);
+                let served = c
+                    .post(format!("{}/api/v1/data/fleet", r.base))
+                    .json(&json!({"data": {}}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(served.status(), 200, "{}", r.base);
+                break;
+            }
+            assert!(
+                Instant::now() < until,
+                "{}: health {status} {body}, readyz {}",
+                r.base,
+                ready.status()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
