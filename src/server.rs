@@ -507,12 +507,14 @@ async fn handle(
             channel = %f.channel, code = f.code, task_id = %f.task_id, error = %f.message,
             left_out, "request failed");
     }
-    crate::telemetry::record_http(
-        &method,
-        route,
-        response.status(),
-        started.elapsed().as_secs_f64(),
-    );
+    if response.extensions().get::<ClientGone>().is_none() {
+        crate::telemetry::record_http(
+            &method,
+            route,
+            response.status(),
+            started.elapsed().as_secs_f64(),
+        );
+    }
     if h2_head {
         // The headers of the GET answer, its length included; no body.
         let len = hyper::body::Body::size_hint(response.body()).exact();
@@ -659,6 +661,16 @@ async fn read_and_route(
             drain_refused(&mut body, &parts.headers).await;
             return early(app, &parts, too_large(limit));
         }
+        // The client closed the connection before its body was complete:
+        // nothing will read an answer, so none is counted (it showed as a
+        // 400 the service never sent in `http_requests_total`, `errors_total`
+        // and the channel's `messages_total`; audit 72).
+        Err(BodyError::Read(e)) if client_went_away(&e) => {
+            let mut gone = HttpResponse::new(crate::api::Body::default());
+            *gone.status_mut() = http::StatusCode::BAD_REQUEST;
+            gone.extensions_mut().insert(ClientGone);
+            return gone;
+        }
         Err(BodyError::Read(e)) => {
             let bad = ApiError::bad_request(format!("could not read the request body: {e}"));
             return early(app, &parts, bad.into_response());
@@ -683,6 +695,20 @@ async fn read_and_route(
         return early(app, &parts, ApiError::bad_request(problem).into_response());
     }
     let query = parts.uri.query().map(parse_query).unwrap_or_default();
+    // Only CONNECT takes an authority as its target, and only OPTIONS `*`
+    // (RFC 9112 3.2): `GET healthz` was routed with an empty path and
+    // answered "No route matches GET " (audit 72).
+    let target = parts.uri.path();
+    if !target.starts_with('/')
+        && parts.method != http::Method::CONNECT
+        && !(parts.method == http::Method::OPTIONS && target == "*")
+    {
+        return ApiError::bad_request(format!(
+            "the request target '{}' is not a path: it must start with '/'",
+            parts.uri
+        ))
+        .into_response();
+    }
     // HTTP/1.1 requires exactly one Host (RFC 9112 3.2: 400 otherwise);
     // HTTP/2 carries `:authority` instead.
     if parts.version == http::Version::HTTP_11 {
@@ -730,6 +756,27 @@ async fn read_and_route(
     };
     router::route(app, req).await
 }
+
+/// Whether a body read failed because the client closed the connection
+/// (hyper reports the short body as an end-of-file or reset under a body
+/// error), not because what it sent was malformed.
+fn client_went_away(e: &hyper::Error) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    e.is_incomplete_message()
+        || std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .is_some_and(|io| {
+                matches!(
+                    io.kind(),
+                    UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted
+                )
+            })
+}
+
+/// Marks the answer to a request whose client went away before sending its
+/// whole body: written to nobody, so not counted in the metrics.
+#[derive(Clone, Copy)]
+struct ClientGone;
 
 enum BodyError {
     TooLarge,

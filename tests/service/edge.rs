@@ -666,6 +666,71 @@ async fn values_nested_past_the_limit_fail_the_task_not_the_process() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A request target that is not a path (`GET healthz`, authority form
+/// outside CONNECT) is a 400, not a 404 naming an empty path; a client
+/// that hangs up in the middle of its body is answered to nobody and
+/// counted nowhere (audit 72: a 400 in `http_requests_total`,
+/// `errors_total` and the channel's `messages_total`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_targets_and_abandoned_bodies() {
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = start(Db::Sqlite).await;
+    s.deploy(
+        json!({"workflow_id": "gw", "name": "gw", "tasks": [
+            {"id": "p", "name": "p", "function": {"name": "parse_json", "input": {"source": "payload", "target": "in"}}}]}),
+        json!({"channel_id": "gone", "name": "gone", "workflow_id": "gw"}),
+    )
+    .await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    for head in [
+        "GET healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "POST example.com:80 HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+    ] {
+        let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        conn.write_all(head.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.starts_with("HTTP/1.1 400"), "{head}: {got}");
+        assert!(
+            got.contains("must start with '/'") && got.contains(r#""code":"BAD_REQUEST""#),
+            "{head}: {got}"
+        );
+    }
+    let before = s.get("/metrics").await.text;
+    for _ in 0..3 {
+        let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        conn.write_all(
+            b"POST /api/v1/data/gone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"data\":",
+        )
+        .await
+        .unwrap();
+        drop(conn);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = s.get("/metrics").await.text;
+    let count = |text: &str, series: &str| -> Option<String> {
+        text.lines()
+            .find(|l| l.starts_with(series))
+            .map(|l| l.rsplit(' ').next().unwrap_or_default().to_owned())
+    };
+    // The channel's own series (the process-wide ones are shared with the
+    // tests running beside this one; the server skips all three alike).
+    let series = "messages_total{channel=\"gone\",status=\"rejected\"}";
+    assert_eq!(
+        count(&before, series),
+        count(&after, series),
+        "{series}\n{after}"
+    );
+    // The connection's requests still count as usual.
+    let r = s.post("/api/v1/data/gone", json!({"data": {}})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+}
+
 /// A client that is slow to send its request cannot hold the connection:
 /// a silent connection and one with half a head are closed after
 /// `server.request_read_timeout_secs`; a body that stops arriving is
