@@ -653,7 +653,18 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
             version,
             rollout,
             audit(who, action),
-            &|record| activatable(kind, record),
+            &|record| {
+                activatable(kind, record)?;
+                match kind {
+                    Kind::Channel => {
+                        match crate::kafka::shared_group(app, &record.id, &record.definition) {
+                            Some(why) => Err(StorageError::Conflict(why)),
+                            None => Ok(()),
+                        }
+                    }
+                    Kind::Workflow => Ok(()),
+                }
+            },
         )
         .await?;
     if kind == Kind::Channel

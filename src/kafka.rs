@@ -206,6 +206,33 @@ fn desired(app: &App) -> BTreeSet<Subscription> {
     out
 }
 
+/// Why a Kafka channel (its stored definition `def`, named `name`) may not
+/// be activated: another active channel already consumes the same topic in
+/// the same consumer group, and the two would split the topic's partitions
+/// between them, each running only part of the messages. `None` for any
+/// other channel, and for another version of the same channel `id` (it
+/// replaces the active one).
+pub fn shared_group(app: &App, id: &str, def: &serde_json::Value) -> Option<String> {
+    if def.get("protocol").and_then(serde_json::Value::as_str) != Some("kafka") {
+        return None;
+    }
+    let cfg = def.get("config_json")?;
+    let topic = cfg.get("topic")?.as_str()?;
+    let group = cfg
+        .get("consumer_group")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or(&app.config.kafka.group_id);
+    let snapshot = app.engine.load();
+    let same_channel = |name: &str| snapshot.channels.get(name).is_some_and(|c| c.id == id);
+    let other = desired(app)
+        .into_iter()
+        .find(|s| s.topic == topic && s.group == group && !same_channel(&s.channel))?;
+    Some(format!(
+        "channel '{}' already consumes topic '{topic}' in consumer group '{group}': two channels in one group split the topic's partitions, each running part of the messages; give this channel its own config_json.consumer_group",
+        other.channel
+    ))
+}
+
 struct Running {
     stop: watch::Sender<bool>,
     handle: JoinHandle<()>,

@@ -1275,3 +1275,69 @@ async fn validation_logic_judges_consumed_messages() {
         assert_eq!(failed["attempts"], 1, "{failed}");
     }
 }
+
+/// Two channels consuming one topic in one consumer group would split its
+/// partitions, each running part of the messages (audit 73): activating the
+/// second is a conflict naming the first. Its own `consumer_group` makes it
+/// a consumer of every message; a new version of the same channel replaces
+/// the active one and is not in conflict with it.
+#[tokio::test]
+async fn two_channels_do_not_share_a_topic_in_one_group() {
+    let s = crate::support::start(Db::Sqlite).await;
+    s.admin(
+        "POST",
+        "/workflows",
+        Some(json!({"workflow_id": "kw", "name": "kw", "tasks": [
+            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+                {"path": "got", "logic": {"var": "payload"}}]}}}]})),
+    )
+    .await
+    .ok(201);
+    s.admin(
+        "PATCH",
+        "/workflows/kw/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    let channel = |id: &str, config: Json| {
+        json!({"channel_id": id, "name": id, "channel_type": "async", "protocol": "kafka",
+               "workflow_id": "kw", "config_json": config})
+    };
+    let activate = |id: &str| {
+        let path = format!("/channels/{id}/status");
+        let s = &s;
+        async move {
+            s.admin("PATCH", &path, Some(json!({"status": "active"})))
+                .await
+        }
+    };
+    for (id, config) in [
+        ("k1", json!({"topic": "shared"})),
+        ("k2", json!({"topic": "shared"})),
+        ("k3", json!({"topic": "shared", "consumer_group": "k3-own"})),
+        ("k4", json!({"topic": "other"})),
+    ] {
+        s.admin("POST", "/channels", Some(channel(id, config)))
+            .await
+            .ok(201);
+    }
+    activate("k1").await.ok(200);
+    let r = activate("k2").await;
+    r.error(409, "CONFLICT");
+    assert_eq!(
+        r.body["error"]["message"],
+        "channel 'k1' already consumes topic 'shared' in consumer group 'sluice': two channels in one group split the topic's partitions, each running part of the messages; give this channel its own config_json.consumer_group",
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        s.admin("GET", "/channels/k2", None).await.ok(200)["status"],
+        "draft"
+    );
+    activate("k3").await.ok(200);
+    activate("k4").await.ok(200);
+    // A second version of k1 on the same topic replaces the first.
+    s.admin("POST", "/channels/k1/versions", None).await.ok(201);
+    activate("k1").await.ok(200);
+}
