@@ -728,7 +728,14 @@ pub fn metadata_pairs(meta: &Json, area: &str) -> Vec<(String, String)> {
                     } else {
                         k.clone()
                     };
-                    (k, v.as_str().map_or_else(|| v.to_string(), str::to_owned))
+                    // Numbers as JavaScript writes them (`1e2` is "100").
+                    let text = match v {
+                        Json::String(s) => s.clone(),
+                        Json::Number(_) => String::from_utf8(crate::api::to_json_bytes(v))
+                            .unwrap_or_else(|_| v.to_string()),
+                        _ => v.to_string(),
+                    };
+                    (k, text)
                 })
                 .collect()
         })

@@ -213,23 +213,41 @@ fn desired(app: &App) -> BTreeSet<Subscription> {
 /// other channel, and for another version of the same channel `id` (it
 /// replaces the active one).
 pub fn shared_group(app: &App, id: &str, def: &serde_json::Value) -> Option<String> {
-    if def.get("protocol").and_then(serde_json::Value::as_str) != Some("kafka") {
-        return None;
-    }
-    let cfg = def.get("config_json")?;
-    let topic = cfg.get("topic")?.as_str()?;
+    let cfg = def.get("config_json");
     let group = cfg
-        .get("consumer_group")
+        .and_then(|c| c.get("consumer_group"))
         .and_then(serde_json::Value::as_str)
         .unwrap_or(&app.config.kafka.group_id);
+    // What it would consume: its own topic (a Kafka channel), and the
+    // topics `kafka.topics` sends to it by name, whatever its protocol.
+    let mut topics: Vec<&str> = Vec::new();
+    if def.get("protocol").and_then(serde_json::Value::as_str) == Some("kafka")
+        && let Some(topic) = cfg
+            .and_then(|c| c.get("topic"))
+            .and_then(serde_json::Value::as_str)
+    {
+        topics.push(topic);
+    }
+    let name = def.get("name").and_then(serde_json::Value::as_str);
+    topics.extend(
+        app.config
+            .kafka
+            .topics
+            .iter()
+            .filter(|t| Some(t.channel.as_str()) == name)
+            .map(|t| t.topic.as_str()),
+    );
+    if topics.is_empty() {
+        return None;
+    }
     let snapshot = app.engine.load();
     let same_channel = |name: &str| snapshot.channels.get(name).is_some_and(|c| c.id == id);
-    let other = desired(app)
-        .into_iter()
-        .find(|s| s.topic == topic && s.group == group && !same_channel(&s.channel))?;
+    let other = desired(app).into_iter().find(|s| {
+        topics.contains(&s.topic.as_str()) && s.group == group && !same_channel(&s.channel)
+    })?;
     Some(format!(
-        "channel '{}' already consumes topic '{topic}' in consumer group '{group}': two channels in one group split the topic's partitions, each running part of the messages; give this channel its own config_json.consumer_group",
-        other.channel
+        "channel '{}' already consumes topic '{}' in consumer group '{group}': two channels in one group split the topic's partitions, each running part of the messages; give this channel its own config_json.consumer_group",
+        other.channel, other.topic
     ))
 }
 
@@ -246,6 +264,16 @@ async fn supervise(
     let mut running: HashMap<Subscription, Running> = HashMap::new();
     loop {
         let want = desired(&app);
+        // Activation refuses this, but a changed `kafka.group_id` or
+        // `kafka.topics` at start-up can bring two channels into one group
+        // (audit 74): said once per reconcile, as it splits the topic.
+        let mut seen: HashMap<(&str, &str), &str> = HashMap::new();
+        for s in &want {
+            if let Some(first) = seen.insert((&s.topic, &s.group), &s.channel) {
+                tracing::warn!(topic = %s.topic, group = %s.group, channels = %format!("{first}, {}", s.channel),
+                    "two channels consume one topic in one consumer group: each runs only part of its messages; give one its own consumer_group");
+            }
+        }
         let gone: Vec<Subscription> = running
             .keys()
             .filter(|s| !want.contains(*s))

@@ -666,8 +666,10 @@ async fn read_and_route(
         // 400 the service never sent in `http_requests_total`, `errors_total`
         // and the channel's `messages_total`; audit 72).
         Err(BodyError::Read(e)) if client_went_away(&e) => {
-            let mut gone = HttpResponse::new(crate::api::Body::default());
-            *gone.status_mut() = http::StatusCode::BAD_REQUEST;
+            // The envelope all the same: a client that only half-closed
+            // its side still reads it (audit 74).
+            let why = ApiError::bad_request(format!("could not read the request body: {e}"));
+            let mut gone = crate::api::json_response(why.code.status(), &why.body());
             gone.extensions_mut().insert(ClientGone);
             return gone;
         }
@@ -695,14 +697,13 @@ async fn read_and_route(
         return early(app, &parts, ApiError::bad_request(problem).into_response());
     }
     let query = parts.uri.query().map(parse_query).unwrap_or_default();
-    // Only CONNECT takes an authority as its target, and only OPTIONS `*`
-    // (RFC 9112 3.2): `GET healthz` was routed with an empty path and
-    // answered "No route matches GET " (audit 72).
+    // Every target is a path but OPTIONS `*` (RFC 9112 3.2; CONNECT's
+    // authority form names a tunnel, which Sluice does not make): `GET
+    // healthz` was routed with an empty path and answered "No route matches
+    // GET " (audits 72, 74).
     let target = parts.uri.path();
-    if !target.starts_with('/')
-        && parts.method != http::Method::CONNECT
-        && !(parts.method == http::Method::OPTIONS && target == "*")
-    {
+    let asterisk = parts.method == http::Method::OPTIONS && target == "*";
+    if !(target.starts_with('/') || asterisk) {
         return ApiError::bad_request(format!(
             "the request target '{}' is not a path: it must start with '/'",
             parts.uri

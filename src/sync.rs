@@ -88,10 +88,18 @@ pub async fn catch_up(app: &App) {
                     app.unbuildable
                         .store(stored.max(1) as u64, Ordering::Release);
                     app.behind.store(false, Ordering::Release);
-                    tracing::warn!(
-                        ?e,
-                        "the stored definitions do not build; the previous engine keeps serving until the next change"
-                    );
+                    if app.engine.load().generation == 0 {
+                        // Started while they do not build: nothing serves.
+                        tracing::warn!(
+                            ?e,
+                            "the stored definitions do not build; no engine is serving until the next change"
+                        );
+                    } else {
+                        tracing::warn!(
+                            ?e,
+                            "the stored definitions do not build; the previous engine keeps serving until the next change"
+                        );
+                    }
                 }
                 Err(e) => tracing::warn!(?e, "could not catch up; retrying on the next check"),
             }

@@ -1745,7 +1745,7 @@ async fn dry_run_body_is_checked() {
         Some(json!({"workflow_id": "maps", "name": "maps", "tasks": [
             {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
                 {"path": "seen", "logic": {"cat": [{"var": "metadata.query.page"}, " ",
-                    {"var": "metadata.headers.x-flag"}]}}]}}}]})),
+                    {"var": "metadata.headers.x-flag"}, " ", {"var": "metadata.query.big"}]}}]}}}]})),
     )
     .await
     .ok(201);
@@ -1753,10 +1753,11 @@ async fn dry_run_body_is_checked() {
         .admin(
             "POST",
             "/workflows/maps/test",
-            Some(json!({"data": {}, "metadata": {"query": {"page": 2}, "headers": {"X-Flag": true}}})),
+            Some(json!({"data": {}, "metadata": {"query": {"page": 2, "big": 1e2}, "headers": {"X-Flag": true}}})),
         )
         .await;
-    assert_eq!(r.ok(200)["data"]["seen"], "2 true", "{}", r.text);
+    // Numbers as JavaScript writes them (audit 74: `1e2` was "100.0").
+    assert_eq!(r.ok(200)["data"]["seen"], "2 true 100", "{}", r.text);
 }
 
 /// Traffic between versions follows `rollout_percentage` alone: an engine

@@ -685,6 +685,7 @@ async fn odd_targets_and_abandoned_bodies() {
     let addr = s.base.trim_start_matches("http://").to_owned();
     for head in [
         "GET healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\nConnection: close\r\n\r\n",
         "POST example.com:80 HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
     ] {
         let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
@@ -711,6 +712,25 @@ async fn odd_targets_and_abandoned_bodies() {
         .unwrap();
         drop(conn);
     }
+    // A client that only half-closes still reads the envelope (audit 74:
+    // an empty 400), uncounted all the same.
+    let mut half = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    half.write_all(
+        b"POST /api/v1/data/gone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"data\":",
+    )
+    .await
+    .unwrap();
+    half.shutdown().await.unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), half.read_to_end(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    let got = String::from_utf8_lossy(&got);
+    assert!(
+        got.starts_with("HTTP/1.1 400") && got.contains(r#""code":"BAD_REQUEST""#),
+        "{got}"
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = s.get("/metrics").await.text;
     let count = |text: &str, series: &str| -> Option<String> {

@@ -1340,4 +1340,70 @@ async fn two_channels_do_not_share_a_topic_in_one_group() {
     // A second version of k1 on the same topic replaces the first.
     s.admin("POST", "/channels/k1/versions", None).await.ok(201);
     activate("k1").await.ok(200);
+
+    // A channel `kafka.topics` sends a topic to (any protocol) is checked
+    // for that topic too (audit 74: it was not, and two channels shared
+    // the group).
+    let s = crate::support::start_with(Db::Sqlite, |c| {
+        c.kafka.topics = vec![sluice::config::KafkaTopic {
+            topic: "routed".into(),
+            channel: "by-config".into(),
+        }];
+    })
+    .await;
+    s.admin(
+        "POST",
+        "/workflows",
+        Some(json!({"workflow_id": "kw", "name": "kw", "tasks": [
+            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+                {"path": "got", "logic": {"var": "payload"}}]}}}]})),
+    )
+    .await
+    .ok(201);
+    s.admin(
+        "PATCH",
+        "/workflows/kw/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    s.admin(
+        "POST",
+        "/channels",
+        Some(channel("on-topic", json!({"topic": "routed"}))),
+    )
+    .await
+    .ok(201);
+    s.admin(
+        "PATCH",
+        "/channels/on-topic/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    s.admin(
+        "POST",
+        "/channels",
+        Some(
+            json!({"channel_id": "by-config", "name": "by-config", "channel_type": "sync",
+                    "protocol": "http", "workflow_id": "kw"}),
+        ),
+    )
+    .await
+    .ok(201);
+    let r = s
+        .admin(
+            "PATCH",
+            "/channels/by-config/status",
+            Some(json!({"status": "active"})),
+        )
+        .await;
+    r.error(409, "CONFLICT");
+    assert!(
+        r.body["error"]["message"].as_str().unwrap().starts_with(
+            "channel 'on-topic' already consumes topic 'routed' in consumer group 'sluice'"
+        ),
+        "{}",
+        r.text
+    );
 }
