@@ -1276,6 +1276,26 @@ async fn validation_logic_judges_consumed_messages() {
     }
 }
 
+/// Creates and activates workflow `id` (one `map` copying the payload).
+async fn active_workflow(s: &TestServer, id: &str) {
+    s.admin(
+        "POST",
+        "/workflows",
+        Some(json!({"workflow_id": id, "name": id, "tasks": [
+            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
+                {"path": "got", "logic": {"var": "payload"}}]}}}]})),
+    )
+    .await
+    .ok(201);
+    s.admin(
+        "PATCH",
+        &format!("/workflows/{id}/status"),
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+}
+
 /// Two channels consuming one topic in one consumer group would split its
 /// partitions, each running part of the messages (audit 73): activating the
 /// second is a conflict naming the first. Its own `consumer_group` makes it
@@ -1284,22 +1304,7 @@ async fn validation_logic_judges_consumed_messages() {
 #[tokio::test]
 async fn two_channels_do_not_share_a_topic_in_one_group() {
     let s = crate::support::start(Db::Sqlite).await;
-    s.admin(
-        "POST",
-        "/workflows",
-        Some(json!({"workflow_id": "kw", "name": "kw", "tasks": [
-            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
-                {"path": "got", "logic": {"var": "payload"}}]}}}]})),
-    )
-    .await
-    .ok(201);
-    s.admin(
-        "PATCH",
-        "/workflows/kw/status",
-        Some(json!({"status": "active"})),
-    )
-    .await
-    .ok(200);
+    active_workflow(&s, "kw").await;
     let channel = |id: &str, config: Json| {
         json!({"channel_id": id, "name": id, "channel_type": "async", "protocol": "kafka",
                "workflow_id": "kw", "config_json": config})
@@ -1351,22 +1356,7 @@ async fn two_channels_do_not_share_a_topic_in_one_group() {
         }];
     })
     .await;
-    s.admin(
-        "POST",
-        "/workflows",
-        Some(json!({"workflow_id": "kw", "name": "kw", "tasks": [
-            {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
-                {"path": "got", "logic": {"var": "payload"}}]}}}]})),
-    )
-    .await
-    .ok(201);
-    s.admin(
-        "PATCH",
-        "/workflows/kw/status",
-        Some(json!({"status": "active"})),
-    )
-    .await
-    .ok(200);
+    active_workflow(&s, "kw").await;
     s.admin(
         "POST",
         "/channels",
