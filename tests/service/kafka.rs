@@ -1278,22 +1278,13 @@ async fn validation_logic_judges_consumed_messages() {
 
 /// Creates and activates workflow `id` (one `map` copying the payload).
 async fn active_workflow(s: &TestServer, id: &str) {
-    s.admin(
-        "POST",
-        "/workflows",
-        Some(json!({"workflow_id": id, "name": id, "tasks": [
+    s.create_active(
+        "workflows",
+        json!({"workflow_id": id, "name": id, "tasks": [
             {"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [
-                {"path": "got", "logic": {"var": "payload"}}]}}}]})),
+                {"path": "got", "logic": {"var": "payload"}}]}}}]}),
     )
-    .await
-    .ok(201);
-    s.admin(
-        "PATCH",
-        &format!("/workflows/{id}/status"),
-        Some(json!({"status": "active"})),
-    )
-    .await
-    .ok(200);
+    .await;
 }
 
 /// Two channels consuming one topic in one consumer group would split its
@@ -1357,20 +1348,8 @@ async fn two_channels_do_not_share_a_topic_in_one_group() {
     })
     .await;
     active_workflow(&s, "kw").await;
-    s.admin(
-        "POST",
-        "/channels",
-        Some(channel("on-topic", json!({"topic": "routed"}))),
-    )
-    .await
-    .ok(201);
-    s.admin(
-        "PATCH",
-        "/channels/on-topic/status",
-        Some(json!({"status": "active"})),
-    )
-    .await
-    .ok(200);
+    s.create_active("channels", channel("on-topic", json!({"topic": "routed"})))
+        .await;
     s.admin(
         "POST",
         "/channels",

@@ -338,22 +338,25 @@ impl TestServer {
 
     /// Creates and activates a workflow and a channel.
     pub async fn deploy(&self, workflow: Json, channel: Json) {
-        let wid = workflow["workflow_id"].as_str().unwrap().to_owned();
-        let cid = channel["channel_id"].as_str().unwrap().to_owned();
-        self.admin("POST", "/workflows", Some(workflow))
+        self.create_active("workflows", workflow).await;
+        self.create_active("channels", channel).await;
+    }
+
+    /// Creates a workflow or channel (`collection`: `workflows`,
+    /// `channels`) and activates it.
+    pub async fn create_active(&self, collection: &str, def: Json) {
+        let id_field = if collection == "workflows" {
+            "workflow_id"
+        } else {
+            "channel_id"
+        };
+        let id = def[id_field].as_str().unwrap().to_owned();
+        self.admin("POST", &format!("/{collection}"), Some(def))
             .await
             .ok(201);
         self.admin(
             "PATCH",
-            &format!("/workflows/{wid}/status"),
-            Some(json!({"status": "active"})),
-        )
-        .await
-        .ok(200);
-        self.admin("POST", "/channels", Some(channel)).await.ok(201);
-        self.admin(
-            "PATCH",
-            &format!("/channels/{cid}/status"),
+            &format!("/{collection}/{id}/status"),
             Some(json!({"status": "active"})),
         )
         .await
