@@ -232,6 +232,11 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
         "channels" => schema_ref("ChannelDef"),
         _ => schema_ref("ConnectorDef"),
     };
+    // What the server answers: a channel's status may be `paused`.
+    let answer = |kind: &str| match kind {
+        "channels" => schema_ref("Channel"),
+        other => def(other),
+    };
     match (method, seg.as_slice()) {
         ("get", ["health"]) => (None, schema_ref("Health")),
         ("get", ["healthz"]) => (
@@ -254,9 +259,10 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
             Some(json!({"type": "array", "items": def(kind)})),
             data_of(schema_ref("ImportResult")),
         ),
-        ("get", ["api", "v1", "admin", kind, "export"]) => {
-            (None, data_of(json!({"type": "array", "items": def(kind)})))
-        }
+        ("get", ["api", "v1", "admin", kind, "export"]) => (
+            None,
+            data_of(json!({"type": "array", "items": answer(kind)})),
+        ),
         ("post", ["api", "v1", "admin", kind, "validate"]) => {
             (Some(def(kind)), data_of(schema_ref("ValidateResult")))
         }
@@ -266,16 +272,16 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
         ),
         ("patch", ["api", "v1", "admin", "channels", _, "status"]) => (
             Some(schema_ref("ChannelStatusChange")),
-            data_of(def("channels")),
+            data_of(answer("channels")),
         ),
         ("patch", ["api", "v1", "admin", kind, _, "status"]) => {
-            (Some(schema_ref("StatusChange")), data_of(def(kind)))
+            (Some(schema_ref("StatusChange")), data_of(answer(kind)))
         }
         ("patch", ["api", "v1", "admin", kind, _, "rollout"]) => {
-            (Some(schema_ref("RolloutChange")), data_of(def(kind)))
+            (Some(schema_ref("RolloutChange")), data_of(answer(kind)))
         }
-        ("get", ["api", "v1", "admin", kind, _, "versions"]) => (None, page_of(def(kind))),
-        ("post", ["api", "v1", "admin", kind, _, "versions"]) => (None, data_of(def(kind))),
+        ("get", ["api", "v1", "admin", kind, _, "versions"]) => (None, page_of(answer(kind))),
+        ("post", ["api", "v1", "admin", kind, _, "versions"]) => (None, data_of(answer(kind))),
         (
             "get",
             [
@@ -284,7 +290,7 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
                 "admin",
                 kind @ ("workflows" | "channels" | "connectors"),
             ],
-        ) => (None, page_of(def(kind))),
+        ) => (None, page_of(answer(kind))),
         (
             "post",
             [
@@ -293,7 +299,7 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
                 "admin",
                 kind @ ("workflows" | "channels" | "connectors"),
             ],
-        ) => (Some(def(kind)), data_with_warnings(kind, def(kind))),
+        ) => (Some(def(kind)), data_with_warnings(kind, answer(kind))),
         (
             "get",
             [
@@ -303,9 +309,9 @@ fn schemas_for(method: &str, path: &str) -> (Option<Json>, Json) {
                 kind @ ("workflows" | "channels" | "connectors"),
                 _,
             ],
-        ) => (None, data_of(def(kind))),
+        ) => (None, data_of(answer(kind))),
         ("put", ["api", "v1", "admin", kind, _]) => {
-            (Some(def(kind)), data_with_warnings(kind, def(kind)))
+            (Some(def(kind)), data_with_warnings(kind, answer(kind)))
         }
         ("delete", _) if seg.get(2) == Some(&"admin") => (None, json!({})),
         ("get", ["api", "v1", "admin", "engine", "status"]) => {
@@ -503,14 +509,14 @@ pub fn document(auth: &crate::config::AdminAuth) -> Json {
         not_nullable(schema);
         sluice_compiler::schema::plain_descriptions(schema);
     }
-    // Channels are paused through `PATCH .../status` (engine schema), and
-    // show it, though a definition never sets its own status.
-    if let Some(Json::Array(names)) = schemas
-        .get_mut("ChannelStatus")
-        .and_then(|s| s.get_mut("enum"))
-        && !names.iter().any(|n| n == "paused")
-    {
-        names.push(json!("paused"));
+    // Channels are paused through `PATCH .../status` (engine schema) and
+    // show it, though a definition never sets it: what the server answers
+    // is `Channel` (a `ChannelDef` whose status may be `paused`), what it
+    // accepts is `ChannelDef`.
+    if let Some(mut channel) = schemas.get("ChannelDef").cloned() {
+        channel["properties"]["status"] = json!({"type": "string",
+            "enum": ["draft", "active", "archived", "paused"]});
+        schemas.insert("Channel".to_string(), channel);
     }
     if let Json::Object(fixed) = fixed_schemas() {
         schemas.extend(fixed);
@@ -566,6 +572,16 @@ pub fn document(auth: &crate::config::AdminAuth) -> Json {
             let required = !path.starts_with("/api/v1/data/");
             op["requestBody"] =
                 json!({"required": required, "content": {"application/json": {"schema": request}}});
+        }
+        // A channel of `channel_type: async` answers any request on it as
+        // a submission, so the plain data-plane operations can answer 202
+        // too (docs/decisions.md).
+        if path.starts_with("/api/v1/data/")
+            && *status == 200
+            && !path.starts_with("/api/v1/data/traces")
+        {
+            op["responses"]["202"] = json!({"description": "Accepted: the channel is asynchronous; poll the trace",
+                "content": {"application/json": {"schema": schema_ref("TraceAccepted")}}});
         }
         // Health and readiness answer 503 in their own shapes, not errors.
         match *path {

@@ -200,8 +200,24 @@ fn mongo_err(e: mongodb::error::Error) -> ConnectorError {
         _ => (ConnectorErrorKind::Upstream, labelled),
     };
     // The kind's text, not the error's: the latter lists labels and source
-    // chains that add noise and nothing the caller can act on.
-    ConnectorError::new(kind, format!("mongodb: {}", e.kind)).retryable(retryable)
+    // chains that add noise and nothing the caller can act on. Server
+    // selection and name resolution name the servers of the connection
+    // string, which may come from `env://` or hold a masked secret: their
+    // text stops before it (audit 77).
+    let text = match &*e.kind {
+        ErrorKind::ServerSelection { message, .. } => {
+            let head = message.split(". Topology").next().unwrap_or_default();
+            let why = if message.contains("refused") {
+                "the connection was refused"
+            } else {
+                "no server answered within the connect timeout"
+            };
+            format!("{}: {why}", head.trim_end_matches('.'))
+        }
+        ErrorKind::DnsResolve { .. } => "the server's host name did not resolve".to_string(),
+        other => other.to_string(),
+    };
+    ConnectorError::new(kind, format!("mongodb: {text}")).retryable(retryable)
 }
 
 /// Against the MongoDB-compatible server of `../shared/services/mongodb.sh`
@@ -350,6 +366,9 @@ mod tests {
         let e = pool.find("x", "y", json!({})).await.unwrap_err();
         assert_eq!(e.kind, ConnectorErrorKind::Upstream, "{e:?}");
         assert!(e.retryable, "{e:?}");
+        // The address (perhaps from `env://`) is not in the message.
+        assert!(!e.message.contains("127.0.0.1"), "{e:?}");
+        assert!(e.message.contains("refused"), "{e:?}");
 
         let e = MongoPool::connect(&cfg("mongo://nope")).await.unwrap_err();
         assert_eq!(e.kind, ConnectorErrorKind::Other);

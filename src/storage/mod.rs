@@ -779,6 +779,19 @@ pub(crate) fn db_err(e: sqlx::Error) -> StorageError {
                 "{TRANSIENT_PREFIX} conflicted with this request; retry"
             ));
         }
+        // A server that refuses connections is as unavailable as one that
+        // cannot be reached (audit 76): connection exceptions (class 08,
+        // MariaDB's "too many connections" 08004 among them), a shutting
+        // down or starting server (57P01-57P03), too many connections
+        // (53300), a database closed to connections (55000 "is not
+        // currently accepting connections"), MariaDB's shutdown (1053).
+        let refusing = code.starts_with("08")
+            || matches!(code.as_str(), "57P01" | "57P02" | "57P03" | "53300")
+            || (code == "55000" && d.message().contains("accepting connections"))
+            || matches!(mysql_number, Some(1040 | 1053));
+        if refusing {
+            return StorageError::Unavailable(format!("database unavailable: {}", d.message()));
+        }
         return StorageError::Database(format!("database error: {}", d.message()));
     }
     StorageError::Database(format!("database error: {e}"))

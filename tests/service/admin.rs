@@ -2553,6 +2553,45 @@ async fn a_list_answer_imports_unchanged() {
     .error(400, "BAD_REQUEST");
 }
 
+/// A database that refuses connections (closed to them by its
+/// administrator) is unavailable too: 503 with `Retry-After`, as when it
+/// cannot be reached, and a 200 again once it accepts them (audit 76).
+#[tokio::test]
+async fn a_database_refusing_connections_is_a_503() {
+    use sqlx::Connection;
+    let mut url = String::new();
+    let s = start_with(Db::Postgres, |c| url = c.storage.url.clone()).await;
+    s.admin("GET", "/workflows", None).await.ok(200);
+    let name = url.rsplit('/').next().unwrap().to_string();
+    let mut admin = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/test")
+        .await
+        .unwrap();
+    sqlx::query(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS false"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1")
+        .bind(&name)
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let r = s.admin("GET", "/workflows", None).await;
+    let e = r.error(503, "SERVICE_UNAVAILABLE");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("storage unavailable"),
+        "{e}"
+    );
+    assert!(r.headers.contains_key("retry-after"), "{:?}", r.headers);
+    sqlx::query(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    s.admin("GET", "/workflows", None).await.ok(200);
+}
+
 /// A database that cannot be reached is a 503 with `Retry-After` (the
 /// caller may retry; nothing was accepted), not a 500 "internal error".
 /// The PostgreSQL storage goes through a TCP proxy the test then cuts.

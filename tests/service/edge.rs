@@ -522,12 +522,63 @@ async fn openapi_offers_what_the_server_accepts() {
         schemas["Trace"]["properties"]["workflow_id"]["nullable"],
         true
     );
+    // A channel is paused through its status change, never by its
+    // definition: the server refuses `status: "paused"` on create (audit
+    // 78), so the definition does not offer it; what the server answers
+    // (`Channel`) may hold it.
+    let offered = schemas["ChannelStatus"]["enum"].as_array().unwrap();
     assert!(
-        schemas["ChannelStatus"]["enum"]
-            .as_array()
-            .unwrap()
-            .contains(&serde_json::json!("paused"))
+        !offered.contains(&serde_json::json!("paused")),
+        "{offered:?}"
     );
+    let r = s
+        .admin(
+            "POST",
+            "/channels",
+            Some(serde_json::json!({"name": "p", "workflow_id": "w", "status": "paused"})),
+        )
+        .await;
+    assert_eq!(r.error(400, "BAD_REQUEST")["details"][0]["field"], "status");
+    let answered = schemas["Channel"]["properties"]["status"]["enum"]
+        .as_array()
+        .unwrap();
+    assert!(
+        answered.contains(&serde_json::json!("paused")),
+        "{answered:?}"
+    );
+    for (path, method) in [
+        ("/api/v1/admin/channels", "post"),
+        ("/api/v1/admin/channels/{id}", "get"),
+        ("/api/v1/admin/channels/{id}/status", "patch"),
+    ] {
+        let ok = spec["paths"][path][method]["responses"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .find(|(code, _)| code.starts_with('2'))
+            .unwrap()
+            .1;
+        let data = &ok["content"]["application/json"]["schema"]["properties"]["data"];
+        assert_eq!(
+            data["$ref"], "#/components/schemas/Channel",
+            "{path} {method}"
+        );
+    }
+    // Any request on an asynchronous channel is a submission: the plain
+    // data-plane operations declare its 202 too.
+    for (path, method) in [
+        ("/api/v1/data/{channel}", "post"),
+        ("/api/v1/data/{path}", "get"),
+        ("/api/v1/data/{path}", "post"),
+        ("/api/v1/data/{path}", "delete"),
+    ] {
+        let accepted = &spec["paths"][path][method]["responses"]["202"];
+        assert_eq!(
+            accepted["content"]["application/json"]["schema"]["$ref"],
+            "#/components/schemas/TraceAccepted",
+            "{path} {method}"
+        );
+    }
     let body = &spec["paths"]["/api/v1/admin/channels/{id}/status"]["patch"]["requestBody"];
     let change = body["content"]["application/json"]["schema"]["$ref"]
         .as_str()
