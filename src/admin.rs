@@ -16,7 +16,7 @@ use crate::app::App;
 use crate::auth::Principal;
 use crate::engine::ReloadError;
 use crate::server::Req;
-use crate::storage::{Audit, Kind, ListQuery, Status, StorageError, Store};
+use crate::storage::{AgainstActive, Audit, Kind, ListQuery, Status, StorageError, Store};
 use http::Method;
 use serde_json::{Value as Json, json};
 use sluice_compiler::diag::Diagnostic;
@@ -653,18 +653,22 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
             version,
             rollout,
             audit(who, action),
-            &|record| {
-                activatable(kind, record)?;
-                match kind {
-                    Kind::Channel => {
-                        match crate::kafka::shared_group(app, &record.id, &record.definition) {
-                            Some(why) => Err(StorageError::Conflict(why)),
-                            None => Ok(()),
-                        }
-                    }
-                    Kind::Workflow => Ok(()),
-                }
-            },
+            &|record| activatable(kind, record),
+            // Two channels never consume one topic in one consumer group:
+            // checked against what storage holds active, serialised with
+            // every other channel activation (audit 81: against the engine,
+            // racing activations both passed).
+            (kind == Kind::Channel).then_some(&AgainstActive {
+                applies: &|record| !crate::kafka::consumes(app, &record.definition).is_empty(),
+                check: &|record, others| match crate::kafka::shared_group(
+                    app,
+                    &record.definition,
+                    others,
+                ) {
+                    Some(why) => Err(StorageError::Conflict(why)),
+                    None => Ok(()),
+                },
+            }),
         )
         .await?;
     if kind == Kind::Channel

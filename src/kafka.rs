@@ -206,20 +206,15 @@ fn desired(app: &App) -> BTreeSet<Subscription> {
     out
 }
 
-/// Why a Kafka channel (its stored definition `def`, named `name`) may not
-/// be activated: another active channel already consumes the same topic in
-/// the same consumer group, and the two would split the topic's partitions
-/// between them, each running only part of the messages. `None` for any
-/// other channel, and for another version of the same channel `id` (it
-/// replaces the active one).
-pub fn shared_group(app: &App, id: &str, def: &serde_json::Value) -> Option<String> {
+/// What a channel definition would consume once active: `(topic, group)`
+/// for its own topic (a Kafka channel) and for each `kafka.topics` entry
+/// that names it, in its `consumer_group`, else `kafka.group_id`.
+pub fn consumes(app: &App, def: &serde_json::Value) -> Vec<(String, String)> {
     let cfg = def.get("config_json");
     let group = cfg
         .and_then(|c| c.get("consumer_group"))
         .and_then(serde_json::Value::as_str)
         .unwrap_or(&app.config.kafka.group_id);
-    // What it would consume: its own topic (a Kafka channel), and the
-    // topics `kafka.topics` sends to it by name, whatever its protocol.
     let mut topics: Vec<&str> = Vec::new();
     if def.get("protocol").and_then(serde_json::Value::as_str) == Some("kafka")
         && let Some(topic) = cfg
@@ -237,18 +232,35 @@ pub fn shared_group(app: &App, id: &str, def: &serde_json::Value) -> Option<Stri
             .filter(|t| Some(t.channel.as_str()) == name)
             .map(|t| t.topic.as_str()),
     );
-    if topics.is_empty() {
+    topics
+        .into_iter()
+        .map(|t| (t.to_string(), group.to_string()))
+        .collect()
+}
+
+/// Why a channel (its stored definition `def`) may not be activated:
+/// another active channel (`others`, the other ids' active versions as
+/// stored, read in the activation's transaction) already consumes one of
+/// its topics in the same consumer group, and the two would split the
+/// topic's partitions between them, each running only part of the
+/// messages. `None` when it consumes nothing or shares no group.
+pub fn shared_group(
+    app: &App,
+    def: &serde_json::Value,
+    others: &[crate::storage::StoredRecord],
+) -> Option<String> {
+    let mine = consumes(app, def);
+    if mine.is_empty() {
         return None;
     }
-    let snapshot = app.engine.load();
-    let same_channel = |name: &str| snapshot.channels.get(name).is_some_and(|c| c.id == id);
-    let other = desired(app).into_iter().find(|s| {
-        topics.contains(&s.topic.as_str()) && s.group == group && !same_channel(&s.channel)
-    })?;
-    Some(format!(
-        "channel '{}' already consumes topic '{}' in consumer group '{group}': two channels in one group split the topic's partitions, each running part of the messages; give this channel its own config_json.consumer_group",
-        other.channel, other.topic
-    ))
+    others.iter().find_map(|other| {
+        let theirs: serde_json::Value = serde_json::from_str(&other.text).ok()?;
+        let (topic, group) = consumes(app, &theirs).into_iter().find(|s| mine.contains(s))?;
+        let name = theirs.get("name").and_then(serde_json::Value::as_str).unwrap_or(&other.id);
+        Some(format!(
+            "channel '{name}' already consumes topic '{topic}' in consumer group '{group}': two channels in one group split the topic's partitions, each running part of the messages; give this channel its own config_json.consumer_group"
+        ))
+    })
 }
 
 struct Running {

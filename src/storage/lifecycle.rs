@@ -18,9 +18,9 @@ use serde_json::{Map, Value as Json, json};
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::{
-    ActiveRow, Audit, BeginWrite, Kind, ListQuery, Record, SERVER_MANAGED, Stamp, Status,
-    StorageError, Store, StoredRecord, dispatch, execute, fetch_all, fetch_one, fetch_optional,
-    now_micros, retry, rfc3339,
+    ActiveRow, AgainstActive, Audit, BeginWrite, Kind, ListQuery, Record, SERVER_MANAGED, Stamp,
+    Status, StorageError, Store, StoredRecord, dispatch, execute, fetch_all, fetch_one,
+    fetch_optional, now_micros, retry, rfc3339,
 };
 
 /// The lifecycle-relevant columns of one version, as locked inside a transaction.
@@ -439,8 +439,12 @@ pub(crate) fn plan_status(
                 Active => return Err(illegal(t, Active)),
                 // Rollback: an archived version, or a paused one while another serves.
                 _ if t.status == Archived || !with_status(&[Active]).is_empty() => {
+                    // A move the state table does not list (a partial
+                    // rollback), refused for the state the version is in,
+                    // not for the body: 409, as the same body activating a
+                    // draft is fine (audit 81: it was a 400).
                     if rollout.is_some_and(|p| p != 100) {
-                        return Err(StorageError::BadRequest(
+                        return Err(StorageError::Conflict(
                             "re-activating an archived version (rollback) always serves 100% of traffic".into(),
                         ));
                     }
@@ -899,7 +903,7 @@ impl Store {
         rollout: Option<i64>,
         audit: Audit,
     ) -> Result<Record, StorageError> {
-        self.set_status_checked(kind, id, target, version, rollout, audit, &|_| Ok(()))
+        self.set_status_checked(kind, id, target, version, rollout, audit, &|_| Ok(()), None)
             .await
     }
 
@@ -907,7 +911,11 @@ impl Store {
     /// how the version is chosen when `version` is `None`), with `check` run
     /// on the version the move activates (as it is stored), inside the
     /// transaction: its error undoes the move. Returns the target version as
-    /// stored afterwards.
+    /// stored afterwards. `against`, when given, checks the version the
+    /// move activates against the other ids' active versions, read in the
+    /// same transaction after a lock that serialises every such move (the
+    /// `channel_names` lock row; SQLite's write lock), so two racing
+    /// activations cannot both pass it, on one service or across replicas.
     #[allow(clippy::too_many_arguments)]
     pub async fn set_status_checked(
         &self,
@@ -918,9 +926,10 @@ impl Store {
         rollout: Option<i64>,
         audit: Audit,
         check: &(dyn Fn(&Record) -> Result<(), StorageError> + Send + Sync),
+        against: Option<&AgainstActive<'_>>,
     ) -> Result<Record, StorageError> {
         retry(|| {
-            self.apply_plan_once(kind, id, audit.clone(), check, move |rows| {
+            self.apply_plan_once(kind, id, audit.clone(), check, against, move |rows| {
                 plan_status(kind, id, rows, target, version, rollout)
             })
         })
@@ -945,7 +954,7 @@ impl Store {
         }
         let unchanged = std::sync::atomic::AtomicBool::new(false);
         let record = retry(|| {
-            self.apply_plan_once(kind, id, audit.clone(), &|_| Ok(()), |rows| {
+            self.apply_plan_once(kind, id, audit.clone(), &|_| Ok(()), None, |rows| {
                 let plan = plan_rollout(kind, id, rows, percentage)?;
                 unchanged.store(
                     plan.changes.is_empty(),
@@ -967,6 +976,7 @@ impl Store {
         id: &str,
         audit: Audit,
         check: &(dyn Fn(&Record) -> Result<(), StorageError> + Send + Sync),
+        against: Option<&AgainstActive<'_>>,
         decide: F,
     ) -> Result<Record, StorageError>
     where
@@ -977,6 +987,14 @@ impl Store {
         let now = now_micros();
         dispatch!(self, pool => {
             let mut tx = pool.begin_write().await?;
+            // Taken first: on MariaDB the transaction's snapshot is fixed
+            // by its first plain read, which must come after the lock for
+            // the check below to see the moves committed before it.
+            if against.is_some()
+                && let Some(lock) = &s.lock_channel_names
+            {
+                fetch_all!(&mut *tx, lock)?;
+            }
             let rows = load_state!(tx, k, id);
             if rows.is_empty() {
                 return Err(kind.not_found(id));
@@ -998,6 +1016,16 @@ impl Store {
             let record = record_from_row(&fetch_one!(&mut *tx, &k.get_version, id, plan.target)?)?;
             if plan.changes.iter().any(|c| c.version == plan.target && c.to == Status::Active) {
                 check(&record)?;
+                if let Some(against) = against
+                    && (against.applies)(&record)
+                {
+                    let others = fetch_all!(&mut *tx, &k.active)?
+                        .iter()
+                        .map(stored_with_digest)
+                        .filter(|r| r.as_ref().map_or(true, |r| r.id != id))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    (against.check)(&record, &others)?;
+                }
             }
             let archived: Vec<i64> = plan.changes.iter()
                 .filter(|c| c.to == Status::Archived && c.version != plan.target)

@@ -169,6 +169,21 @@ pub(crate) const SERVER_MANAGED: [&str; 6] = [
     "updated_at",
 ];
 
+/// The check of [`AgainstActive`]: the version a move activates, and the
+/// other ids' active versions as stored.
+pub type CheckAgainst<'a> =
+    dyn Fn(&Record, &[StoredRecord]) -> Result<(), StorageError> + Send + Sync + 'a;
+
+/// A check of the version a status change activates against the other
+/// ids' active versions of its kind (`Store::set_status_checked`).
+pub struct AgainstActive<'a> {
+    /// Whether the version needs the check at all (reading every active
+    /// definition is not free).
+    pub applies: &'a (dyn Fn(&Record) -> bool + Send + Sync),
+    /// The check, given the other ids' active versions as stored.
+    pub check: &'a CheckAgainst<'a>,
+}
+
 /// A stored row whose definition is still text: an engine reload compares
 /// texts (a `memcmp`) and parses only the definitions that changed.
 #[derive(Debug, Clone)]

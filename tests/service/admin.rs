@@ -102,6 +102,23 @@ async fn workflow_lifecycle(db: Db) {
     // Newest first: v2 (active), then v1 (archived).
     assert_eq!(statuses, vec![json!("active"), json!("archived")]);
 
+    // A partial rollback is a move the state table does not list: a
+    // conflict with v1's state (archived), not a bad body (audit 81).
+    let partial = s
+        .admin(
+            "PATCH",
+            "/workflows/orders/status",
+            Some(json!({"status": "active", "version": 1, "rollout_percentage": 30})),
+        )
+        .await;
+    assert!(
+        partial.error(409, "CONFLICT")["message"]
+            .as_str()
+            .unwrap()
+            .contains("(rollback) always serves 100% of traffic"),
+        "{}",
+        partial.text
+    );
     // Rollback: re-activating v1 makes it the only active version.
     let back = s
         .admin(

@@ -1376,3 +1376,70 @@ async fn two_channels_do_not_share_a_topic_in_one_group() {
         r.text
     );
 }
+
+/// Activations racing each other cannot both pass the one-group check
+/// (audit 81: it read the engine, which neither had reached yet, and all
+/// of eight racing channels went active): the check reads what storage
+/// holds active, serialised with every other channel activation, so
+/// exactly one of the racers wins and the others are conflicts naming it.
+async fn racing_activations_share_no_group(db: Db) {
+    let s = crate::support::start(db).await;
+    active_workflow(&s, "kw").await;
+    let ids: Vec<String> = (0..6).map(|i| format!("race{i}")).collect();
+    for id in &ids {
+        s.admin(
+            "POST",
+            "/channels",
+            Some(
+                json!({"channel_id": id, "name": id, "channel_type": "async",
+                        "protocol": "kafka", "workflow_id": "kw",
+                        "config_json": {"topic": "raced"}}),
+            ),
+        )
+        .await
+        .ok(201);
+    }
+    let answers = futures_util::future::join_all(ids.iter().map(|id| {
+        let path = format!("/channels/{id}/status");
+        let s = &s;
+        async move {
+            s.admin("PATCH", &path, Some(json!({"status": "active"})))
+                .await
+        }
+    }))
+    .await;
+    let won: Vec<&String> = ids
+        .iter()
+        .zip(&answers)
+        .filter(|(_, r)| r.status == 200)
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(
+        won.len(),
+        1,
+        "{:?}",
+        answers.iter().map(|r| &r.text).collect::<Vec<_>>()
+    );
+    for r in answers.iter().filter(|r| r.status != 200) {
+        let message = r.error(409, "CONFLICT")["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            message.starts_with(&format!(
+                "channel '{}' already consumes topic 'raced'",
+                won[0]
+            )),
+            "{message}"
+        );
+    }
+    let active = s
+        .admin("GET", "/channels?status=active", None)
+        .await
+        .ok(200)
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(active, 1);
+}
+crate::on_every_backend!(racing_activations, racing_activations_share_no_group);
