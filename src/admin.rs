@@ -1047,7 +1047,19 @@ async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
         ));
     }
     let meta = body.get("metadata").unwrap_or(&Json::Null);
-    let problems = crate::data::metadata_problems(meta);
+    // A misspelt `data` would run the workflow on no payload and answer
+    // success (audit 80), as a misspelt status key would change traffic.
+    let mut problems: Vec<Diagnostic> = body
+        .as_object()
+        .into_iter()
+        .flat_map(|o| o.keys())
+        .filter(|k| !matches!(k.as_str(), "data" | "metadata"))
+        .map(|k| Diagnostic {
+            field: k.clone(),
+            message: unknown_key_message(&["data", "metadata"]),
+        })
+        .collect();
+    problems.extend(crate::data::metadata_problems(meta));
     if !problems.is_empty() {
         return Err(ApiError::invalid("request", problems));
     }

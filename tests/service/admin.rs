@@ -1691,6 +1691,20 @@ async fn dry_run_body_is_checked() {
     s.admin("POST", "/workflows/w/test", Some(json!({"data": {}})))
         .await
         .ok(200);
+    // A misspelt `data` is named, not run on no payload (audit 80).
+    let r = s
+        .admin(
+            "POST",
+            "/workflows/w/test",
+            Some(json!({"dat": {"x": 1}, "metdata": {}})),
+        )
+        .await;
+    let e = r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), ["dat", "metdata"], "{}", r.text);
+    assert_eq!(
+        e["details"][0]["message"],
+        "unknown field; expected data, metadata"
+    );
     // `method`, `channel` and `request_id` are taken as a request's; other
     // keys and other types are refused.
     let r = s
