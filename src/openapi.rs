@@ -405,7 +405,7 @@ fn fixed_schemas() -> Json {
             "dry_run": {"type": "boolean"},
         }},
         "ValidateResult": {"type": "object", "properties": {"valid": {"type": "boolean"}, "warnings": {"type": "array", "items": diagnostic}}},
-        "DryRunRequest": {"type": "object", "properties": {
+        "DryRunRequest": {"type": "object", "additionalProperties": false, "properties": {
             "data": {"description": "The payload (what parse_json reads as `payload`)."},
             "metadata": {"type": "object", "additionalProperties": false, "properties": {
                 "headers": {"type": "object"}, "query": {"type": "object"}, "path": {"type": "object"},

@@ -1705,6 +1705,12 @@ async fn dry_run_body_is_checked() {
         e["details"][0]["message"],
         "unknown field; expected data, metadata"
     );
+    // The OpenAPI document says so.
+    let spec = s.get("/api/v1/openapi.json").await.body;
+    assert_eq!(
+        spec["components"]["schemas"]["DryRunRequest"]["additionalProperties"],
+        false
+    );
     // `method`, `channel` and `request_id` are taken as a request's; other
     // keys and other types are refused.
     let r = s
