@@ -158,9 +158,17 @@ pub async fn handle(
     };
     // CORS headers go on errors too, so a browser client can read them.
     let mut response = result.unwrap_or_else(ApiError::into_response);
-    // A failure's log line names the channel (the route label is shared).
+    // A failure's log line names the channel (the route label is shared),
+    // and shows none of the secrets the request carried (an upstream's
+    // error text may quote what a task sent it).
     if let Some(f) = response.extensions_mut().get_mut::<crate::api::Failure>() {
         f.channel.clone_from(&channel.name);
+        let headers = req
+            .headers
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)));
+        let secrets = request_secrets(headers, &req.query, &req.body);
+        f.message = crate::connectors::mask_values(&f.message, &secrets);
     }
     governance::decorate(channel, &req.headers, &mut response);
     Ok(response)
@@ -748,4 +756,47 @@ pub fn borrow_pairs(pairs: &[(String, String)]) -> Vec<(&str, &str)> {
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect()
+}
+
+/// The secrets a request carries, as the texts to mask wherever they are
+/// quoted (failure log lines, stored trace errors; decisions.md, Masking):
+/// the values of credential headers (whole, and the credential after its
+/// scheme: `Bearer <token>`), of secret query parameters, and the string
+/// values of secret-named keys anywhere in the JSON body. In the forms
+/// [`crate::connectors::secret_forms`] gives (escaped too; none shorter than
+/// six characters).
+pub(crate) fn request_secrets<'h>(
+    headers: impl Iterator<Item = (&'h str, &'h str)>,
+    query: &[(String, String)],
+    body: &[u8],
+) -> Vec<String> {
+    use sluice_compiler::validate::{is_secret_header, is_secret_key, is_secret_query_param};
+    let mut values = Vec::new();
+    for (name, value) in headers {
+        if is_secret_header(name) {
+            values.push(value.to_owned());
+            if let Some((_, credential)) = value.trim().split_once(' ') {
+                values.push(credential.trim().to_owned());
+            }
+        }
+    }
+    for (name, value) in query {
+        if is_secret_query_param(name) {
+            values.push(value.clone());
+        }
+    }
+    fn walk(v: &Json, secret: bool, out: &mut Vec<String>) {
+        match v {
+            Json::String(s) if secret => out.push(s.clone()),
+            Json::Array(items) => items.iter().for_each(|i| walk(i, secret, out)),
+            Json::Object(m) => m
+                .iter()
+                .for_each(|(k, i)| walk(i, secret || is_secret_key(k), out)),
+            _ => {}
+        }
+    }
+    if let Ok(body) = serde_json::from_slice::<Json>(body) {
+        walk(&body, false, &mut values);
+    }
+    crate::connectors::secret_forms(values)
 }

@@ -169,6 +169,12 @@ fn desired(app: &App) -> BTreeSet<Subscription> {
         if channel.def.protocol() != Protocol::Kafka {
             continue;
         }
+        // A channel with no active workflow is held as a paused one is: its
+        // messages wait in the topic (consuming them would fail each one
+        // with "no active workflow" and commit it).
+        if channel.plans.is_empty() {
+            continue;
+        }
         let cfg = &channel.def.config_json;
         let Some(topic) = cfg.topic.clone() else {
             continue;
@@ -184,6 +190,11 @@ fn desired(app: &App) -> BTreeSet<Subscription> {
     }
     for t in &k.topics {
         match snapshot.channels.get(&t.channel) {
+            Some(channel) if channel.plans.is_empty() => tracing::info!(
+                topic = %t.topic,
+                channel = %t.channel,
+                "kafka.topics names a channel with no active workflow; the topic waits"
+            ),
             Some(channel) => {
                 out.insert(Subscription {
                     channel: channel.name.clone(),

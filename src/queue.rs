@@ -439,7 +439,23 @@ pub(crate) async fn execute_guarded(
 ) -> bool {
     let run = std::panic::AssertUnwindSafe(execute(app, channel, c, &mut *outcome));
     match futures_util::FutureExt::catch_unwind(run).await {
-        Ok(ok) => ok,
+        Ok(ok) => {
+            // An error text may quote a secret of the payload (an upstream
+            // echoing what a task sent it): masked before it is stored or
+            // logged. (The stored headers are masked already.)
+            let secrets =
+                crate::data::request_secrets(std::iter::empty(), &[], c.payload.as_bytes());
+            if !secrets.is_empty()
+                && let Some(errors) = outcome.errors.as_array_mut()
+            {
+                for e in errors {
+                    if let Some(Json::String(m)) = e.get_mut("message") {
+                        *m = crate::connectors::mask_values(m, &secrets);
+                    }
+                }
+            }
+            ok
+        }
         Err(_) => {
             tracing::error!(trace_id = %c.trace_id, channel = %c.channel, "a trace's run panicked");
             outcome.data = None;

@@ -799,11 +799,17 @@ pub(crate) fn db_err(e: sqlx::Error) -> StorageError {
         // MariaDB's "too many connections" 08004 among them), a shutting
         // down or starting server (57P01-57P03), too many connections
         // (53300), a database closed to connections (55000 "is not
-        // currently accepting connections"), MariaDB's shutdown (1053).
+        // currently accepting connections"), MariaDB's shutdown (1053); and,
+        // on connecting, a database that is not there (3D000, MariaDB 1049)
+        // or a login refused (28000, 28P01, MariaDB 1045) (audit 83: both
+        // were a 500 while /health said the database was unavailable).
         let refusing = code.starts_with("08")
-            || matches!(code.as_str(), "57P01" | "57P02" | "57P03" | "53300")
+            || matches!(
+                code.as_str(),
+                "57P01" | "57P02" | "57P03" | "53300" | "3D000" | "28000" | "28P01"
+            )
             || (code == "55000" && d.message().contains("accepting connections"))
-            || matches!(mysql_number, Some(1040 | 1053));
+            || matches!(mysql_number, Some(1040 | 1053 | 1049 | 1045));
         if refusing {
             return StorageError::Unavailable(format!("database unavailable: {}", d.message()));
         }

@@ -2627,6 +2627,35 @@ async fn a_database_refusing_connections_is_a_503() {
         .await
         .unwrap();
     s.admin("GET", "/workflows", None).await.ok(200);
+    // A database that is not there (renamed away: 3D000 on connecting) is
+    // unavailable as well (audit 83: a 500), and serves again once back.
+    let off = format!("{name}_off");
+    let mut renamed = false;
+    for _ in 0..20 {
+        sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1")
+            .bind(&name)
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        if sqlx::query(&format!("ALTER DATABASE {name} RENAME TO {off}"))
+            .execute(&mut admin)
+            .await
+            .is_ok()
+        {
+            renamed = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(renamed, "could not rename {name}");
+    let r = s.admin("GET", "/workflows", None).await;
+    r.error(503, "SERVICE_UNAVAILABLE");
+    assert!(r.headers.contains_key("retry-after"), "{:?}", r.headers);
+    sqlx::query(&format!("ALTER DATABASE {off} RENAME TO {name}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    s.admin("GET", "/workflows", None).await.ok(200);
 }
 
 /// A database that cannot be reached is a 503 with `Retry-After` (the

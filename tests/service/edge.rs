@@ -1290,10 +1290,44 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
         .await
         .unwrap();
     assert_eq!(r.status(), 500);
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // A failure quoting the request's secrets (a credential header, the
+    // payload's `password`) is logged without them, sync and async (audit
+    // 83: the sync line showed them).
+    deploy_named(
+        &base,
+        "sec",
+        json!([{"id": "c", "name": "c", "function": {"name": "channel_call", "input": {"channel_logic":
+            {"cat": ["to-", {"var": "metadata.headers.authorization"}, "-", {"var": "payload.login.password"}]}}}}]),
+    )
+    .await;
+    for path in ["sec", "sec/async"] {
+        let r = c
+            .post(format!("{base}/api/v1/data/{path}"))
+            .header("authorization", "Bearer hdrSecret77")
+            .json(&json!({"data": {"login": {"password": "paySecret88"}}}))
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            matches!(r.status().as_u16(), 500 | 202),
+            "{path}: {}",
+            r.status()
+        );
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     let _ = child.kill();
     let _ = child.wait();
     let log = std::fs::read_to_string(&log_path).unwrap();
+    for what in ["request failed", "trace failed"] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains(what) && l.contains("to-******")),
+            "{what} quoting the secrets, masked:\n{log}"
+        );
+    }
+    for secret in ["hdrSecret77", "paySecret88"] {
+        assert!(!log.contains(secret), "{secret} in the log:\n{log}");
+    }
     assert!(
         !log.lines().any(|l| l.starts_with("2026-11-27T00:00:00Z")),
         "a forged line:\n{log}"

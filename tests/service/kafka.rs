@@ -611,8 +611,10 @@ async fn the_default_consumer_group_is_kafka_group_id() {
 }
 
 /// The consumer follows the channel: pausing and archiving stop
-/// consumption; messages produced meanwhile are consumed, once, when the
-/// channel is active again (the group resumes at its committed offset).
+/// consumption, and so does pausing its workflow (audit 84: with no active
+/// workflow each message failed "no active workflow" and was committed);
+/// messages produced meanwhile are consumed, once, when the channel serves
+/// again (the group resumes at its committed offset).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumers_follow_pause_and_archive() {
     let topic = unique("sluice-life");
@@ -628,15 +630,16 @@ async fn consumers_follow_pause_and_archive() {
     wait_running(&s, 1).await;
 
     let mut n = 1;
-    for (stop, resume) in [("paused", "active"), ("archived", "active")] {
+    for (what, stop, resume) in [
+        ("channels", "paused", "active"),
+        ("channels", "archived", "active"),
+        ("workflows", "paused", "active"),
+    ] {
+        let status = format!("/{what}/life/status");
         let r = s
-            .admin(
-                "PATCH",
-                "/channels/life/status",
-                Some(json!({"status": stop})),
-            )
+            .admin("PATCH", &status, Some(json!({"status": stop})))
             .await;
-        assert_eq!(r.status, 200, "{stop}: {}", r.text);
+        assert_eq!(r.status, 200, "{what} {stop}: {}", r.text);
         wait_running(&s, 0).await;
         // Produced while the channel is not active: waits in the topic.
         n += 1;
@@ -646,17 +649,13 @@ async fn consumers_follow_pause_and_archive() {
         assert_eq!(
             traces(&s.client, &s.base, "life").await.len(),
             n as usize - 1,
-            "consumed while {stop}"
+            "consumed while {what} {stop}"
         );
         // Active again (an archived channel's latest version comes back).
         let r = s
-            .admin(
-                "PATCH",
-                "/channels/life/status",
-                Some(json!({"status": resume})),
-            )
+            .admin("PATCH", &status, Some(json!({"status": resume})))
             .await;
-        assert_eq!(r.status, 200, "{resume} after {stop}: {}", r.text);
+        assert_eq!(r.status, 200, "{what}: {resume} after {stop}: {}", r.text);
         wait_running(&s, 1).await;
         wait_traces(&s.client, &s.base, "life", Duration::from_secs(60), |t| {
             t.len() >= n as usize
