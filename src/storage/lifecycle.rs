@@ -369,10 +369,18 @@ pub(crate) fn plan_status(
                         // its share p, the one before it serves 100 - p (none
                         // when p is 100), any older one is archived. Their
                         // stored shares may not add up (each was paused
-                        // from a different split).
+                        // from a different split). A share asked for is
+                        // the newest's (audit 85: it was ignored; it may be
+                        // partial, as a first activation may); unasked, a
+                        // version resumed alone serves all the traffic
+                        // whatever share it was paused with.
                         let paused = with_status(&[Paused]);
-                        let newest_share = paused.last().map_or(100, |r| r.rollout);
                         let n = paused.len();
+                        let newest_share = match rollout {
+                            Some(p) => p,
+                            None if n == 1 => 100,
+                            None => paused.last().map_or(100, |r| r.rollout),
+                        };
                         for (i, r) in paused.iter().enumerate() {
                             let (to, rollout) = if i + 1 == n {
                                 (Active, newest_share)
@@ -444,9 +452,16 @@ pub(crate) fn plan_status(
                     // not for the body: 409, as the same body activating a
                     // draft is fine (audit 81: it was a 400).
                     if rollout.is_some_and(|p| p != 100) {
-                        return Err(StorageError::Conflict(
-                            "re-activating an archived version (rollback) always serves 100% of traffic".into(),
-                        ));
+                        return Err(StorageError::Conflict(if t.status == Paused {
+                            // Audit 85: the message called the paused
+                            // version archived.
+                            format!(
+                                "resuming paused version {} while another version serves is a rollback, which always serves 100% of traffic",
+                                t.version
+                            )
+                        } else {
+                            "re-activating an archived version (rollback) always serves 100% of traffic".into()
+                        }));
                     }
                     changes.push(Change {
                         version: t.version,
@@ -456,13 +471,17 @@ pub(crate) fn plan_status(
                     });
                     archive_others(t.version, &mut changes);
                 }
-                // Resume: nothing else serves, so the paused version keeps its share.
+                // Resume: nothing else serves, so the paused version serves
+                // all the traffic unless a share is asked for (as a first
+                // activation may be partial); the share it was paused with
+                // belonged to a split that no longer serves (audit 85: it
+                // kept it, and the rest of the traffic had no workflow).
                 _ => {
                     changes.push(Change {
                         version: t.version,
                         from: Paused,
                         to: Active,
-                        rollout: rollout.unwrap_or(t.rollout),
+                        rollout: rollout.unwrap_or(100),
                     });
                 }
             }
@@ -501,8 +520,18 @@ pub(crate) fn plan_status(
                 } else {
                     "active"
                 };
-                let newest = rows.iter().max_by_key(|r| r.version);
+                // A paused version is what there is to say when pausing
+                // (audit 85: the newest, archived, was named instead).
+                let paused = with_status(&[Paused]);
+                let newest = match paused.last() {
+                    Some(p) if target == Paused => Some(*p),
+                    _ => rows.iter().max_by_key(|r| r.version),
+                };
                 return Err(conflict(match newest {
+                    Some(n) if n.status == Paused && target == Paused => format!(
+                        "{label} '{id}' has no {what} version to {action}; version {} is already paused",
+                        n.version
+                    ),
                     Some(n) => format!(
                         "{label} '{id}' has no {what} version to {action}; version {} is {}",
                         n.version, n.status

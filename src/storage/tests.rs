@@ -1580,6 +1580,68 @@ fn plans_follow_the_state_table() {
     );
     let rows = [v(1, Paused, 40, 1), v(2, Paused, 100, 2)];
     assert_eq!(resumed(&rows), [(1, Archived, 40), (2, Active, 100)]);
+    // A share asked for is applied to the newest, the one before it
+    // serving the rest (audit 85: it was ignored).
+    let split = [v(1, Paused, 70, 1), v(2, Paused, 30, 2)];
+    let asked = |rows: &[VRow], version: Option<i64>, p: Option<i64>| -> Vec<(i64, Status, i64)> {
+        plan_status(k, "w", rows, Active, version, p)
+            .unwrap()
+            .changes
+            .iter()
+            .map(|c| (c.version, c.to, c.rollout))
+            .collect()
+    };
+    assert_eq!(
+        asked(&split, None, Some(90)),
+        [(1, Active, 10), (2, Active, 90)]
+    );
+    // One version of a paused split resumed by `version` serves all the
+    // traffic (it kept its share, and the rest had no workflow), unless a
+    // share is asked for; a lone paused version likewise.
+    assert_eq!(asked(&split, Some(1), None), [(1, Active, 100)]);
+    assert_eq!(asked(&split, Some(2), Some(40)), [(2, Active, 40)]);
+    assert_eq!(
+        asked(&[v(1, Paused, 30, 1)], None, None),
+        [(1, Active, 100)]
+    );
+    assert_eq!(
+        asked(&[v(1, Paused, 100, 1)], None, Some(50)),
+        [(1, Active, 50)]
+    );
+    // A partial rollback of a paused version names its state.
+    let e = plan_status(
+        k,
+        "w",
+        &[v(1, Active, 100, 1), v(2, Paused, 100, 2)],
+        Active,
+        Some(2),
+        Some(40),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("resuming paused version 2 while another version serves"),
+        "{e}"
+    );
+    // Nothing to pause: the paused version is named, not the newest.
+    let e = plan_status(
+        k,
+        "w",
+        &[
+            v(1, Paused, 100, 1),
+            v(2, Archived, 100, 2),
+            v(3, Archived, 100, 3),
+        ],
+        Paused,
+        None,
+        None,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("has no active version to pause; version 1 is already paused"),
+        "{e}"
+    );
     // Resuming a paused version while another is active is a rollback.
     let rows = [v(1, Paused, 100, 1), v(2, Active, 100, 2)];
     let p = plan_status(k, "w", &rows, Active, Some(1), None).unwrap();
