@@ -60,6 +60,9 @@ pub struct App {
     generation: AtomicU64,
     /// Reloads are serialized (admin side only; the request path never waits on it).
     reload_lock: tokio::sync::Mutex<()>,
+    /// Read-held by each admin change from moving the generation on until
+    /// its reload is done; see [`App::wait_for_own_changes`].
+    change_gate: tokio::sync::RwLock<()>,
     /// Where reloads are built: a thread at background priority.
     reloader: engine::Reloader,
 }
@@ -116,6 +119,7 @@ impl App {
             in_flight: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),
+            change_gate: tokio::sync::RwLock::new(()),
             reloader: engine::Reloader::default(),
         }
     }
@@ -123,8 +127,17 @@ impl App {
     /// An admin change: moves the stored generation on (notifying the other
     /// replicas on PostgreSQL) and reloads this replica.
     pub async fn changed(&self, audit: Option<Audit>) -> Result<ReloadReport, ReloadError> {
+        // Held across the bump and the reload: this replica's own
+        // notification waits for them (`wait_for_own_changes`).
+        let _changing = self.change_gate.read().await;
         self.store.bump_engine_generation_or_later().await;
         self.reload(audit).await
+    }
+
+    /// Returns once the admin changes this replica is making (moving the
+    /// generation on, then reloading) have reloaded.
+    pub async fn wait_for_own_changes(&self) {
+        drop(self.change_gate.write().await);
     }
 
     /// The generation this replica serves.

@@ -59,6 +59,15 @@ pub fn stop(app: &App) {
 pub async fn catch_up(app: &App) {
     match app.store.engine_generation().await {
         Ok(stored) if stored.max(1) as u64 > app.generation() => {
+            // This replica's own change notifies it too, before its own
+            // reload is done: wait for that reload, then judge (audit 83:
+            // each change reloaded twice on PostgreSQL, counted twice in
+            // `engine_reloads_total`).
+            app.wait_for_own_changes().await;
+            if stored.max(1) as u64 <= app.generation() {
+                app.behind.store(false, Ordering::Release);
+                return;
+            }
             // Already tried: nothing newer to load until it moves on.
             if app.unbuildable.load(Ordering::Acquire) == stored.max(1) as u64 {
                 app.behind.store(false, Ordering::Release);

@@ -1198,6 +1198,50 @@ async fn serve_logging(
     (child, base, dir)
 }
 
+/// On PostgreSQL a replica's own change notifies it too; it reloads once,
+/// not once more on the notification (audit 83: every change was reloaded,
+/// logged and counted in `engine_reloads_total` twice).
+#[tokio::test]
+async fn an_own_change_reloads_once_on_postgres() {
+    let url = fresh_database(Db::Postgres).await;
+    let (mut child, base, dir) = serve_logging(
+        "ownchange",
+        &[
+            ("SERVICE_STORAGE__URL", url.as_str()),
+            ("SERVICE_LOGGING__LEVEL", "info"),
+        ],
+    )
+    .await;
+    let log_path = dir.join("sluice.log");
+    // Whatever start-up logged is left out.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let skip = std::fs::read_to_string(&log_path).unwrap().len();
+    let c = reqwest::Client::new();
+    for _ in 0..3 {
+        let r = c
+            .post(format!("{base}/api/v1/admin/engine/reload"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    let log = &log[skip..];
+    assert_eq!(
+        log.lines()
+            .filter(|l| l.contains("engine reloaded"))
+            .count(),
+        3,
+        "{log}"
+    );
+    assert!(!log.contains("caught up"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Creates workflow `id` with `tasks` and a name-routed channel `id` for it
 /// on the server at `base`, and activates both.
 async fn deploy_named(base: &str, id: &str, tasks: serde_json::Value) {
