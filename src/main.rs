@@ -128,7 +128,7 @@ enum Command {
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
-    /// Run a workflow definition on a payload, offline, and print the dry-run answer.
+    /// Run a workflow definition on a payload, offline, and print the dry-run answer (exit status 1 when the run failed).
     DryRun {
         /// The workflow definition (JSON or YAML).
         #[arg(long)]
@@ -145,7 +145,7 @@ enum Command {
         /// workflow, channel or connector
         kind: String,
     },
-    /// Run workflow test files (*.test.json, *.test.yaml) offline, with connector stubs.
+    /// Run workflow test files (*.test.json, *.test.yaml, *.test.yml) offline, with connector stubs.
     Test {
         /// Test files, or directories searched for them.
         #[arg(required = true)]

@@ -1993,8 +1993,12 @@ fn mask(v: &mut Json, headers_everywhere: bool) {
 /// be stored, and sent, literally.
 pub fn masked_leftovers(v: &Json) -> Vec<Diagnostic> {
     fn walk(v: &Json, path: &str, secret: bool, out: &mut Vec<Diagnostic>) {
-        let message = "holds the mask '******' instead of a secret: send the secret itself, \
-                       or the value exactly as the answer showed it";
+        // Said for create and import too, where nothing stored can stand
+        // in for the mask (audit 85: "or the value exactly as the answer
+        // showed it" read as an option there, after an import of a listing).
+        let message = "holds the mask '******' instead of a secret: send the secret itself \
+                       (answers never carry it; only an update that leaves a value exactly \
+                       as the answer showed it keeps the stored secret)";
         match v {
             Json::Object(m) => {
                 for (k, item) in m {

@@ -2217,7 +2217,14 @@ fn url_query_credentials_are_masked() {
         "https://x.example.com/?api_key=******&q=1"
     );
     let left = json!({"config": {"url": "https://x.example.com/v2?api_key=******"}});
-    assert_eq!(masked_leftovers(&left).len(), 1);
+    let found = masked_leftovers(&left);
+    assert_eq!(found.len(), 1);
+    // The message does not offer the mask as a way out on create or import.
+    assert!(
+        found[0].message.starts_with("holds the mask '******' instead of a secret: send the secret itself (answers never carry it;"),
+        "{}",
+        found[0].message
+    );
     // Names that only contain "key" or "token" are ordinary (a search
     // link in a result stays whole).
     for plain in [
