@@ -751,19 +751,21 @@ impl Config {
         if self.kafka.session_timeout_ms < 1000 {
             return fail("kafka.session_timeout_ms", "must be at least 1000");
         }
-        if self.governance.backend == GovernanceBackend::Redis {
-            let url = self.governance.redis_url.trim();
-            if url.is_empty() {
-                return fail(
-                    "governance.redis_url",
-                    "governance.backend is \"redis\" but no URL is set",
-                );
-            }
-            // The redis crate's parse errors do not echo the URL (which may
-            // hold a password).
-            if let Err(e) = redis::Client::open(url) {
-                return fail("governance.redis_url", &e.to_string());
-            }
+        let url = self.governance.redis_url.trim();
+        if self.governance.backend == GovernanceBackend::Redis && url.is_empty() {
+            return fail(
+                "governance.redis_url",
+                "governance.backend is \"redis\" but no URL is set",
+            );
+        }
+        // Checked whenever it is set, the Redis backend on or not (a typo
+        // must not wait for the day it is switched on; session 27, audit
+        // 82). The redis crate's parse errors do not echo the URL (which
+        // may hold a password).
+        if !url.is_empty()
+            && let Err(e) = redis::Client::open(url)
+        {
+            return fail("governance.redis_url", &e.to_string());
         }
         if self.governance.timeout_ms == 0 {
             return fail("governance.timeout_ms", "must be at least 1");
@@ -1093,6 +1095,9 @@ mod tests {
                 toml::Value::String(s) if name.ends_with("API_KEY_HEADER") => format!("x-{s}"),
                 toml::Value::String(_) if name == "GOVERNANCE__BACKEND" => "redis".into(),
                 toml::Value::String(_) if name == "KAFKA__BROKERS" => "k1:9092".into(),
+                toml::Value::String(_) if name == "GOVERNANCE__REDIS_URL" => {
+                    "redis://10.0.0.1:6379/".into()
+                }
                 toml::Value::String(_) if name == "TRACING__OTLP_ENDPOINT" => {
                     "http://collector:4317".into()
                 }
@@ -1251,6 +1256,17 @@ mod tests {
         .0;
         assert!(
             e.contains("'governance.redis_url'") && !e.contains("secret"),
+            "{e}"
+        );
+        // Checked with the memory backend too.
+        let e = load(
+            None,
+            &[("SERVICE_GOVERNANCE__REDIS_URL", "redis://:x@127.0.0.1:bad/")],
+        )
+        .unwrap_err()
+        .0;
+        assert!(
+            e.contains("'governance.redis_url'") && !e.contains(":x@"),
             "{e}"
         );
         let e = load(Some("[governance]\nbackend = \"etcd\"\n"), &[])
