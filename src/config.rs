@@ -736,8 +736,11 @@ impl Config {
         if self.queue.workers > 1024 {
             return fail("queue.workers", "must be at most 1024");
         }
-        if self.storage.max_connections == 0 {
-            return fail("storage.max_connections", "must be at least 1");
+        // The pool sets aside a slot per allowed connection when it is
+        // built: 4294967295 asked for 200 GB (as a `db` connector's
+        // `max_connections`, capped alike).
+        if self.storage.max_connections == 0 || self.storage.max_connections > 1000 {
+            return fail("storage.max_connections", "must be between 1 and 1000");
         }
         if self.server.max_in_flight == 0 {
             return fail("server.max_in_flight", "must be at least 1");
@@ -1569,6 +1572,17 @@ mod tests {
             .unwrap_err()
             .0;
         assert_eq!(e, "invalid value for 'queue.workers': must be at most 1024");
+        // A pool this large could not be built (it ended the process).
+        for n in ["0", "1001", "4294967295"] {
+            let e = load(None, &[("SERVICE_STORAGE__MAX_CONNECTIONS", n)])
+                .unwrap_err()
+                .0;
+            assert_eq!(
+                e, "invalid value for 'storage.max_connections': must be between 1 and 1000",
+                "{n}"
+            );
+        }
+        assert!(load(None, &[("SERVICE_STORAGE__MAX_CONNECTIONS", "1000")]).is_ok());
         // Switched on with nothing to talk to.
         let e = load(
             None,

@@ -805,7 +805,9 @@ type SharedResult<T> = Result<T, String>;
 
 impl Shared {
     fn new(cfg: &crate::config::GovernanceCfg) -> Option<Shared> {
-        // The URL was checked when the configuration was loaded.
+        // The URL was checked when the configuration was loaded; a
+        // `rediss://` one needs the process's TLS provider.
+        crate::connectors::http::install_crypto_provider();
         let client = redis::Client::open(cfg.redis_url.trim()).ok()?;
         let timeout = Duration::from_millis(cfg.timeout_ms);
         let config = redis::aio::ConnectionManagerConfig::new()

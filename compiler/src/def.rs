@@ -784,10 +784,11 @@ pub struct DbConnector {
     /// `mysql:`/`mariadb:`.
     pub connection_string: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = crate::validate::DB_MAX_CONNECTIONS))]
     pub max_connections: Option<u32>,
+    /// At most 2147483647 (PostgreSQL's `statement_timeout` limit).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 2147483647))]
     pub query_timeout_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]

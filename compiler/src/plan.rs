@@ -1389,12 +1389,18 @@ fn log_fn(input: &Map<String, Json>) -> Result<FunctionPlan, Vec<InputProblem>> 
         Some(Some("debug")) => Ok(LogLevel::Debug),
         Some(Some("warn")) => Ok(LogLevel::Warn),
         Some(Some("error")) => Ok(LogLevel::Error),
-        Some(other) => Err(InputProblem(
+        Some(Some(s)) => Err(InputProblem(
             "level".into(),
-            match other {
-                Some(s) => format!("must be one of trace, debug, info, warn, error, got '{s}'"),
-                None => "must be one of trace, debug, info, warn, error".into(),
-            },
+            format!("must be one of trace, debug, info, warn, error, got '{s}'"),
+        )),
+        // Not text at all: the type is the mistake (as for every other
+        // enumerated field; `null` is not "absent").
+        Some(None) => Err(InputProblem(
+            "level".into(),
+            format!(
+                "expected string, got {}",
+                json_type(input.get("level").unwrap_or(&Json::Null))
+            ),
         )),
     });
     let mut fields = Vec::new();
@@ -1432,6 +1438,32 @@ mod tests {
             .map(|(p, l)| (WritePath::parse(p), logic::compile(l).unwrap()))
             .collect();
         batches(&compiled)
+    }
+
+    /// `log.level` names a level; a value that is not text at all says its
+    /// type, as every enumerated field does (`null` is not "absent").
+    #[test]
+    fn log_level_problems_name_the_value_or_its_type() {
+        for (level, want) in [
+            (
+                json!("loud"),
+                "must be one of trace, debug, info, warn, error, got 'loud'",
+            ),
+            (json!(5), "expected string, got integer"),
+            (json!(null), "expected string, got null"),
+            (json!(["warn"]), "expected string, got array"),
+        ] {
+            let def = json!({"workflow_id": "w", "name": "w", "tasks": [
+                {"id": "a", "name": "a",
+                 "function": {"name": "log", "input": {"message": "m", "level": level}}}]});
+            let compiled = compile_workflow(&def).unwrap();
+            let found: Vec<(&str, &str)> = compiled
+                .warnings
+                .iter()
+                .map(|w| (w.field.as_str(), w.message.as_str()))
+                .collect();
+            assert_eq!(found, [("tasks[0].function.input.level", want)], "{level}");
+        }
     }
 
     /// `"condition": null` is a valid rule (a falsy literal) that is most

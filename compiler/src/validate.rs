@@ -662,7 +662,24 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
             sql_words(query, Dialect::MySql),
             sql_words(query, Dialect::Postgres),
         ];
-        let firsts = [readings[0].first(), readings[1].first()];
+        let firsts = [first_word(&readings[0]), first_word(&readings[1])];
+        // One statement per task: SQLite ran every statement of
+        // `SELECT 1; DROP TABLE t` (a read that wrote), where PostgreSQL and
+        // MariaDB refuse the text at run time. Counted when both readings
+        // see more than one (a `;` inside a string of either dialect does not
+        // count); a trailing `;` is no second statement.
+        let counts = [statements(&readings[0]), statements(&readings[1])];
+        if counts.iter().all(|&n| n > 1) {
+            c.push(
+                &at.key("query"),
+                format!(
+                    "{} runs one statement; this query holds {} separated by ';' \
+                     (run each in a task of its own)",
+                    f.name(),
+                    counts[0].min(counts[1])
+                ),
+            );
+        }
         let returns = |words: &[String]| {
             words
                 .iter()
@@ -709,6 +726,9 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
         }
     }
 }
+
+/// The most connections a `db` connector's pool may open.
+pub const DB_MAX_CONNECTIONS: i64 = 1000;
 
 /// How an SQL text is read by [`sql_words`].
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -821,10 +841,27 @@ fn sql_words(sql: &str, dialect: Dialect) -> Vec<String> {
                 }
                 words.push(sql[start..i].to_ascii_uppercase());
             }
+            b';' => {
+                words.push(";".to_owned());
+                i += 1;
+            }
             _ => i += 1,
         }
     }
     words
+}
+
+/// The first keyword of a statement text read by [`sql_words`].
+fn first_word(words: &[String]) -> Option<&String> {
+    words.iter().find(|w| *w != ";")
+}
+
+/// How many statements [`sql_words`] read: runs of words between `;`.
+fn statements(words: &[String]) -> usize {
+    words
+        .split(|w| w == ";")
+        .filter(|run| !run.is_empty())
+        .count()
 }
 
 fn has_logic_twin(f: Function, name: &str, input: &Map<String, Json>) -> bool {
@@ -1492,15 +1529,26 @@ pub fn validate_connector(def: &Json) -> Vec<Diagnostic> {
                         check_server_url(&mut c, s, &at, ServerUrl::Sql);
                     }
                 }
+                // The pool sets aside a slot per allowed connection when it
+                // is built: 4294967295 asked for 200 GB and ended the process.
                 c.integer(
                     cfg,
                     "max_connections",
                     &at,
                     false,
                     Some(1),
-                    Some(i64::from(u32::MAX)),
+                    Some(DB_MAX_CONNECTIONS),
                 );
-                c.integer(cfg, "query_timeout_ms", &at, false, Some(1), None);
+                // PostgreSQL's `statement_timeout` is a 32-bit count of
+                // milliseconds (24.8 days): above it every query failed.
+                c.integer(
+                    cfg,
+                    "query_timeout_ms",
+                    &at,
+                    false,
+                    Some(1),
+                    Some(i64::from(i32::MAX)),
+                );
                 c.integer(cfg, "connect_timeout_ms", &at, false, Some(1), None);
             }
             ConnectorType::Cache => {

@@ -341,7 +341,7 @@ impl Services {
             IoRequest::Publish(req) => {
                 let publisher = self.publisher.as_ref().ok_or_else(|| {
                     ConnectorError::other(
-                        "publish_kafka requires Kafka to be enabled (kafka.enabled = true)",
+                        "Kafka is not enabled on this service (set kafka.enabled = true)",
                     )
                 })?;
                 publisher.publish(scope, req).await?;

@@ -1424,6 +1424,18 @@ impl<'a> Machine<'a> {
         }
     }
 
+    /// A cache key: text, and not empty (a static `key` is checked at
+    /// create; a computed one here, as a `null` is).
+    fn cache_key(&mut self, source: &'a Source, arena: &'a Bump) -> Result<String, String> {
+        let key = self.source_string(source, arena, "key_logic")?;
+        if key.is_empty() {
+            return Err(
+                "key_logic evaluated to an empty string; a cache key must not be empty".into(),
+            );
+        }
+        Ok(key)
+    }
+
     fn source_string(
         &mut self,
         source: &'a Source,
@@ -1499,7 +1511,7 @@ impl<'a> Machine<'a> {
             }
             FunctionPlan::CacheRead(p) => IoRequest::CacheGet {
                 connector: p.connector.to_string(),
-                key: self.source_string(&p.key, arena, "key_logic")?,
+                key: self.cache_key(&p.key, arena)?,
             },
             FunctionPlan::CacheWrite(p) => {
                 // A string as it is, anything else as its JSON text (the
@@ -1515,7 +1527,7 @@ impl<'a> Machine<'a> {
                 };
                 IoRequest::CacheSet {
                     connector: p.connector.to_string(),
-                    key: self.source_string(&p.key, arena, "key_logic")?,
+                    key: self.cache_key(&p.key, arena)?,
                     value,
                     ttl: p.ttl,
                 }

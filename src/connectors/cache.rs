@@ -262,6 +262,31 @@ mod tests {
             .unwrap();
     }
 
+    /// `rediss://` speaks TLS (it was accepted at create, then every call
+    /// failed with "the feature is not enabled"): the first bytes a call
+    /// sends are a TLS handshake record (0x16, version 3.x), read here by a
+    /// listener that then hangs up.
+    #[tokio::test]
+    async fn rediss_urls_speak_tls() {
+        use tokio::io::AsyncReadExt;
+        crate::connectors::http::install_crypto_provider();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let first = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut head = [0u8; 3];
+            socket.read_exact(&mut head).await.unwrap();
+            head
+        });
+        let store = CacheStore::connect(&redis_cfg(&format!("rediss://127.0.0.1:{port}/")))
+            .await
+            .unwrap();
+        let e = store.get("k").await.unwrap_err();
+        assert!(!e.message.contains("not enabled"), "{}", e.message);
+        let head = first.await.unwrap();
+        assert_eq!((head[0], head[1]), (0x16, 0x03), "{head:?}");
+    }
+
     /// Get/set/overwrite/missing, the same for both backends.
     async fn basics(store: &CacheStore, p: &str) {
         assert_eq!(store.get(&format!("{p}missing")).await.unwrap(), None);

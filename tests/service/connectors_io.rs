@@ -376,6 +376,52 @@ async fn memory_cache_clients_survive_reloads_and_are_rebuilt_on_change() {
     );
 }
 
+/// A computed cache key must be text that is not empty: an empty one is a
+/// task error like a `null` one (a static `key: ""` is refused at create),
+/// and nothing is written under `""`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_computed_cache_key_must_not_be_empty() {
+    let s = service(false).await;
+    connector(
+        &s,
+        "mem",
+        json!({"type": "cache", "backend": "memory", "max_entries": 10}),
+    )
+    .await;
+    for function in ["cache_write", "cache_read"] {
+        let name = function.replace('_', "-");
+        deploy(
+            &s,
+            &name,
+            json!([task(
+                "k",
+                function,
+                if function == "cache_write" {
+                    json!({"connector": "mem", "key_logic": {"var": "payload.k"}, "value": 1})
+                } else {
+                    json!({"connector": "mem", "key_logic": {"var": "payload.k"}})
+                }
+            )]),
+        )
+        .await;
+        for (k, why) in [
+            (
+                json!(""),
+                "key_logic evaluated to an empty string; a cache key must not be empty",
+            ),
+            (json!(null), "key_logic evaluated to null"),
+        ] {
+            let r = s
+                .post(&format!("/api/v1/data/{name}/1"), json!({"data": {"k": k}}))
+                .await;
+            assert_eq!(r.status, 500, "{function} {k}: {}", r.text);
+            assert_eq!(r.body["error"]["code"], "TASK_ERROR", "{}", r.text);
+            let message = r.body["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains(why), "{function} {k}: {message}");
+        }
+    }
+}
+
 /// `cache_read`'s `output` defaults to `data`, which it replaces whole with
 /// what the key holds, whatever that is: a miss is `null` (the spec:
 /// "missing key yields null"), a plain string a string. Before, the rule

@@ -824,6 +824,37 @@ fn other_connector_inputs() {
         );
     }
 
+    // One statement per task (SQLite ran them all: a read that dropped a
+    // table); a `;` in a string, a comment or at the end is no second one.
+    for (f, q) in [
+        ("db_read", "SELECT 1; DROP TABLE victim"),
+        ("db_read", "SELECT id FROM t WHERE id = ?;\nDELETE FROM t"),
+        (
+            "db_write",
+            "UPDATE t SET a = 1 WHERE id = 2; DELETE FROM t WHERE id = 1",
+        ),
+        ("db_write", "delete from t;;insert into t values (1);"),
+    ] {
+        let found = crate::validate::validate_new_workflow(&sql(f, q));
+        assert!(
+            found.iter().any(|d| d.field == p("query")
+                && d.message
+                    .starts_with(&format!("{f} runs one statement; this query holds 2"))),
+            "{q}: {found:?}"
+        );
+        // Stored definitions still load.
+        check(validate_workflow(&sql(f, q)), &[]);
+    }
+    for (f, q) in [
+        ("db_read", "SELECT 1;"),
+        ("db_read", "SELECT ';' AS a; -- ; DELETE"),
+        ("db_read", "SELECT 1 /* ; DELETE FROM t */"),
+        ("db_read", "SELECT 'it\\'s; ok' AS a"),
+        ("db_write", "UPDATE t SET a = $$;x$$ ;  "),
+    ] {
+        check(crate::validate::validate_new_workflow(&sql(f, q)), &[]);
+    }
+
     // Any text is read without a panic (unclosed quotes and comments,
     // multi-byte characters next to every delimiter).
     let pieces = [
@@ -1606,9 +1637,29 @@ fn other_connector_rules() {
         "db",
         json!({"connection_string": "sqlite:x.db", "max_connections": 0, "query_timeout_ms": "1"}),
         &[
-            ("config.max_connections", "must be between 1 and 4294967295"),
+            ("config.max_connections", "must be between 1 and 1000"),
             ("config.query_timeout_ms", "expected integer, got string"),
         ],
+    );
+    // A pool sized past what a process can hold, and a statement timeout
+    // past PostgreSQL's 32-bit limit, are refused; their limits are taken.
+    check_cfg(
+        "db",
+        json!({"connection_string": "postgres://h/db", "max_connections": 4294967295u64,
+               "query_timeout_ms": 2147483648u64}),
+        &[
+            ("config.max_connections", "must be between 1 and 1000"),
+            (
+                "config.query_timeout_ms",
+                "must be between 1 and 2147483647",
+            ),
+        ],
+    );
+    check_cfg(
+        "db",
+        json!({"connection_string": "postgres://h/db", "max_connections": 1000,
+               "query_timeout_ms": 2147483647}),
+        &[],
     );
     check_cfg("cache", json!({}), &[("config.backend", "is required")]);
     check_cfg(
