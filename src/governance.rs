@@ -50,6 +50,17 @@ pub struct Rules {
     pub rate_key: Option<Logic>,
     pub dedup_key: Option<Logic>,
     pub cache_key: Option<Logic>,
+    /// The channel's name and its rate limit's settings, the start of
+    /// every rate-limit key: a changed limit (a new version, or a channel
+    /// created again under the name) starts with full buckets instead of
+    /// paying the old limit's debt (a limit raised from 0.01/s to 100/s
+    /// still answered `Retry-After: 96`). A reload that keeps the settings
+    /// keeps the buckets.
+    pub rate_scope: String,
+    /// The same for deduplication: the channel's name and `window_secs`,
+    /// so a key seen under another window is not refused under this one
+    /// (a 409 claimed "within the last 2 s" for a key seen 3 s before).
+    pub dedup_scope: String,
     /// The channel version and its workflows' versions, each with the
     /// identity of its stored text: part of every cache key, so a response
     /// of an older definition is never served after a change, nor after a
@@ -108,11 +119,21 @@ impl Rules {
         for p in plans {
             cache_scope.push_str(&format!(",{}@{}:{}", p.workflow_id, p.version, p.source_id));
         }
+        let rate_scope = match &config.rate_limit {
+            Some(r) => format!("{name}\0{}/{:?}", r.requests_per_second, r.burst),
+            None => String::new(),
+        };
+        let dedup_scope = match &config.deduplication {
+            Some(d) => format!("{name}\0{}", d.window_secs),
+            None => String::new(),
+        };
         if problems.is_empty() {
             Ok(Rules {
                 rate_key,
                 dedup_key,
                 cache_key,
+                rate_scope,
+                dedup_scope,
                 cache_scope,
                 cache_variants: rollout_variants(plans),
             })
@@ -502,7 +523,7 @@ impl Governance {
             })?;
             let key = compact_key(key);
             Some((
-                format!("{}\0{key}", channel.name),
+                format!("{}\0{key}", rules.dedup_scope),
                 Duration::from_secs(d.window_secs),
                 d.fail_open,
             ))
@@ -514,7 +535,7 @@ impl Governance {
                 Some(k) => (compact_key(k), true),
                 None => (view.client_ip.to_owned(), false),
             };
-            (format!("{}\0{client}", channel.name), client, hashed)
+            (format!("{}\0{client}", rules.rate_scope), client, hashed)
         });
         let invalid = match (&channel.validation, parts.as_ref()) {
             (Some(rule), Some(parts)) => match rule.eval(parts.validation_root, &arena) {

@@ -540,7 +540,7 @@ pub struct DedupConfig {
     #[schemars(length(min = 1))]
     pub header: String,
     #[serde(default = "DedupConfig::default_window_secs")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = crate::validate::MAX_GOVERNANCE_SECS))]
     pub window_secs: u64,
     /// With a shared governance backend: let requests through unchecked
     /// while the backend is unreachable (default: refuse them with 503).
@@ -568,7 +568,7 @@ pub struct CacheConfig {
     #[serde(default = "CacheConfig::default_enabled")]
     pub enabled: bool,
     #[serde(default = "CacheConfig::default_ttl_secs")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = crate::validate::MAX_GOVERNANCE_SECS))]
     pub ttl_secs: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_logic: Option<Json>,

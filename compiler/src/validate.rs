@@ -727,6 +727,12 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
     }
 }
 
+/// The longest deduplication window and cache TTL, one year: Redis takes
+/// them in milliseconds as a 64-bit count, and past about 292,000 years
+/// every keyed request failed on the shared backend (503) while the memory
+/// backend took them.
+pub const MAX_GOVERNANCE_SECS: i64 = 31_536_000;
+
 /// The most connections a `db` connector's pool may open.
 pub const DB_MAX_CONNECTIONS: i64 = 1000;
 
@@ -1222,7 +1228,14 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
         if let Some(header) = c.nonempty_string(d, "header", &at, false) {
             check_header_name(c, header, &at.key("header"));
         }
-        c.integer(d, "window_secs", &at, false, Some(1), None);
+        c.integer(
+            d,
+            "window_secs",
+            &at,
+            false,
+            Some(1),
+            Some(MAX_GOVERNANCE_SECS),
+        );
         c.boolean(d, "fail_open", &at);
         logic(c, d, "key_logic", &at);
     }
@@ -1230,7 +1243,14 @@ fn check_channel_config(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath, ka
         let at = at.key("cache");
         unknown_keys(c, k, &at, crate::def::CacheConfig::KEYS);
         c.boolean(k, "enabled", &at);
-        c.integer(k, "ttl_secs", &at, false, Some(1), None);
+        c.integer(
+            k,
+            "ttl_secs",
+            &at,
+            false,
+            Some(1),
+            Some(MAX_GOVERNANCE_SECS),
+        );
         logic(c, k, "key_logic", &at);
     }
     if let Some(b) = c.object(cfg, "backpressure", at, false) {

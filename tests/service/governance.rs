@@ -54,6 +54,67 @@ fn retry_after(r: &Resp) -> u64 {
 // ------------------------------------------------------------ deduplication
 
 crate::on_both_governance_backends!(
+    changed_limits_start_afresh_and_reloads_keep_them,
+    changed_limits_start_afresh_and_reloads_keep_them_body
+);
+
+/// Rate-limit buckets and deduplication keys belong to the settings that
+/// made them: a reload keeps them, but a channel created again under the
+/// same name with another limit or window starts afresh (a limit raised
+/// from 0.01/s to 100/s still answered `Retry-After: 96`, and a 2 s window
+/// refused a key seen under the old 300 s one "within the last 2 s").
+async fn changed_limits_start_afresh_and_reloads_keep_them_body(gov: Gov) {
+    let s = start_gov(gov, |_| {}).await;
+    let unique = uuid::Uuid::new_v4().simple().to_string();
+    let name = format!("lim{}", &unique[..8]);
+    let channel = |id: &str, config: Json| {
+        json!({"channel_id": id, "name": name, "channel_type": "sync", "protocol": "http",
+               "workflow_id": "lim", "config_json": config})
+    };
+    let key = [("idempotency-key", "k-1")];
+    s.deploy(
+        echo("lim"),
+        channel(
+            "lim-a",
+            json!({"rate_limit": {"requests_per_second": 0.01, "burst": 2},
+                   "deduplication": {"window_secs": 300}}),
+        ),
+    )
+    .await;
+    assert_eq!(post_with(&s, &name, json!({}), &key).await.status, 200);
+    assert_eq!(post_with(&s, &name, json!({}), &[]).await.status, 200);
+    post_with(&s, &name, json!({}), &[])
+        .await
+        .error(429, "RATE_LIMITED");
+    // A reload keeps both.
+    s.admin("POST", "/engine/reload", None).await.ok(200);
+    post_with(&s, &name, json!({}), &[])
+        .await
+        .error(429, "RATE_LIMITED");
+
+    s.admin("DELETE", "/channels/lim-a", None).await.ok(204);
+    s.create_active(
+        "channels",
+        channel(
+            "lim-b",
+            json!({"rate_limit": {"requests_per_second": 100, "burst": 5},
+                   "deduplication": {"window_secs": 2}}),
+        ),
+    )
+    .await;
+    // The new limit's full burst, and the key seen under the old window is
+    // new under this one (then a duplicate within it).
+    assert_eq!(post_with(&s, &name, json!({}), &key).await.status, 200);
+    let r = post_with(&s, &name, json!({}), &key).await;
+    r.error(409, "CONFLICT");
+    assert!(r.text.contains("within the last 2 s"), "{}", r.text);
+    for _ in 0..3 {
+        let r = post_with(&s, &name, json!({}), &[]).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+    }
+}
+
+crate::on_both_governance_backends!(
     deduplication_rejects_a_repeat_inside_the_window,
     deduplication_rejects_a_repeat_inside_the_window_body
 );

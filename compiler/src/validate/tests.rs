@@ -1253,14 +1253,17 @@ fn channel_config_json() {
             ("config_json.deduplication.header", "must not be empty"),
             (
                 "config_json.deduplication.window_secs",
-                "must be at least 1",
+                "must be between 1 and 31536000",
             ),
             (
                 "config_json.deduplication.fail_open",
                 "expected boolean, got string",
             ),
             ("config_json.cache.enabled", "expected boolean, got string"),
-            ("config_json.cache.ttl_secs", "must be at least 1"),
+            (
+                "config_json.cache.ttl_secs",
+                "must be between 1 and 31536000",
+            ),
             ("config_json.backpressure.max_concurrent", "is required"),
             (
                 "config_json.cors.allowed_origins",
@@ -1274,6 +1277,31 @@ fn channel_config_json() {
             ("config_json.topic", "expected string, got integer"),
             ("config_json.topic", "applies only to a kafka channel"),
         ],
+    );
+    // A window or TTL past a year is refused (the shared backend failed
+    // every keyed request past about 292,000 years); a year is taken.
+    check(
+        cfg(json!({
+            "deduplication": {"window_secs": 9223372036854775807i64},
+            "cache": {"ttl_secs": 31536001},
+        })),
+        &[
+            (
+                "config_json.deduplication.window_secs",
+                "must be between 1 and 31536000",
+            ),
+            (
+                "config_json.cache.ttl_secs",
+                "must be between 1 and 31536000",
+            ),
+        ],
+    );
+    check(
+        cfg(json!({
+            "deduplication": {"window_secs": 31536000},
+            "cache": {"ttl_secs": 31536000},
+        })),
+        &[],
     );
     // What a kafka channel would accept and never use is refused.
     let kafka = |extra: Json| {
