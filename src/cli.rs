@@ -269,6 +269,14 @@ fn dry_run_answer(
     let payload_text = std::fs::read(payload).map_err(|e| {
         ApiError::bad_request(format!("cannot read {}: {e}", payload.display())).body()
     })?;
+    // An empty file is no payload (it ran as `null`); `{}` is an empty one.
+    if payload_text.trim_ascii().is_empty() {
+        return Err(ApiError::bad_request(format!(
+            "payload file {} is empty: write the payload as JSON ({{}} for an empty object)",
+            payload.display()
+        ))
+        .body());
+    }
     let meta = match metadata {
         Some(p) => read_definition(p).map_err(|m| ApiError::bad_request(m).body())?,
         None => Json::Null,

@@ -429,6 +429,19 @@ impl Config {
             .filter(|(k, _)| k.starts_with(ENV_PREFIX) && k.contains("__"))
             .collect();
         overrides.sort();
+        // Names are read in any case: two spellings of one key would leave
+        // the choice to the environment's order.
+        let mut spelled: Vec<(String, &str)> = overrides
+            .iter()
+            .map(|(k, _)| (k.to_ascii_uppercase(), k.as_str()))
+            .collect();
+        spelled.sort();
+        if let Some(pair) = spelled.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(ConfigError(format!(
+                "environment variables {} and {} set the same key; keep one",
+                pair[0].1, pair[1].1
+            )));
+        }
         for (name, raw) in overrides {
             apply_env(&defaults, &mut merged, &name, &raw)?;
         }
@@ -1572,6 +1585,17 @@ mod tests {
             .unwrap_err()
             .0;
         assert_eq!(e, "invalid value for 'queue.workers': must be at most 1024");
+        // Two spellings of one key are refused, not settled by their order.
+        let e = load(
+            None,
+            &[("SERVICE_server__port", "1"), ("SERVICE_SERVER__PORT", "2")],
+        )
+        .unwrap_err()
+        .0;
+        assert_eq!(
+            e,
+            "environment variables SERVICE_SERVER__PORT and SERVICE_server__port set the same key; keep one"
+        );
         // A pool this large could not be built (it ended the process).
         for n in ["0", "1001", "4294967295"] {
             let e = load(None, &[("SERVICE_STORAGE__MAX_CONNECTIONS", n)])

@@ -591,7 +591,14 @@ impl Governance {
             let burst = u32::try_from(self.platform.burst.max(1)).unwrap_or(u32::MAX);
             let client = &key["\0platform\0".len()..];
             if let Err(wait) = self
-                .take(channel, key, rps, burst, self.platform.fail_open)
+                .take(
+                    channel,
+                    key,
+                    rps,
+                    burst,
+                    self.platform.fail_open,
+                    "the platform rate limit",
+                )
                 .await?
             {
                 return Err(self.limited("platform", channel, client, false, wait));
@@ -605,6 +612,7 @@ impl Governance {
                     rl.requests_per_second,
                     rl.effective_burst(),
                     rl.fail_open,
+                    "the rate limit",
                 )
                 .await?
         {
@@ -697,6 +705,7 @@ impl Governance {
         rps: f64,
         burst: u32,
         fail_open: bool,
+        check: &str,
     ) -> Result<Result<(), u64>, ApiError> {
         let interval = if rps > 0.0 {
             (1e9 / rps).max(1.0) as u64
@@ -715,7 +724,7 @@ impl Governance {
                 if fail_open {
                     Ok(Ok(()))
                 } else {
-                    Err(unavailable(channel, "the rate limit"))
+                    Err(unavailable(channel, check))
                 }
             }
         }

@@ -551,6 +551,35 @@ pub fn isolate(handler: impl Future<Output = HttpResponse>) -> impl Future<Outpu
         })
 }
 
+/// A byte a Host value may hold (RFC 9110 7.2, RFC 3986 3.2.2: a
+/// registered name's unreserved, percent-encoded and sub-delimiter
+/// characters, an IP literal's brackets and colons, and the port's colon);
+/// an empty value is allowed. `Host: bad host` was served.
+fn is_host_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric()
+        || matches!(
+            b,
+            b'-' | b'.'
+                | b'_'
+                | b'~'
+                | b'%'
+                | b'!'
+                | b'$'
+                | b'&'
+                | b'\''
+                | b'('
+                | b')'
+                | b'*'
+                | b'+'
+                | b','
+                | b';'
+                | b'='
+                | b':'
+                | b'['
+                | b']'
+        )
+}
+
 /// Health and metrics stay reachable when the service sheds load.
 fn is_operational(path: &str) -> bool {
     matches!(path, "/health" | "/healthz" | "/readyz" | "/metrics")
@@ -713,13 +742,16 @@ async fn read_and_route(
     // HTTP/1.1 requires exactly one Host (RFC 9112 3.2: 400 otherwise);
     // HTTP/2 carries `:authority` instead.
     if parts.version == http::Version::HTTP_11 {
-        let hosts = parts.headers.get_all(header::HOST).iter().take(2).count();
-        if hosts != 1 {
-            let why = if hosts == 0 {
-                "an HTTP/1.1 request needs a Host header"
-            } else {
-                "the request has more than one Host header"
-            };
+        let mut hosts = parts.headers.get_all(header::HOST).iter();
+        let why = match (hosts.next(), hosts.next()) {
+            (None, _) => Some("an HTTP/1.1 request needs a Host header"),
+            (Some(_), Some(_)) => Some("the request has more than one Host header"),
+            (Some(host), None) if !host.as_bytes().iter().all(|&b| is_host_byte(b)) => {
+                Some("the Host header is not a host name, an address or a port")
+            }
+            _ => None,
+        };
+        if let Some(why) = why {
             return ApiError::bad_request(why).into_response();
         }
     }

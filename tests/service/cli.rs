@@ -438,6 +438,25 @@ fn dry_run_names_its_files() {
         )),
         "{message}"
     );
+    // An empty file is refused too (it ran with a null payload).
+    let empty = payload.with_file_name("empty.json");
+    std::fs::write(&empty, " \n").unwrap();
+    let out = sluice()
+        .args(["dry-run", "--workflow"])
+        .arg(&wf)
+        .arg("--payload")
+        .arg(&empty)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let envelope: Json = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        envelope["error"]["message"],
+        format!(
+            "payload file {} is empty: write the payload as JSON ({{}} for an empty object)",
+            empty.display()
+        )
+    );
 }
 
 /// `--config` is read by serve and migrate only; given to another command

@@ -1088,10 +1088,30 @@ async fn host_headers_content_codings_and_h2_hosts() {
             "GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\nConnection: close\r\n\r\n",
             "the request has more than one Host header",
         ),
+        (
+            "GET /health HTTP/1.1\r\nHost: bad host\r\nConnection: close\r\n\r\n",
+            "the Host header is not a host name, an address or a port",
+        ),
+        (
+            "GET /health HTTP/1.1\r\nHost: a/b\r\nConnection: close\r\n\r\n",
+            "the Host header is not a host name, an address or a port",
+        ),
     ] {
         let answer = exchange(&s, request.as_bytes()).await;
         assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
         assert!(answer.contains(message), "{answer}");
+    }
+    // Names, addresses, IP literals, ports and an empty value are hosts.
+    for host in [
+        "example.com:8080",
+        "127.0.0.1",
+        "[::1]:80",
+        "xn--bcher-kva.example",
+        "",
+    ] {
+        let request = format!("GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        let answer = exchange(&s, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 200 "), "{host}: {answer}");
     }
     // HTTP/1.0 needs none.
     let answer = exchange(&s, b"GET /health HTTP/1.0\r\n\r\n").await;

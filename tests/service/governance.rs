@@ -616,6 +616,28 @@ async fn an_unreachable_redis_fails_in_the_direction_the_channel_chose() {
     assert!(!metrics.contains("hunter2"));
 }
 
+/// The platform limit failing closed says so: it was reported as the
+/// channel's own rate limit on channels that have none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_redis_names_the_platform_limit() {
+    let port = free_port();
+    let s = start_gov(Gov::Redis, |c| {
+        c.governance.redis_url = format!("redis://127.0.0.1:{port}/");
+        c.governance.timeout_ms = 200;
+        c.rate_limit.enabled = true;
+    })
+    .await;
+    s.deploy(echo("plain"), named("plain", "plain", json!({})))
+        .await;
+    let r = post_with(&s, "plain", json!({}), &[]).await;
+    let e = r.error(503, "SERVICE_UNAVAILABLE");
+    assert_eq!(
+        e["message"],
+        "channel 'plain' cannot check the platform rate limit: the shared governance \
+         backend is unreachable; retry shortly"
+    );
+}
+
 // ------------------------------------------------------------- backpressure
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
