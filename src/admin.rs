@@ -305,15 +305,16 @@ fn checked(
         None if kind == Kind::Workflow => ("id", obj.get("id").cloned()),
         None => (id_field, None),
     };
+    // A body id other than the path's is reported with the definition's
+    // other problems (it hid them: a fixed id then showed the rest).
+    let mut mismatch = None;
     let id = match (id_from_path, given) {
         (Some(path_id), Some(Json::String(body_id))) if body_id != path_id => {
-            return Err(ApiError::invalid(
-                kind.label(),
-                vec![Diagnostic {
-                    field: given_field.into(),
-                    message: format!("must equal the id in the path ('{path_id}')"),
-                }],
-            ));
+            mismatch = Some(Diagnostic {
+                field: given_field.into(),
+                message: format!("must equal the id in the path ('{path_id}')"),
+            });
+            Some(path_id.to_owned())
         }
         // An id of the wrong type (`null` included) is an error the
         // validator reports with the other problems; it is never replaced by
@@ -336,6 +337,9 @@ fn checked(
             validate::channel_warnings(&def),
         ),
     };
+    if let Some(mismatch) = mismatch {
+        problems.insert(0, mismatch);
+    }
     match id {
         Some(id) if problems.is_empty() => Ok((id, def, warnings)),
         _ => {
@@ -1121,17 +1125,14 @@ fn checked_connector(def: Json, name_from_path: Option<&str>) -> Result<Json, Ap
             "a connector definition must be a JSON object",
         ));
     }
-    if let (Some(path), Some(name)) = (name_from_path, def.get("name").and_then(Json::as_str))
-        && path != name
-    {
-        return Err(ApiError::invalid(
-            "connector",
-            vec![Diagnostic {
-                field: "name".into(),
-                message: format!("must equal the name in the path ('{path}')"),
-            }],
-        ));
-    }
+    // Reported with the definition's other problems, as for workflows.
+    let mismatch = match (name_from_path, def.get("name").and_then(Json::as_str)) {
+        (Some(path), Some(name)) if path != name => Some(Diagnostic {
+            field: "name".into(),
+            message: format!("must equal the name in the path ('{path}')"),
+        }),
+        _ => None,
+    };
     let mut def = def;
     // The path names the connector when the body leaves `name` out; a
     // `name` of the wrong type (`5`, `null`) is reported as the field
@@ -1149,6 +1150,9 @@ fn checked_connector(def: Json, name_from_path: Option<&str>) -> Result<Json, Ap
         let masks = validate::masked_leftovers(&def);
         problems.retain(|p| !masks.iter().any(|m| m.field == p.field));
         problems.splice(0..0, masks);
+    }
+    if let Some(mismatch) = mismatch {
+        problems.insert(0, mismatch);
     }
     if problems.is_empty() {
         Ok(def)

@@ -32,6 +32,18 @@ async fn workflow_lifecycle(db: Db) {
         "renamed"
     );
 
+    // A body id other than the path's is reported with every other
+    // problem of the definition, each at its field.
+    let mut wrong = workflow("other");
+    wrong["name"] = json!("");
+    let r = s.admin("PUT", "/workflows/orders", Some(wrong)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), vec!["workflow_id", "name"], "{}", r.text);
+    assert_eq!(
+        r.body["error"]["details"][0]["message"],
+        "must equal the id in the path ('orders')"
+    );
+
     // Activate; the active version is immutable.
     let active = s
         .admin(
@@ -473,6 +485,13 @@ async fn connectors(db: Db) {
         r.error(400, "BAD_REQUEST");
         assert_eq!(r.detail_fields(), vec!["name"], "{name}");
     }
+    // Another name is reported with the other problems, not alone.
+    let mut other = def.clone();
+    other["name"] = json!("billing-2");
+    other["config"]["url"] = json!("ftp://x");
+    let r = s.admin("PUT", "/connectors/billing", Some(other)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(r.detail_fields(), vec!["name", "config.url"], "{}", r.text);
     let mut updated = def.clone();
     updated["config"]["url"] = json!("https://billing2.example.com");
     updated.as_object_mut().unwrap().remove("name");
