@@ -981,6 +981,39 @@ pub fn channel_warnings(def: &Json) -> Vec<Diagnostic> {
         return Vec::new();
     };
     let mut out = unknown_key_warnings(&FieldPath::root(), obj, CHANNEL_KEYS);
+    // CORS methods that allow none of the methods the channel serves: every
+    // preflight would be refused (403), which looks like a browser problem.
+    if let Some(Json::Array(allowed)) = obj
+        .get("config_json")
+        .and_then(|c| c.get("cors"))
+        .and_then(|c| c.get("allowed_methods"))
+    {
+        let routed = obj.get("route_pattern").is_some_and(|r| !r.is_null());
+        let served: Vec<&str> = match obj.get("methods") {
+            Some(Json::Array(m)) if routed && !m.is_empty() => {
+                m.iter().filter_map(Json::as_str).collect()
+            }
+            _ if routed => Vec::new(),
+            // Called by name: POST alone.
+            _ => vec!["POST"],
+        };
+        let serves = |m: &str| {
+            served.iter().any(|s| {
+                s.eq_ignore_ascii_case(m)
+                    || (m.eq_ignore_ascii_case("HEAD") && s.eq_ignore_ascii_case("GET"))
+            })
+        };
+        let any = allowed.iter().filter_map(Json::as_str).any(serves);
+        if !served.is_empty() && !any {
+            out.push(Diagnostic::new(
+                "config_json.cors.allowed_methods",
+                format!(
+                    "allows none of the methods the channel serves ({}): every preflight is refused",
+                    served.join(", ")
+                ),
+            ));
+        }
+    }
     // Settings an async channel accepts and cannot use (a Kafka channel's
     // are errors; these stay warnings so stored channels keep loading).
     if obj.get("channel_type").and_then(Json::as_str) == Some("async")

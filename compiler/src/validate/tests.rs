@@ -1050,6 +1050,38 @@ fn async_channels_warn_of_settings_they_cannot_use() {
     assert!(validate_channel(&channel("async")).is_empty());
 }
 
+/// CORS methods that allow none of the channel's methods are warned of
+/// (every preflight would be refused); HEAD counts for GET.
+#[test]
+fn cors_methods_the_channel_never_serves_are_warned_of() {
+    let channel = |route: Option<&str>, methods: Json, allowed: Json| {
+        let mut c = json!({"channel_id": "c", "name": "c", "workflow_id": "w", "protocol": "rest",
+               "config_json": {"cors": {"allowed_origins": ["https://a.example"], "allowed_methods": allowed}}});
+        if let Some(route) = route {
+            c["route_pattern"] = json!(route);
+            c["methods"] = methods;
+        }
+        channel_warnings(&c)
+    };
+    let w = channel(Some("/x"), json!(["GET"]), json!(["POST"]));
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert_eq!(w[0].field, "config_json.cors.allowed_methods");
+    assert_eq!(
+        w[0].message,
+        "allows none of the methods the channel serves (GET): every preflight is refused"
+    );
+    assert_eq!(channel(Some("/x"), json!(["GET"]), json!([])).len(), 1);
+    // By name a channel serves POST.
+    assert_eq!(channel(None, json!(null), json!(["GET"])).len(), 1);
+    for (methods, allowed) in [
+        (json!(["GET", "POST"]), json!(["post"])),
+        (json!(["GET"]), json!(["HEAD"])),
+    ] {
+        assert!(channel(Some("/x"), methods, allowed).is_empty());
+    }
+    assert!(channel(None, json!(null), json!(["POST", "GET"])).is_empty());
+}
+
 #[test]
 fn channel_top_level_fields() {
     let c = json!({
