@@ -783,6 +783,12 @@ impl Config {
         {
             return fail("governance.redis_url", &e.to_string());
         }
+        if url.to_ascii_lowercase().ends_with("#insecure") {
+            return fail(
+                "governance.redis_url",
+                "#insecure (TLS without a certificate check) is not supported; use a certificate the system trusts",
+            );
+        }
         if self.governance.timeout_ms == 0 {
             return fail("governance.timeout_ms", "must be at least 1");
         }
@@ -1585,6 +1591,19 @@ mod tests {
             .unwrap_err()
             .0;
         assert_eq!(e, "invalid value for 'queue.workers': must be at most 1024");
+        let e = load(
+            None,
+            &[(
+                "SERVICE_GOVERNANCE__REDIS_URL",
+                "rediss://127.0.0.1:6379/#insecure",
+            )],
+        )
+        .unwrap_err()
+        .0;
+        assert!(
+            e.contains("#insecure (TLS without a certificate check) is not supported"),
+            "{e}"
+        );
         // Two spellings of one key are refused, not settled by their order.
         let e = load(
             None,

@@ -120,7 +120,7 @@ impl Rules {
             cache_scope.push_str(&format!(",{}@{}:{}", p.workflow_id, p.version, p.source_id));
         }
         let rate_scope = match &config.rate_limit {
-            Some(r) => format!("{name}\0{}/{:?}", r.requests_per_second, r.burst),
+            Some(r) => format!("{name}\0{}/{}", r.requests_per_second, r.effective_burst()),
             None => String::new(),
         };
         let dedup_scope = match &config.deduplication {

@@ -741,9 +741,15 @@ async fn read_and_route(
     }
     // HTTP/1.1 requires exactly one Host (RFC 9112 3.2: 400 otherwise);
     // HTTP/2 carries `:authority` instead.
-    if parts.version == http::Version::HTTP_11 {
+    if matches!(
+        parts.version,
+        http::Version::HTTP_11 | http::Version::HTTP_10 | http::Version::HTTP_09
+    ) {
         let mut hosts = parts.headers.get_all(header::HOST).iter();
         let why = match (hosts.next(), hosts.next()) {
+            // HTTP/1.0 may leave it out; two, or an invalid one, are
+            // refused on every HTTP/1 version.
+            (None, _) if parts.version != http::Version::HTTP_11 => None,
             (None, _) => Some("an HTTP/1.1 request needs a Host header"),
             (Some(_), Some(_)) => Some("the request has more than one Host header"),
             (Some(host), None) if !host.as_bytes().iter().all(|&b| is_host_byte(b)) => {

@@ -790,8 +790,9 @@ pub struct DbConnector {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 2147483647))]
     pub query_timeout_ms: Option<u64>,
+    /// At most 2147483647 (SQLite's busy timeout limit).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 2147483647))]
     pub connect_timeout_ms: Option<u64>,
     #[serde(default)]
     pub retry: RetryPolicy,

@@ -743,9 +743,21 @@ enum Dialect {
     /// `/*! … */` and `/*M! … */` forms are code, backslash escapes in
     /// quoted strings.
     MySql,
-    /// PostgreSQL and SQLite: nested `/* */` comments, no backslash escapes
-    /// (but in `E'…'`), dollar-quoted strings.
+    /// PostgreSQL: nested `/* */` comments, no backslash escapes (but in
+    /// `E'…'`), dollar-quoted strings.
     Postgres,
+    /// SQLite: flat `/* */` comments, no backslash escapes, no dollar
+    /// quotes (`$a` is a parameter), no `#` comments.
+    Sqlite,
+}
+
+/// How many statements SQLite reads in `query` (runs of words between
+/// `;`). SQLite is the one backend that runs every statement of a text:
+/// its connector refuses more than one at run time, read exactly as SQLite
+/// reads it (the definition check reads MySQL's and PostgreSQL's way, and
+/// a text read differently by the dialects could pass it).
+pub fn sqlite_statements(query: &str) -> usize {
+    statements(&sql_words(query, Dialect::Sqlite))
 }
 
 /// The words of an SQL statement that are keywords or names, upper-cased, in
@@ -754,6 +766,7 @@ enum Dialect {
 /// `[…]`) and dollar-quoted strings.
 fn sql_words(sql: &str, dialect: Dialect) -> Vec<String> {
     let mysql = dialect == Dialect::MySql;
+    let sqlite = dialect == Dialect::Sqlite;
     let b = sql.as_bytes();
     let mut words = Vec::new();
     let mut i = 0;
@@ -778,7 +791,7 @@ fn sql_words(sql: &str, dialect: Dialect) -> Vec<String> {
                     while i < b.len() && b[i].is_ascii_digit() {
                         i += 1;
                     }
-                } else if mysql {
+                } else if mysql || sqlite {
                     i = past(i + 2, b"*/");
                 } else {
                     let mut depth = 0usize;
@@ -805,6 +818,7 @@ fn sql_words(sql: &str, dialect: Dialect) -> Vec<String> {
                     && c != b'`'
                     && (mysql
                         || (c == b'\''
+                            && !sqlite
                             && i > 0
                             && b[i - 1].eq_ignore_ascii_case(&b'e')
                             && !(i > 1 && (b[i - 2].is_ascii_alphanumeric() || b[i - 2] == b'_'))));
@@ -824,7 +838,7 @@ fn sql_words(sql: &str, dialect: Dialect) -> Vec<String> {
                     }
                 }
             }
-            b'$' if !mysql => {
+            b'$' if !mysql && !sqlite => {
                 // `$tag$ … $tag$` (tag empty or a name, any letters; `$1`
                 // is a parameter).
                 let tag_end = b[i + 1..]
@@ -1602,7 +1616,16 @@ pub fn validate_connector(def: &Json) -> Vec<Diagnostic> {
                     Some(1),
                     Some(i64::from(i32::MAX)),
                 );
-                c.integer(cfg, "connect_timeout_ms", &at, false, Some(1), None);
+                // SQLite's busy timeout is a 32-bit count too (above it every
+                // query failed on a panicking driver thread).
+                c.integer(
+                    cfg,
+                    "connect_timeout_ms",
+                    &at,
+                    false,
+                    Some(1),
+                    Some(i64::from(i32::MAX)),
+                );
             }
             ConnectorType::Cache => {
                 let backend = c.one_of(cfg, "backend", &at, true, &["memory", "redis"]);
@@ -1862,6 +1885,15 @@ fn check_server_url(c: &mut Ctx, s: &str, at: &FieldPath, kind: ServerUrl) {
         c.push(at, "has port 0 (a port is 1 to 65535)");
     }
     if kind == ServerUrl::Redis {
+        if u.fragment()
+            .is_some_and(|f| f.eq_ignore_ascii_case("insecure"))
+        {
+            c.push(
+                at,
+                "#insecure (TLS without a certificate check) is not supported; \
+                 use a certificate the system trusts",
+            );
+        }
         let db = u.path().trim_start_matches('/');
         if !db.is_empty() && db.parse::<u32>().is_err() {
             c.push(

@@ -1433,6 +1433,12 @@ impl<'a> Machine<'a> {
                 "key_logic evaluated to an empty string; a cache key must not be empty".into(),
             );
         }
+        if key.trim().is_empty() {
+            return Err(
+                "key_logic evaluated to blank text (only whitespace); a cache key must not be blank"
+                    .into(),
+            );
+        }
         Ok(key)
     }
 

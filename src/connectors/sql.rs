@@ -180,6 +180,21 @@ async fn at_most<R>(
 
 /// Refuses a `db_read` with more than `MAX_ROWS` rows (its statement is
 /// abandoned, and `timed!` closes the connection it may still run on).
+/// SQLite runs every statement of a text (`SELECT 1; DROP TABLE t` through
+/// `db_read` dropped the table), where PostgreSQL and MariaDB refuse one
+/// with two. The definition check refuses what both its readings see as
+/// two; this reads the text exactly as SQLite does, so a `;` that one of
+/// those readings took for part of a string or comment cannot slip by.
+fn one_sqlite_statement(query: &str) -> Result<(), ConnectorError> {
+    match sluice_compiler::validate::sqlite_statements(query) {
+        n if n > 1 => Err(ConnectorError::other(format!(
+            "SQLite runs one statement per task; this query holds {n} separated by ';' \
+             (run each in a task of its own)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn too_many<R>(rows: &[R]) -> Option<ConnectorError> {
     (rows.len() > MAX_ROWS).then(|| {
         ConnectorError::other(format!(
@@ -293,6 +308,7 @@ impl SqlPool {
     pub async fn read(&self, query: &str, params: &[Json]) -> Result<Vec<Json>, ConnectorError> {
         match &self.pools {
             Pools::Sqlite(pool) => {
+                one_sqlite_statement(query)?;
                 let q = params.iter().fold(sqlx::query(query), bind_sqlite);
                 let rows =
                     timed!(self, pool, conn => at_most(q.fetch(&mut *conn)), refuse: too_many)?;
@@ -317,6 +333,7 @@ impl SqlPool {
     pub async fn write(&self, query: &str, params: &[Json]) -> Result<u64, ConnectorError> {
         match &self.pools {
             Pools::Sqlite(pool) => {
+                one_sqlite_statement(query)?;
                 let q = params.iter().fold(sqlx::query(query), bind_sqlite);
                 timed!(self, pool, conn => q.execute(&mut *conn), timeout: write_timeout_err)
                     .map(|r| r.rows_affected())
@@ -1060,6 +1077,48 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let url = format!("sqlite://{}?mode=rwc", dir.join("c.db").display());
         (dir, url)
+    }
+
+    /// A second statement is refused before SQLite sees the text, however
+    /// the other dialects would read it (audit 93's bypasses of the
+    /// definition check); one statement, a trailing `;` and a `;` inside a
+    /// string or comment run.
+    #[tokio::test]
+    async fn sqlite_runs_one_statement_per_call() {
+        let (dir, url) = sqlite_url();
+        let pool = SqlPool::connect(&cfg(&url)).await.unwrap();
+        pool.write("CREATE TABLE t (a TEXT)", &[]).await.unwrap();
+        for q in [
+            "SELECT 'a\\'; DROP TABLE t; --'",
+            "SELECT \"a\\\"; DROP TABLE t; --\"",
+            "SELECT 1 /* /* */; DROP TABLE t; /* */",
+            "SELECT 1; DROP TABLE t",
+        ] {
+            let e = pool.read(q, &[]).await.unwrap_err();
+            assert!(
+                e.message
+                    .starts_with("SQLite runs one statement per task; this query holds 2"),
+                "{q}: {}",
+                e.message
+            );
+            let e = pool.write(q, &[]).await.unwrap_err();
+            assert!(e.message.starts_with("SQLite runs one statement"), "{q}");
+        }
+        // The table is still there.
+        let rows = pool
+            .read("SELECT name FROM sqlite_master WHERE name = 't';", &[])
+            .await
+            .unwrap();
+        assert_eq!(rows, vec![json!({"name": "t"})]);
+        for q in [
+            "SELECT ';' AS a -- ; DROP TABLE t",
+            "SELECT 1 /* ; DROP TABLE t */ AS a;",
+            "SELECT \"a;b\" FROM (SELECT 1 AS \"a;b\")",
+        ] {
+            assert_eq!(pool.read(q, &[]).await.unwrap().len(), 1, "{q}");
+        }
+        pool.close().await;
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[tokio::test]

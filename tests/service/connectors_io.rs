@@ -410,6 +410,10 @@ async fn a_computed_cache_key_must_not_be_empty() {
                 "key_logic evaluated to an empty string; a cache key must not be empty",
             ),
             (json!(null), "key_logic evaluated to null"),
+            (
+                json!("  "),
+                "key_logic evaluated to blank text (only whitespace); a cache key must not be blank",
+            ),
         ] {
             let r = s
                 .post(&format!("/api/v1/data/{name}/1"), json!({"data": {"k": k}}))

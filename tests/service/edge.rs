@@ -1113,9 +1113,11 @@ async fn host_headers_content_codings_and_h2_hosts() {
         let answer = exchange(&s, request.as_bytes()).await;
         assert!(answer.starts_with("HTTP/1.1 200 "), "{host}: {answer}");
     }
-    // HTTP/1.0 needs none.
+    // HTTP/1.0 needs none, but an invalid one is refused there too.
     let answer = exchange(&s, b"GET /health HTTP/1.0\r\n\r\n").await;
     assert!(answer.starts_with("HTTP/1.0 200 "), "{answer}");
+    let answer = exchange(&s, b"GET /health HTTP/1.0\r\nHost: bad host\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.0 400 "), "{answer}");
 
     // A client waiting for `100 Continue` with a body that would be refused
     // is refused at once, without the 100 (it then uploaded for nothing).

@@ -1706,11 +1706,15 @@ fn other_connector_rules() {
     check_cfg(
         "db",
         json!({"connection_string": "postgres://h/db", "max_connections": 4294967295u64,
-               "query_timeout_ms": 2147483648u64}),
+               "query_timeout_ms": 2147483648u64, "connect_timeout_ms": 2147483648u64}),
         &[
             ("config.max_connections", "must be between 1 and 1000"),
             (
                 "config.query_timeout_ms",
+                "must be between 1 and 2147483647",
+            ),
+            (
+                "config.connect_timeout_ms",
                 "must be between 1 and 2147483647",
             ),
         ],
@@ -1734,6 +1738,17 @@ fn other_connector_rules() {
         "cache",
         json!({"backend": "redis"}),
         &[("config.url", "is required")],
+    );
+    // The client has no "no certificate check" mode: refused, not failed
+    // on every call.
+    check_cfg(
+        "cache",
+        json!({"backend": "redis", "url": "rediss://r:6380/0#insecure"}),
+        &[(
+            "config.url",
+            "#insecure (TLS without a certificate check) is not supported; \
+             use a certificate the system trusts",
+        )],
     );
     check_cfg(
         "cache",
