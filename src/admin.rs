@@ -338,6 +338,10 @@ fn checked(
         ),
     };
     if let Some(mismatch) = mismatch {
+        // The id field's own problem is the mismatch (the engine schema's
+        // `id` is otherwise told to equal the `workflow_id` filled in from
+        // the path).
+        problems.retain(|p| p.field != mismatch.field);
         problems.insert(0, mismatch);
     }
     match id {
