@@ -752,8 +752,12 @@ impl Config {
         // The pool sets aside a slot per allowed connection when it is
         // built: 4294967295 asked for 200 GB (as a `db` connector's
         // `max_connections`, capped alike).
-        if self.storage.max_connections == 0 || self.storage.max_connections > 1000 {
-            return fail("storage.max_connections", "must be between 1 and 1000");
+        let most = sluice_compiler::validate::DB_MAX_CONNECTIONS;
+        if self.storage.max_connections == 0 || i64::from(self.storage.max_connections) > most {
+            return fail(
+                "storage.max_connections",
+                &format!("must be between 1 and {most}"),
+            );
         }
         if self.server.max_in_flight == 0 {
             return fail("server.max_in_flight", "must be at least 1");
@@ -786,7 +790,7 @@ impl Config {
         if url.to_ascii_lowercase().ends_with("#insecure") {
             return fail(
                 "governance.redis_url",
-                "#insecure (TLS without a certificate check) is not supported; use a certificate the system trusts",
+                sluice_compiler::validate::REDIS_INSECURE,
             );
         }
         if self.governance.timeout_ms == 0 {

@@ -733,7 +733,12 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
 /// backend took them.
 pub const MAX_GOVERNANCE_SECS: i64 = 31_536_000;
 
-/// The most connections a `db` connector's pool may open.
+/// Why a `rediss://…#insecure` URL is refused (cache connectors and
+/// `governance.redis_url`): the Redis client is built without that mode.
+pub const REDIS_INSECURE: &str = "#insecure (TLS without a certificate check) is not supported; use a certificate the system trusts";
+
+/// The most connections a `db` connector's pool may open (and the
+/// service's own storage pool, `storage.max_connections`).
 pub const DB_MAX_CONNECTIONS: i64 = 1000;
 
 /// How an SQL text is read by [`sql_words`].
@@ -1888,11 +1893,7 @@ fn check_server_url(c: &mut Ctx, s: &str, at: &FieldPath, kind: ServerUrl) {
         if u.fragment()
             .is_some_and(|f| f.eq_ignore_ascii_case("insecure"))
         {
-            c.push(
-                at,
-                "#insecure (TLS without a certificate check) is not supported; \
-                 use a certificate the system trusts",
-            );
+            c.push(at, REDIS_INSECURE);
         }
         let db = u.path().trim_start_matches('/');
         if !db.is_empty() && db.parse::<u32>().is_err() {
