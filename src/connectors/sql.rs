@@ -148,7 +148,7 @@ macro_rules! timed {
                     Err(e)
                 }
             },
-            Ok(Err(e)) => Err(sql_err(e)),
+            Ok(Err(e)) => Err(query_err(e, $pool)),
             Err(_) => {
                 drop($conn.detach());
                 Err($timeout($self.query_timeout))
@@ -921,6 +921,22 @@ fn write_timeout_err(d: Duration) -> ConnectorError {
     .retryable(false)
 }
 
+/// Classifies an error from running a statement on a connection the pool
+/// handed out. On SQLite a `Protocol` error is about the query's text, found
+/// before the library sees it (a NUL byte, a `$name`, `:name` or `@name`
+/// parameter): the same text fails the same way every time, so it is the
+/// database refusing the query, not an unreachable database to retry (on
+/// the network drivers it is a broken connection, as [`sql_err`] says).
+fn query_err<DB: sqlx::Database>(e: sqlx::Error, _pool: &sqlx::Pool<DB>) -> ConnectorError {
+    match e {
+        sqlx::Error::Protocol(why) if DB::NAME == "SQLite" => ConnectorError::new(
+            ConnectorErrorKind::Upstream,
+            format!("database error: {why}"),
+        ),
+        e => sql_err(e),
+    }
+}
+
 /// Classifies a driver error. Network and connect failures, pool waits,
 /// lost races (deadlock, serialization failure, lock wait, busy) and server
 /// overload are retryable; a server-side statement timeout is a `Timeout`;
@@ -1117,6 +1133,36 @@ mod tests {
         ] {
             assert_eq!(pool.read(q, &[]).await.unwrap().len(), 1, "{q}");
         }
+        pool.close().await;
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A named parameter form sqlx does not bind, or a NUL byte, is the
+    /// query's fault: a database error, not
+    /// "unreachable", and not retried.
+    #[tokio::test]
+    async fn sqlite_query_text_errors_are_not_retried() {
+        let (dir, url) = sqlite_url();
+        let pool = SqlPool::connect(&cfg(&url)).await.unwrap();
+        for (q, says) in [
+            ("SELECT :name", "unsupported SQL parameter format: :name"),
+            ("SELECT $abc", "non-integer names"),
+            ("SELECT 1 AS \"a\0b\"", "unrecognized token"),
+        ] {
+            let e = pool.read(q, &[json!(1)]).await.unwrap_err();
+            assert!(
+                e.message.starts_with("database error: ") && e.message.contains(says),
+                "{q}: {}",
+                e.message
+            );
+            assert!(!e.retryable, "{q}: retried");
+            assert_eq!(e.kind, ConnectorErrorKind::Upstream, "{q}");
+        }
+        // The pool still serves.
+        assert_eq!(
+            pool.read("SELECT 1 AS a", &[]).await.unwrap(),
+            vec![json!({"a": 1})]
+        );
         pool.close().await;
         let _ = std::fs::remove_dir_all(dir);
     }
