@@ -519,7 +519,10 @@ fn percentage(body: &Json, field: &str, required: bool) -> Result<Option<i64>, A
                 Some(n) if (1..=100).contains(&n) => return Ok(Some(n)),
                 Some(_) => format!("must be an integer from 1 to 100, got {v}"),
                 None if sluice_compiler::diag::is_huge_integer(v) => {
-                    format!("must be an integer from 1 to 100, got {v}")
+                    format!(
+                        "must be an integer from 1 to 100, got {}",
+                        sluice_compiler::diag::number_text(v)
+                    )
                 }
                 // The spec's wording for a value of the wrong type.
                 None => format!(
@@ -616,7 +619,11 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
                 problem(
                     "version",
                     if sluice_compiler::diag::is_huge_integer(v) {
-                        format!("must be a positive integer up to {}, got {v}", i64::MAX)
+                        format!(
+                            "must be a positive integer up to {}, got {}",
+                            i64::MAX,
+                            sluice_compiler::diag::number_text(v)
+                        )
                     } else if v.is_i64() {
                         format!("must be a positive integer, got {v}")
                     } else {

@@ -442,9 +442,17 @@ impl Config {
                 pair[0].1, pair[1].1
             )));
         }
-        for (name, raw) in overrides {
-            apply_env(&defaults, &mut merged, &name, &raw)?;
+        for (name, raw) in &overrides {
+            apply_env(&defaults, &mut merged, name, raw)?;
         }
+        // Where a key's value came from, for the messages below.
+        let from = |key: &str| {
+            overrides
+                .iter()
+                .find(|(name, _)| env_key(name) == key)
+                .map(|(name, _)| format!(" (from {name})"))
+                .unwrap_or_default()
+        };
         // Level and format names in any case (`DEBUG`, `Json`).
         if let Some(toml::Value::Table(logging)) = merged.get_mut("logging") {
             for key in ["level", "format"] {
@@ -487,7 +495,11 @@ impl Config {
                                 "unknown configuration key '{key}' (expected {expected})"
                             ))
                         }
-                        None => ConfigError(format!("invalid value for '{key}': {reason}")),
+                        None => ConfigError(format!(
+                            "invalid value for '{key}'{}: {}",
+                            from(&key),
+                            unsigned_range(reason).unwrap_or_else(|| reason.to_owned())
+                        )),
                     }
                 }
             })?;
@@ -805,6 +817,26 @@ impl Config {
                 "admin_auth.enabled is true but no key is set",
             );
         }
+        // A key no client can present locks its role out: the check reads
+        // header values as printable ASCII (surrounding whitespace is
+        // trimmed by `normalize`).
+        for (field, key) in [
+            ("admin_auth.api_key", &self.admin_auth.api_key),
+            (
+                "admin_auth.read_only_api_key",
+                &self.admin_auth.read_only_api_key,
+            ),
+        ] {
+            if key.is_empty() {
+                continue;
+            }
+            if !key.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+                return fail(
+                    field,
+                    "holds a character other than printable ASCII, which no client could send in a header",
+                );
+            }
+        }
         // One key for both roles would make the read-only key an admin key.
         if !self.admin_auth.api_key.is_empty()
             && self.admin_auth.api_key == self.admin_auth.read_only_api_key
@@ -913,6 +945,35 @@ fn merge(base: &mut toml::Table, over: toml::Table) {
     }
 }
 
+/// The dotted key a `SERVICE_<SECTION>__<KEY>` variable sets.
+fn env_key(name: &str) -> String {
+    name[ENV_PREFIX.len()..]
+        .split("__")
+        .map(str::to_ascii_lowercase)
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// serde's `invalid value: integer `-1`, expected u64` as the range it
+/// means (`must be at least 0, got -1`).
+fn unsigned_range(reason: &str) -> Option<String> {
+    let rest = reason.strip_prefix("invalid value: integer `")?;
+    let (n, ty) = rest.split_once("`, expected ")?;
+    let n: i128 = n.parse().ok()?;
+    let max: u64 = match ty {
+        "u8" => u8::MAX.into(),
+        "u16" => u16::MAX.into(),
+        "u32" => u32::MAX.into(),
+        "u64" | "usize" => u64::MAX,
+        _ => return None,
+    };
+    Some(if n < 0 {
+        format!("must be at least 0, got {n}")
+    } else {
+        format!("must be at most {max}, got {n}")
+    })
+}
+
 /// Applies one `SERVICE_<SECTION>__<KEY>` variable where the defaults have a
 /// leaf at that path, parsed as that leaf's type.
 fn apply_env(
@@ -921,11 +982,8 @@ fn apply_env(
     name: &str,
     raw: &str,
 ) -> Result<(), ConfigError> {
-    let path: Vec<String> = name[ENV_PREFIX.len()..]
-        .split("__")
-        .map(str::to_ascii_lowercase)
-        .collect();
-    let dotted = path.join(".");
+    let dotted = env_key(name);
+    let path: Vec<&str> = dotted.split('.').collect();
     let unknown = || {
         ConfigError(format!(
             "unknown configuration key '{dotted}' (from environment variable {name})"
@@ -934,11 +992,11 @@ fn apply_env(
     let mut node = defaults;
     for seg in &path[..path.len() - 1] {
         node = node
-            .get(seg)
+            .get(*seg)
             .and_then(toml::Value::as_table)
             .ok_or_else(unknown)?;
     }
-    let leaf = node.get(&path[path.len() - 1]).ok_or_else(unknown)?;
+    let leaf = node.get(path[path.len() - 1]).ok_or_else(unknown)?;
     let bad = |why: &str| ConfigError(format!("invalid value for '{dotted}' (from {name}): {why}"));
     let value = match leaf {
         toml::Value::Boolean(_) => match raw.trim().to_ascii_lowercase().as_str() {
@@ -951,7 +1009,20 @@ fn apply_env(
             }
         },
         toml::Value::Integer(_) => {
-            toml::Value::Integer(raw.trim().parse().map_err(|_| bad("expected an integer"))?)
+            let raw = raw.trim();
+            toml::Value::Integer(raw.parse().map_err(|_| {
+                // Digits beyond i64 are an integer all the same.
+                let digits = raw.strip_prefix('-').unwrap_or(raw);
+                if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+                    bad(&format!(
+                        "{raw} is out of range (from {} to {})",
+                        i64::MIN,
+                        i64::MAX
+                    ))
+                } else {
+                    bad("expected an integer")
+                }
+            })?)
         }
         toml::Value::Float(_) => {
             toml::Value::Float(raw.trim().parse().map_err(|_| bad("expected a number"))?)
@@ -1003,12 +1074,12 @@ fn apply_env(
     let mut node = merged;
     for seg in &path[..path.len() - 1] {
         node = node
-            .entry(seg.clone())
+            .entry(seg.to_string())
             .or_insert_with(|| toml::Value::Table(toml::Table::new()))
             .as_table_mut()
             .ok_or_else(unknown)?;
     }
-    node.insert(path[path.len() - 1].clone(), value);
+    node.insert(path[path.len() - 1].to_owned(), value);
     Ok(())
 }
 
@@ -1533,6 +1604,76 @@ mod tests {
                     ("SERVICE_ADMIN_AUTH__ENABLED", "true"),
                     ("SERVICE_ADMIN_AUTH__API_KEY", "ADMINKEY1234"),
                     ("SERVICE_ADMIN_AUTH__READ_ONLY_API_KEY", "READKEY12345"),
+                ],
+            )
+            .is_ok()
+        );
+    }
+
+    /// Numbers out of a key's range name the range and where the value came
+    /// from (audit 94: `expected an integer` for digits beyond i64; serde's
+    /// `invalid value: integer `-1`, expected u64` without the variable).
+    #[test]
+    fn out_of_range_numbers_name_the_range() {
+        for (name, value, message) in [
+            (
+                "SERVICE_QUEUE__DLQ_MAX_RETRIES",
+                "99999999999999999999",
+                "invalid value for 'queue.dlq_max_retries' (from SERVICE_QUEUE__DLQ_MAX_RETRIES): 99999999999999999999 is out of range (from -9223372036854775808 to 9223372036854775807)",
+            ),
+            (
+                "SERVICE_INGEST__MAX_PAYLOAD_SIZE",
+                "-1",
+                "invalid value for 'ingest.max_payload_size' (from SERVICE_INGEST__MAX_PAYLOAD_SIZE): must be at least 0, got -1",
+            ),
+            (
+                "SERVICE_STORAGE__MAX_CONNECTIONS",
+                "4294967296",
+                "invalid value for 'storage.max_connections' (from SERVICE_STORAGE__MAX_CONNECTIONS): must be at most 4294967295, got 4294967296",
+            ),
+            (
+                "SERVICE_INGEST__MAX_PAYLOAD_SIZE",
+                "12x",
+                "invalid value for 'ingest.max_payload_size' (from SERVICE_INGEST__MAX_PAYLOAD_SIZE): expected an integer",
+            ),
+        ] {
+            assert_eq!(load(None, &[(name, value)]).unwrap_err().0, message);
+        }
+        // From a file: no variable to name.
+        let e = load(Some("[ingest]\nmax_payload_size = -1\n"), &[])
+            .unwrap_err()
+            .0;
+        assert_eq!(
+            e,
+            "invalid value for 'ingest.max_payload_size': must be at least 0, got -1"
+        );
+    }
+
+    /// A key a client could not send stops start-up, naming the
+    /// key, never its value.
+    #[test]
+    fn keys_no_client_can_send_are_refused() {
+        // In a file (a TOML escape gives the control character).
+        for (key, value) in [
+            ("api_key", "ADMIN\\u0001KEY1234"),
+            ("read_only_api_key", "READ\u{e9}KEY1234"),
+        ] {
+            let toml = format!("[admin_auth]\nenabled = true\n{key} = \"{value}\"\n");
+            let e = load(Some(&toml), &[]).unwrap_err().0;
+            assert!(
+                e.starts_with(&format!("invalid value for 'admin_auth.{key}': "))
+                    && e.contains("printable ASCII"),
+                "{key}={value:?}: {e}"
+            );
+            assert!(!e.contains("KEY1234"), "{e}");
+        }
+        // Spaces inside a key are sent as they are.
+        assert!(
+            load(
+                None,
+                &[
+                    ("SERVICE_ADMIN_AUTH__ENABLED", "true"),
+                    ("SERVICE_ADMIN_AUTH__API_KEY", "ADMIN KEY 1234"),
                 ],
             )
             .is_ok()

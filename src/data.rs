@@ -406,7 +406,6 @@ async fn run_sync(
             &owned_scope
         }
     };
-    channel.metrics.executions.increment(1);
     // Boxed: the execution future is large, and boxing it once keeps every
     // future above it small (they are moved as they are built and awaited).
     let mut run = Box::pin(exec::execute(
@@ -439,10 +438,13 @@ async fn run_sync(
     };
     // Nothing ran (no workflow matched, or the body was refused): the
     // deduplication key goes back, as after a later check's refusal.
-    let ran_nothing = match &execution {
-        Ok(e) => e.matched.is_none(),
-        Err(e) => e.code == Code::BadRequest,
-    };
+    let refused = matches!(&execution, Err(e) if e.code == Code::BadRequest);
+    let ran_nothing = refused || execution.as_ref().is_ok_and(|e| e.matched.is_none());
+    // A body that is not a JSON object never reached a workflow: not an
+    // execution (audit 97), as a 413 or 415 before it is not.
+    if !refused {
+        channel.metrics.executions.increment(1);
+    }
     if ran_nothing && admitted.claims() {
         Box::pin(app.governance.give_back(&admitted)).await;
     }

@@ -86,6 +86,20 @@ pub fn is_huge_integer(v: &serde_json::Value) -> bool {
     }
 }
 
+/// A number as the service writes numbers in its answers (an integer
+/// beyond u64, which serde_json reads as a float, as `100000000000000000000`
+/// or `1.2345678901234568e22`, not Rust's `1e+20`); anything else as JSON.
+pub fn number_text(v: &serde_json::Value) -> String {
+    match v.as_f64() {
+        Some(f) if !v.is_i64() && !v.is_u64() => {
+            let mut out = Vec::new();
+            crate::value::write_float(f, &mut out);
+            String::from_utf8(out).unwrap_or_default()
+        }
+        _ => v.to_string(),
+    }
+}
+
 /// A field path under construction. Cheap enough for validation (one small
 /// string per visited field), and it renders exactly as `details[].field`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]

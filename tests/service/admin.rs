@@ -1903,6 +1903,18 @@ async fn lifecycle_bodies_treat_null_as_a_value() {
             "version",
             "must be a positive integer up to 9223372036854775807, got 9223372036854775808",
         ),
+        // Beyond u64 serde_json reads a float: written as the service writes
+        // numbers (audit 94: `got 1e+20`, `got 1.2345678901234568e+22`).
+        (
+            json!({"status": "active", "rollout_percentage": 1e20}),
+            "rollout_percentage",
+            "must be an integer from 1 to 100, got 100000000000000000000",
+        ),
+        (
+            json!({"status": "active", "version": 1.2345678901234568e22}),
+            "version",
+            "must be a positive integer up to 9223372036854775807, got 1.2345678901234568e22",
+        ),
     ] {
         let r = s.admin("PATCH", "/workflows/nul/status", Some(body)).await;
         r.error(400, "BAD_REQUEST");

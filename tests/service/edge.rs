@@ -230,6 +230,19 @@ async fn metrics_are_served_in_prometheus_format() {
         .post("/api/v1/data/metered-ch/1", json!({"data": {"name": "x"}}))
         .await;
     assert_eq!(ok.status, 200, "{}", ok.text);
+    // A body that is not a JSON object reaches no workflow: refused, not an
+    // execution (audit 97: each counted one).
+    for bad in [&b"{\"data\":"[..], b"[1]"] {
+        let r = s
+            .raw(
+                "POST",
+                "/api/v1/data/metered-ch/1",
+                bad.to_vec(),
+                Some("application/json"),
+            )
+            .await;
+        r.error(400, "BAD_REQUEST");
+    }
     // Methods a caller invents do not become label values (each one used to
     // add a series and its 17 buckets).
     let mut refused = 0;
@@ -253,7 +266,8 @@ async fn metrics_are_served_in_prometheus_format() {
     );
     for needle in [
         "messages_total{channel=\"metered-ch\",status=\"ok\"} 1",
-        "channel_executions_total{channel=\"metered-ch\"} 1",
+        "messages_total{channel=\"metered-ch\",status=\"rejected\"} 2",
+        "channel_executions_total{channel=\"metered-ch\"} 1\n",
         "message_duration_seconds_bucket{channel=\"metered-ch\"",
         "http_requests_total{method=\"POST\",path=\"/api/v1/data/{path}\",status=\"200\"}",
         "engine_reloads_total{status=\"success\"}",
@@ -1095,6 +1109,16 @@ async fn host_headers_content_codings_and_h2_hosts() {
         (
             "GET /health HTTP/1.1\r\nHost: a/b\r\nConnection: close\r\n\r\n",
             "the Host header is not a host name, an address or a port",
+        ),
+        // One body, one media type, whichever order (audit 94: the first
+        // decided).
+        (
+            "POST /api/v1/data/h HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\nContent-Type: text/plain\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+            "the request has more than one Content-Type header",
+        ),
+        (
+            "POST /api/v1/admin/workflows/validate HTTP/1.1\r\nHost: a\r\nContent-Type: text/plain\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+            "the request has more than one Content-Type header",
         ),
     ] {
         let answer = exchange(&s, request.as_bytes()).await;
