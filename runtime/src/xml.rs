@@ -19,6 +19,15 @@ const MAX_XML_DEPTH: usize = 256;
 
 /// Parses XML text into a value in the arena.
 pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
+    // A character XML 1.0 does not allow makes the document not well-formed
+    // (publish_xml refuses to write one); quick-xml passes it through.
+    if let Some(at) = text.find(forbidden) {
+        let c = text[at..].chars().next().unwrap_or_default();
+        return Err(format!(
+            "invalid XML at byte {at}: the character U+{:04X} is not allowed in XML 1.0",
+            u32::from(c)
+        ));
+    }
     let mut reader = Reader::from_str(text);
     reader.config_mut().trim_text(false);
     let mut stack: Vec<Element<'a>> = Vec::new();
@@ -269,21 +278,47 @@ fn push_scalar(name: &str, v: &Value<'_>, out: &mut String, attribute: bool) -> 
             v.to_json_string().into()
         }
     };
-    if let Some(c) = text
-        .chars()
-        .find(|c| matches!(c, '\0'..='\x08' | '\x0B' | '\x0C' | '\x0E'..='\x1F' | '\u{FFFE}' | '\u{FFFF}'))
-    {
+    if let Some(c) = text.chars().find(|&c| forbidden(c)) {
         return Err(format!(
             "'{name}' holds the character U+{:04X}, which XML 1.0 cannot carry",
             u32::from(c)
         ));
     }
-    if attribute {
-        out.push_str(&quick_xml::escape::escape(text.as_ref()));
-    } else {
-        out.push_str(&quick_xml::escape::partial_escape(text.as_ref()));
-    }
+    push_escaped(&text, out, attribute);
     Ok(())
+}
+
+/// A character XML 1.0 cannot carry at all: a control character other
+/// than tab, line feed and carriage return, or U+FFFE/U+FFFF.
+fn forbidden(c: char) -> bool {
+    matches!(c, '\0'..='\x08' | '\x0B' | '\x0C' | '\x0E'..='\x1F' | '\u{FFFE}' | '\u{FFFF}')
+}
+
+/// Escapes text for element content or a (double-quoted) attribute value,
+/// so that a conforming parser reads back exactly `text`: a parser turns a
+/// literal carriage return into a line feed everywhere, and a literal tab
+/// or line feed in an attribute value into a space (XML 1.0, 2.11 and
+/// 3.3.3), so those are written as character references (audit 95: a
+/// `title` holding a line break was read back with a space).
+fn push_escaped(text: &str, out: &mut String, attribute: bool) {
+    let mut plain = 0;
+    for (i, b) in text.bytes().enumerate() {
+        let escaped = match b {
+            b'&' => "&amp;",
+            b'<' => "&lt;",
+            b'>' => "&gt;",
+            b'\r' => "&#13;",
+            b'"' if attribute => "&quot;",
+            b'\'' if attribute => "&apos;",
+            b'\t' if attribute => "&#9;",
+            b'\n' if attribute => "&#10;",
+            _ => continue,
+        };
+        out.push_str(&text[plain..i]);
+        out.push_str(escaped);
+        plain = i + 1;
+    }
+    out.push_str(&text[plain..]);
 }
 
 #[cfg(test)]
@@ -322,6 +357,11 @@ mod tests {
         assert!(parse("<a><b></a>", &arena).is_err());
         assert!(parse("", &arena).is_err());
         assert!(parse("<a/><b/>", &arena).is_err());
+        // A character XML 1.0 does not allow (audit 95: it was taken).
+        assert_eq!(
+            parse("<r>\u{1}</r>", &arena).unwrap_err(),
+            "invalid XML at byte 3: the character U+0001 is not allowed in XML 1.0"
+        );
     }
 
     #[test]
@@ -382,8 +422,16 @@ mod tests {
         let nested = json!({"arr": [1, [2, 3]]});
         let e = to_xml(&Value::from_json(&nested, &arena), "root").unwrap_err();
         assert!(e.starts_with("'arr' holds an array inside an array"), "{e}");
-        // Tab, line feed and carriage return are characters XML keeps.
-        let ok = json!({"t": "a\tb\nc\rd"});
-        assert!(to_xml(&Value::from_json(&ok, &arena), "root").is_ok());
+        // Tab, line feed and carriage return are characters XML keeps;
+        // written so that a parser's normalisation gives them back (a
+        // literal CR reads as LF, a literal tab or LF in an attribute as a
+        // space).
+        let ok = json!({"t": {"@title": "l1\nl2\tt\r'\"", "#text": "a\r\nb\tc<&>'\""}});
+        let xml = to_xml(&Value::from_json(&ok, &arena), "root").unwrap();
+        assert_eq!(
+            xml,
+            "<root><t title=\"l1&#10;l2&#9;t&#13;&apos;&quot;\">a&#13;\nb\tc&lt;&amp;&gt;'\"</t></root>"
+        );
+        assert_eq!(parse_json(&xml), json!({"root": ok}));
     }
 }

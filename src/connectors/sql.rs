@@ -195,6 +195,24 @@ fn one_sqlite_statement(query: &str) -> Result<(), ConnectorError> {
     }
 }
 
+/// MySQL's driver binds the values it is given whatever the statement
+/// holds: one too many was read as garbage (`SELECT ?` with `[42, 7]`
+/// answered `2752520`; an `UPDATE` with an extra value matched no row and
+/// answered 200). One value per `?`, checked before the call.
+fn mysql_placeholders_match(query: &str, params: &[Json]) -> Result<(), ConnectorError> {
+    let holes = sluice_compiler::validate::mysql_placeholders(query);
+    if holes == params.len() {
+        return Ok(());
+    }
+    let plural = |n: usize, one: &'static str, many: &'static str| if n == 1 { one } else { many };
+    Err(ConnectorError::other(format!(
+        "the query has {holes} {} ('?') but params gives {} {}; give one value per '?'",
+        plural(holes, "placeholder", "placeholders"),
+        params.len(),
+        plural(params.len(), "value", "values"),
+    )))
+}
+
 fn too_many<R>(rows: &[R]) -> Option<ConnectorError> {
     (rows.len() > MAX_ROWS).then(|| {
         ConnectorError::other(format!(
@@ -321,6 +339,7 @@ impl SqlPool {
                 rows.iter().map(|r| row_json(r, pg_cell)).collect()
             }
             Pools::MySql(pool) => {
+                mysql_placeholders_match(query, params)?;
                 let q = params.iter().fold(sqlx::query(query), bind_mysql);
                 let rows =
                     timed!(self, pool, conn => at_most(q.fetch(&mut *conn)), refuse: too_many)?;
@@ -344,6 +363,7 @@ impl SqlPool {
                     .map(|r| r.rows_affected())
             }
             Pools::MySql(pool) => {
+                mysql_placeholders_match(query, params)?;
                 let q = params.iter().fold(sqlx::query(query), bind_mysql);
                 timed!(self, pool, conn => q.execute(&mut *conn), timeout: write_timeout_err)
                     .map(|r| r.rows_affected())
@@ -1590,6 +1610,24 @@ mod tests {
             let e = pool.write("INSERT INTO t (id) VALUES (?)", &[json!(1)]).await.unwrap_err();
             assert!(!e.retryable);
             assert!(e.message.contains("Duplicate entry"), "{}", e.message);
+            // One value per `?` (audit 95: an extra one was bound as
+            // garbage, and an UPDATE with one matched nothing).
+            let e = pool.read("SELECT ? AS a", &[json!(42), json!(7)]).await.unwrap_err();
+            assert_eq!(
+                e.message,
+                "the query has 1 placeholder ('?') but params gives 2 values; give one value per '?'"
+            );
+            assert!(!e.retryable);
+            let e = pool
+                .write("UPDATE t SET n = ? WHERE id = ?", &[json!(6), json!(2), json!("x")])
+                .await
+                .unwrap_err();
+            assert!(e.message.starts_with("the query has 2 placeholders ('?') but params gives 3 values"), "{}", e.message);
+            let e = pool.write("UPDATE t SET n = ? WHERE id = ?", &[json!(6)]).await.unwrap_err();
+            assert!(e.message.starts_with("the query has 2 placeholders ('?') but params gives 1 value;"), "{}", e.message);
+            // A `?` in a string or comment is no placeholder.
+            let rows = pool.read("SELECT '?' AS q, ? AS a -- ?", &[json!(42)]).await.unwrap();
+            assert_eq!(rows, vec![json!({"q": "?", "a": 42})]);
             pool.close().await;
         })
         .await;
