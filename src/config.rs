@@ -830,10 +830,11 @@ impl Config {
             if key.is_empty() {
                 continue;
             }
-            if !key.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+            // A tab inside a value travels (RFC 9110 5.5) and reads back.
+            if !key.bytes().all(|b| (0x20..0x7f).contains(&b) || b == b'\t') {
                 return fail(
                     field,
-                    "holds a character other than printable ASCII, which no client could send in a header",
+                    "holds a character other than printable ASCII (or a tab), which no client could send in a header",
                 );
             }
         }
@@ -967,10 +968,11 @@ fn unsigned_range(reason: &str) -> Option<String> {
         "u64" | "usize" => u64::MAX,
         _ => return None,
     };
+    // The key's own range may be narrower (its check names it).
     Some(if n < 0 {
-        format!("must be at least 0, got {n}")
+        format!("must not be negative, got {n}")
     } else {
-        format!("must be at most {max}, got {n}")
+        format!("{n} is too large for this key (more than {max})")
     })
 }
 
@@ -1012,12 +1014,15 @@ fn apply_env(
             let raw = raw.trim();
             toml::Value::Integer(raw.parse().map_err(|_| {
                 // Digits beyond i64 are an integer all the same.
-                let digits = raw.strip_prefix('-').unwrap_or(raw);
+                let (negative, digits) = match raw.as_bytes().first() {
+                    Some(b'-') => (true, &raw[1..]),
+                    Some(b'+') => (false, &raw[1..]),
+                    _ => (false, raw),
+                };
                 if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
                     bad(&format!(
-                        "{raw} is out of range (from {} to {})",
-                        i64::MIN,
-                        i64::MAX
+                        "{raw} is too {} for this key",
+                        if negative { "small" } else { "large" }
                     ))
                 } else {
                     bad("expected an integer")
@@ -1619,17 +1624,27 @@ mod tests {
             (
                 "SERVICE_QUEUE__DLQ_MAX_RETRIES",
                 "99999999999999999999",
-                "invalid value for 'queue.dlq_max_retries' (from SERVICE_QUEUE__DLQ_MAX_RETRIES): 99999999999999999999 is out of range (from -9223372036854775808 to 9223372036854775807)",
+                "invalid value for 'queue.dlq_max_retries' (from SERVICE_QUEUE__DLQ_MAX_RETRIES): 99999999999999999999 is too large for this key",
+            ),
+            (
+                "SERVICE_QUEUE__DLQ_MAX_RETRIES",
+                "+99999999999999999999",
+                "invalid value for 'queue.dlq_max_retries' (from SERVICE_QUEUE__DLQ_MAX_RETRIES): +99999999999999999999 is too large for this key",
+            ),
+            (
+                "SERVICE_QUEUE__DLQ_MAX_RETRIES",
+                "-99999999999999999999",
+                "invalid value for 'queue.dlq_max_retries' (from SERVICE_QUEUE__DLQ_MAX_RETRIES): -99999999999999999999 is too small for this key",
             ),
             (
                 "SERVICE_INGEST__MAX_PAYLOAD_SIZE",
                 "-1",
-                "invalid value for 'ingest.max_payload_size' (from SERVICE_INGEST__MAX_PAYLOAD_SIZE): must be at least 0, got -1",
+                "invalid value for 'ingest.max_payload_size' (from SERVICE_INGEST__MAX_PAYLOAD_SIZE): must not be negative, got -1",
             ),
             (
                 "SERVICE_STORAGE__MAX_CONNECTIONS",
                 "4294967296",
-                "invalid value for 'storage.max_connections' (from SERVICE_STORAGE__MAX_CONNECTIONS): must be at most 4294967295, got 4294967296",
+                "invalid value for 'storage.max_connections' (from SERVICE_STORAGE__MAX_CONNECTIONS): 4294967296 is too large for this key (more than 4294967295)",
             ),
             (
                 "SERVICE_INGEST__MAX_PAYLOAD_SIZE",
@@ -1645,7 +1660,7 @@ mod tests {
             .0;
         assert_eq!(
             e,
-            "invalid value for 'ingest.max_payload_size': must be at least 0, got -1"
+            "invalid value for 'ingest.max_payload_size': must not be negative, got -1"
         );
     }
 
@@ -1667,7 +1682,14 @@ mod tests {
             );
             assert!(!e.contains("KEY1234"), "{e}");
         }
-        // Spaces inside a key are sent as they are.
+        // Spaces and tabs inside a key are sent as they are.
+        assert!(
+            load(
+                Some("[admin_auth]\nenabled = true\napi_key = \"ADMIN\\tKEY1234\"\n"),
+                &[]
+            )
+            .is_ok()
+        );
         assert!(
             load(
                 None,

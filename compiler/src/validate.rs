@@ -870,12 +870,6 @@ fn sql_words(sql: &str, dialect: Dialect) -> Vec<String> {
                 words.push(";".to_owned());
                 i += 1;
             }
-            // A placeholder (where `?` is one: MySQL and SQLite; on
-            // PostgreSQL it is a jsonb operator).
-            b'?' => {
-                words.push("?".to_owned());
-                i += 1;
-            }
             _ => i += 1,
         }
     }
@@ -884,19 +878,7 @@ fn sql_words(sql: &str, dialect: Dialect) -> Vec<String> {
 
 /// The first keyword of a statement text read by [`sql_words`].
 fn first_word(words: &[String]) -> Option<&String> {
-    words.iter().find(|w| *w != ";" && *w != "?")
-}
-
-/// How many `?` placeholders MySQL reads in `query` (outside strings,
-/// quoted names and comments). The MySQL driver binds what it is given
-/// without checking the count: one value too many was read as garbage
-/// (`SELECT ?` with two answered `2752520` for 42), so its connector
-/// compares the two before every call.
-pub fn mysql_placeholders(query: &str) -> usize {
-    sql_words(query, Dialect::MySql)
-        .iter()
-        .filter(|w| *w == "?")
-        .count()
+    words.iter().find(|w| *w != ";")
 }
 
 /// How many statements [`sql_words`] read: runs of words between `;`.

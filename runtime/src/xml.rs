@@ -44,9 +44,22 @@ pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
                 for attr in start.attributes() {
                     let attr = attr.map_err(|e| format!("invalid XML attribute: {e}"))?;
                     let key = format!("@{}", String::from_utf8_lossy(attr.key.as_ref()));
-                    let value = attr
-                        .unescape_value()
+                    let raw = std::str::from_utf8(&attr.value)
+                        .map_err(|e| format!("invalid XML attribute: {e}"))?;
+                    // A parser reads each literal tab, line feed and carriage
+                    // return (a CR LF pair as one) of a value as a space, and
+                    // what a reference names as it is (XML 1.0, 3.3.3).
+                    let raw = normalize_line_ends(raw);
+                    let raw = if raw.contains(['\t', '\n']) {
+                        raw.replace(['\t', '\n'], " ").into()
+                    } else {
+                        raw
+                    };
+                    let value = quick_xml::escape::unescape(&raw)
                         .map_err(|e| format!("invalid XML: {e}"))?;
+                    if let Some(c) = value.chars().find(|&c| forbidden(c)) {
+                        return Err(forbidden_reference(c));
+                    }
                     element
                         .members
                         .push((arena.alloc_str(&key), Value::Str(arena.alloc_str(&value))));
@@ -71,7 +84,7 @@ pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
             Event::Text(t) => {
                 let raw = t.decode().map_err(|e| format!("invalid XML text: {e}"))?;
                 if let Some(top) = stack.last_mut() {
-                    top.text.push_str(&raw);
+                    top.text.push_str(&normalize_line_ends(&raw));
                 } else if !raw.trim().is_empty() {
                     return Err("text outside the root element".into());
                 }
@@ -79,7 +92,7 @@ pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
             Event::CData(c) => {
                 let raw = c.decode().map_err(|e| format!("invalid XML CDATA: {e}"))?;
                 if let Some(top) = stack.last_mut() {
-                    top.text.push_str(&raw);
+                    top.text.push_str(&normalize_line_ends(&raw));
                 }
             }
             Event::GeneralRef(r) => {
@@ -87,6 +100,7 @@ pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
                     .resolve_char_ref()
                     .map_err(|e| format!("invalid XML: {e}"))?
                 {
+                    Some(c) if forbidden(c) => return Err(forbidden_reference(c)),
                     Some(c) => c.to_string(),
                     None => {
                         let name = r.decode().map_err(|e| format!("invalid XML: {e}"))?;
@@ -128,7 +142,10 @@ impl<'a> Element<'a> {
     }
 
     fn finish(mut self, arena: &'a Bump) -> Value<'a> {
-        let text = self.text.trim();
+        // XML's whitespace only (a no-break space is data).
+        let text = self
+            .text
+            .trim_matches(|c| matches!(c, ' ' | '\t' | '\n' | '\r'));
         if !self.has_structure {
             return if text.is_empty() {
                 Value::Null
@@ -288,6 +305,24 @@ fn push_scalar(name: &str, v: &Value<'_>, out: &mut String, attribute: bool) -> 
     Ok(())
 }
 
+/// A document's line ends as a parser reads them: CR LF and a lone CR are
+/// each one line feed (XML 1.0, 2.11). Character references are not line
+/// ends: `&#13;` stays a carriage return.
+fn normalize_line_ends(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains('\r') {
+        text.replace("\r\n", "\n").replace('\r', "\n").into()
+    } else {
+        text.into()
+    }
+}
+
+fn forbidden_reference(c: char) -> String {
+    format!(
+        "invalid XML: a character reference names U+{:04X}, which XML 1.0 does not allow",
+        u32::from(c)
+    )
+}
+
 /// A character XML 1.0 cannot carry at all: a control character other
 /// than tab, line feed and carriage return, or U+FFFE/U+FFFF.
 fn forbidden(c: char) -> bool {
@@ -357,11 +392,46 @@ mod tests {
         assert!(parse("<a><b></a>", &arena).is_err());
         assert!(parse("", &arena).is_err());
         assert!(parse("<a/><b/>", &arena).is_err());
-        // A character XML 1.0 does not allow (audit 95: it was taken).
+        // A character XML 1.0 does not allow (audit 95: it was taken), as
+        // it is or named by a reference (audit 100).
         assert_eq!(
             parse("<r>\u{1}</r>", &arena).unwrap_err(),
             "invalid XML at byte 3: the character U+0001 is not allowed in XML 1.0"
         );
+        for doc in [
+            "<r>&#1;</r>",
+            "<r>&#x1;</r>",
+            "<r a='&#1;'/>",
+            "<r>&#xFFFE;</r>",
+        ] {
+            let e = parse(doc, &arena).unwrap_err();
+            assert!(
+                e.starts_with("invalid XML: a character reference names U+"),
+                "{doc}: {e}"
+            );
+        }
+    }
+
+    /// Line ends and attribute whitespace as every parser reads them (XML
+    /// 1.0, 2.11, 3.3.3); references keep what they name; only XML's
+    /// whitespace is trimmed.
+    #[test]
+    fn reads_line_ends_and_attribute_whitespace_as_xml_does() {
+        assert_eq!(parse_json("<r>a\r\nb\rc</r>"), json!({"r": "a\nb\nc"}));
+        assert_eq!(
+            parse_json("<r><![CDATA[a\r\nb]]></r>"),
+            json!({"r": "a\nb"})
+        );
+        assert_eq!(
+            parse_json("<r a='x\ty\nz\r\nw' b='&#9;&#10;&#13;'/>"),
+            json!({"r": {"@a": "x y z w", "@b": "\t\n\r"}})
+        );
+        assert_eq!(parse_json("<r>a&#13;&#10;b</r>"), json!({"r": "a\r\nb"}));
+        assert_eq!(
+            parse_json("<r>\u{a0}x\u{a0}</r>"),
+            json!({"r": "\u{a0}x\u{a0}"})
+        );
+        assert_eq!(parse_json("<r>\u{3000}</r>"), json!({"r": "\u{3000}"}));
     }
 
     #[test]

@@ -195,22 +195,32 @@ fn one_sqlite_statement(query: &str) -> Result<(), ConnectorError> {
     }
 }
 
-/// MySQL's driver binds the values it is given whatever the statement
-/// holds: one too many was read as garbage (`SELECT ?` with `[42, 7]`
-/// answered `2752520`; an `UPDATE` with an extra value matched no row and
-/// answered 200). One value per `?`, checked before the call.
-fn mysql_placeholders_match(query: &str, params: &[Json]) -> Result<(), ConnectorError> {
-    let holes = sluice_compiler::validate::mysql_placeholders(query);
-    if holes == params.len() {
-        return Ok(());
-    }
+/// How many values the statement takes, as the server counted them when
+/// it prepared it (sqlx keeps the prepared statement, so the query's own
+/// run does not prepare it again). MySQL's driver binds the values it is
+/// given without comparing: one too many was read as garbage (`SELECT ?`
+/// with `[42, 7]` answered `2752520`; an `UPDATE` with an extra value
+/// matched no row and answered 200).
+async fn mysql_placeholders(
+    conn: &mut sqlx::MySqlConnection,
+    query: &str,
+) -> Result<usize, sqlx::Error> {
+    use sqlx::{Executor as _, Statement as _};
+    let statement = conn.prepare(query).await?;
+    Ok(match statement.parameters() {
+        Some(sqlx::Either::Right(n)) => n,
+        Some(sqlx::Either::Left(types)) => types.len(),
+        None => 0,
+    })
+}
+
+fn placeholder_mismatch(holes: usize, given: usize) -> ConnectorError {
     let plural = |n: usize, one: &'static str, many: &'static str| if n == 1 { one } else { many };
-    Err(ConnectorError::other(format!(
-        "the query has {holes} {} ('?') but params gives {} {}; give one value per '?'",
+    ConnectorError::other(format!(
+        "the query has {holes} {} ('?') but params gives {given} {}; give one value per '?'",
         plural(holes, "placeholder", "placeholders"),
-        params.len(),
-        plural(params.len(), "value", "values"),
-    )))
+        plural(given, "value", "values"),
+    ))
 }
 
 fn too_many<R>(rows: &[R]) -> Option<ConnectorError> {
@@ -339,10 +349,19 @@ impl SqlPool {
                 rows.iter().map(|r| row_json(r, pg_cell)).collect()
             }
             Pools::MySql(pool) => {
-                mysql_placeholders_match(query, params)?;
                 let q = params.iter().fold(sqlx::query(query), bind_mysql);
-                let rows =
-                    timed!(self, pool, conn => at_most(q.fetch(&mut *conn)), refuse: too_many)?;
+                let given = params.len();
+                let rows = timed!(self, pool, conn => async {
+                    let holes = mysql_placeholders(&mut conn, query).await?;
+                    if holes != given {
+                        return Ok(Err(holes));
+                    }
+                    at_most(q.fetch(&mut *conn)).await.map(Ok)
+                }, refuse: |r: &Result<Vec<MySqlRow>, usize>| match r {
+                    Err(holes) => Some(placeholder_mismatch(*holes, given)),
+                    Ok(rows) => too_many(rows),
+                })?
+                .unwrap_or_default();
                 rows.iter().map(|r| row_json(r, mysql_cell)).collect()
             }
         }
@@ -363,10 +382,20 @@ impl SqlPool {
                     .map(|r| r.rows_affected())
             }
             Pools::MySql(pool) => {
-                mysql_placeholders_match(query, params)?;
                 let q = params.iter().fold(sqlx::query(query), bind_mysql);
-                timed!(self, pool, conn => q.execute(&mut *conn), timeout: write_timeout_err)
-                    .map(|r| r.rows_affected())
+                let given = params.len();
+                let done = timed!(self, pool, conn => async {
+                    let holes = mysql_placeholders(&mut conn, query).await?;
+                    if holes != given {
+                        return Ok(Err(holes));
+                    }
+                    q.execute(&mut *conn).await.map(Ok)
+                }, refuse: |r: &Result<_, usize>| r
+                    .as_ref()
+                    .err()
+                    .map(|holes| placeholder_mismatch(*holes, given)),
+                timeout: write_timeout_err)?;
+                Ok(done.map_or(0, |r| r.rows_affected()))
             }
         }
     }
@@ -949,10 +978,18 @@ fn write_timeout_err(d: Duration) -> ConnectorError {
 /// the network drivers it is a broken connection, as [`sql_err`] says).
 fn query_err<DB: sqlx::Database>(e: sqlx::Error, _pool: &sqlx::Pool<DB>) -> ConnectorError {
     match e {
-        sqlx::Error::Protocol(why) if DB::NAME == "SQLite" => ConnectorError::new(
-            ConnectorErrorKind::Upstream,
-            format!("database error: {why}"),
-        ),
+        sqlx::Error::Protocol(why) if DB::NAME == "SQLite" => {
+            // sqlx appends where in its source it raised this
+            // (`… :name (sqlx_sqlite::arguments:99)`): not for the client.
+            let why = match why.rsplit_once(" (sqlx_") {
+                Some((head, tail)) if tail.ends_with(')') => head,
+                _ => why.as_str(),
+            };
+            ConnectorError::new(
+                ConnectorErrorKind::Upstream,
+                format!("database error: {why}"),
+            )
+        }
         e => sql_err(e),
     }
 }
@@ -1170,6 +1207,7 @@ mod tests {
             ("SELECT 1 AS \"a\0b\"", "unrecognized token"),
         ] {
             let e = pool.read(q, &[json!(1)]).await.unwrap_err();
+            assert!(!e.message.contains("sqlx"), "{q}: {}", e.message);
             assert!(
                 e.message.starts_with("database error: ") && e.message.contains(says),
                 "{q}: {}",
@@ -1625,9 +1663,20 @@ mod tests {
             assert!(e.message.starts_with("the query has 2 placeholders ('?') but params gives 3 values"), "{}", e.message);
             let e = pool.write("UPDATE t SET n = ? WHERE id = ?", &[json!(6)]).await.unwrap_err();
             assert!(e.message.starts_with("the query has 2 placeholders ('?') but params gives 1 value;"), "{}", e.message);
-            // A `?` in a string or comment is no placeholder.
+            // The server's own count (audit 100: a reading of the text
+            // took a comment for code past the server's version, and
+            // `5--?` for a comment).
             let rows = pool.read("SELECT '?' AS q, ? AS a -- ?", &[json!(42)]).await.unwrap();
             assert_eq!(rows, vec![json!({"q": "?", "a": 42})]);
+            let e = pool
+                .read("SELECT ? AS a /*!99999 , ? */", &[json!(42), json!(7)])
+                .await
+                .unwrap_err();
+            assert!(e.message.starts_with("the query has 1 placeholder ('?') but params gives 2"), "{}", e.message);
+            let rows = pool.read("SELECT 5--? AS a", &[json!(1)]).await.unwrap();
+            assert_eq!(rows, vec![json!({"a": 6})]);
+            // The pool still serves after a refusal.
+            assert_eq!(pool.read("SELECT ? AS a", &[json!(1)]).await.unwrap(), vec![json!({"a": 1})]);
             pool.close().await;
         })
         .await;

@@ -2370,26 +2370,3 @@ fn url_query_credentials_are_masked() {
         )
     );
 }
-
-/// `?` placeholders as MySQL reads them: not inside strings, quoted names
-/// or comments (its `#` ones included); its executable comments are code.
-#[test]
-fn mysql_placeholders_are_counted_as_mysql_reads_them() {
-    for (query, holes) in [
-        ("SELECT ?", 1),
-        ("UPDATE t SET b = ? WHERE id = ?", 2),
-        ("SELECT 1", 0),
-        ("SELECT '?', \"?\", `?` FROM t WHERE a = ?", 1),
-        ("SELECT 'it\\'s ?' , ? -- ?\n", 1),
-        ("SELECT ? # ?\n, ?", 2),
-        ("SELECT /* ? */ ? /*! , ? */", 2),
-        ("?", 1),
-    ] {
-        assert_eq!(mysql_placeholders(query), holes, "{query}");
-    }
-    // A `?` is no keyword: the statement's first word is still read.
-    assert_eq!(
-        first_word(&sql_words("? SELECT", Dialect::MySql)).map(String::as_str),
-        Some("SELECT")
-    );
-}
