@@ -111,7 +111,7 @@ pub struct ApiError {
     /// `Retry-After` seconds, for 429 and 503.
     pub retry_after: Option<u64>,
     /// The `Allow` header of a 405: the methods the path takes.
-    pub allow: Option<&'static str>,
+    pub allow: Option<std::borrow::Cow<'static, str>>,
 }
 
 impl ApiError {
@@ -170,7 +170,7 @@ impl ApiError {
     /// the `Allow` header).
     pub fn method_not_allowed(method: &http::Method, path: &str, allow: &'static str) -> Self {
         ApiError {
-            allow: Some(allow),
+            allow: Some(allow.into()),
             ..Self::new(
                 Code::MethodNotAllowed,
                 format!("method {method} is not allowed on {path}; it takes {allow}"),
@@ -213,9 +213,13 @@ impl ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         if let Some(allow) = self.allow {
-            response
-                .headers_mut()
-                .insert(header::ALLOW, HeaderValue::from_static(allow));
+            let value = match allow {
+                std::borrow::Cow::Borrowed(s) => Some(HeaderValue::from_static(s)),
+                std::borrow::Cow::Owned(s) => HeaderValue::try_from(s).ok(),
+            };
+            if let Some(value) = value {
+                response.headers_mut().insert(header::ALLOW, value);
+            }
         }
         if let Some(failure) = failure {
             response.extensions_mut().insert(failure);

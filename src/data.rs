@@ -212,7 +212,7 @@ fn resolve<'s, 'p>(
         return match snapshot.channels.get(*name) {
             Some(channel) if method == Method::POST => Ok((channel, SmallVec::new())),
             Some(_) => Err(ApiError {
-                allow: Some("POST"),
+                allow: Some(name_path_methods(snapshot, parts)),
                 ..ApiError::new(
                     Code::MethodNotAllowed,
                     format!("channel '{name}' is called with POST, not {method}"),
@@ -225,6 +225,23 @@ fn resolve<'s, 'p>(
         "No route matches {method} {}",
         req.path()
     )))
+}
+
+/// What a channel's name path takes: POST, and the methods of any route
+/// on the same one-segment path (audit 99: `Allow: POST` on a path a route
+/// also served with GET and PUT).
+fn name_path_methods(snapshot: &Snapshot, parts: &[&str]) -> std::borrow::Cow<'static, str> {
+    let mut methods = snapshot.routes.methods_at(parts);
+    if methods.is_empty() {
+        return "POST".into();
+    }
+    methods.push("POST");
+    if methods.contains(&"GET") {
+        methods.push("HEAD");
+    }
+    methods.sort_unstable();
+    methods.dedup();
+    methods.join(", ").into()
 }
 
 /// A data-plane answer given before the request reached its channel (413

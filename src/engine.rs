@@ -180,6 +180,28 @@ impl RouteTable {
         })
     }
 
+    /// Every method some route takes on `segments` (for `Allow`).
+    pub fn methods_at(&self, segments: &[&str]) -> Vec<&str> {
+        let Some(group) = self.by_len.get(&segments.len()) else {
+            return Vec::new();
+        };
+        group
+            .routes
+            .iter()
+            .filter(|route| {
+                route
+                    .segments
+                    .iter()
+                    .zip(segments)
+                    .all(|(seg, part)| match seg {
+                        Seg::Literal(l) => l == part,
+                        Seg::Param(_) => true,
+                    })
+            })
+            .flat_map(|route| route.methods.iter().map(String::as_str))
+            .collect()
+    }
+
     pub fn len(&self) -> usize {
         self.by_len.values().map(|g| g.routes.len()).sum()
     }

@@ -904,6 +904,19 @@ async fn root_routes_percent_patterns_cors_on_405_and_trace_id_case() {
         .await;
     assert_eq!(r.status, 204, "{}", r.text);
     assert_eq!(r.headers["access-control-allow-methods"], "POST");
+    // A route on the same one-segment path adds its methods to `Allow`
+    // (audit 99: `Allow: POST` where the route served GET and PUT).
+    s.deploy(
+        tagging_workflow("corsy-route", "route"),
+        json!({"channel_id": "corsy-route", "name": "corsy-route", "channel_type": "sync",
+               "protocol": "rest", "route_pattern": "/corsy", "methods": ["GET", "PUT"],
+               "workflow_id": "corsy-route"}),
+    )
+    .await;
+    let r = s.call("DELETE", "/api/v1/data/corsy", None).await;
+    r.error(405, "METHOD_NOT_ALLOWED");
+    assert_eq!(r.headers["allow"], "GET, HEAD, POST, PUT");
+    assert_eq!(s.call("GET", "/api/v1/data/corsy", None).await.status, 200);
 
     s.deploy(
         tagging_workflow("later", "later"),
