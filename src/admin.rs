@@ -1372,8 +1372,10 @@ async fn reload_connectors(app: &App, who: Principal) -> ApiResult {
     // The other replicas reload theirs (and their engines) too.
     app.store.bump_engine_generation_or_later().await;
     let report = json!({"connectors": n});
+    // The shared decisions give every `reload` `resource_type: engine`;
+    // the id says what was reloaded.
     let mut entry = audit(who, "reload");
-    entry.resource_type = "connectors".into();
+    entry.resource_type = "engine".into();
     entry.resource_id = "connectors".into();
     entry.details = report.clone();
     if let Err(e) = app.store.audit(entry).await {

@@ -19,6 +19,18 @@ fn stamp_to_rfc3339(stamp: &str) -> Option<String> {
     if b.len() != 16 || !digits(0..8) || b[8] != b'T' || !digits(9..15) || b[15] != b'Z' {
         return None;
     }
+    // A real date and time (a file copied in by hand as `…20991301…` was
+    // listed with `created_at: 2099-13-01…` and sorted as the newest).
+    let n = |r: std::ops::Range<usize>| stamp[r].parse::<u16>().ok();
+    let month = time::Month::try_from(u8::try_from(n(4..6)?).ok()?).ok()?;
+    time::Date::from_calendar_date(i32::from(n(0..4)?), month, u8::try_from(n(6..8)?).ok()?)
+        .ok()?;
+    time::Time::from_hms(
+        u8::try_from(n(9..11)?).ok()?,
+        u8::try_from(n(11..13)?).ok()?,
+        u8::try_from(n(13..15)?).ok()?,
+    )
+    .ok()?;
     Some(format!(
         "{}-{}-{}T{}:{}:{}Z",
         &stamp[0..4],
@@ -178,5 +190,18 @@ mod unit {
         );
         assert_eq!(super::stamp_to_rfc3339("2026112T101500Z"), None);
         assert_eq!(super::stamp_to_rfc3339("20261122X101500Z"), None);
+        // Not a date or time (audit 98).
+        for stamp in [
+            "20991301T000000Z",
+            "20260230T000000Z",
+            "20261122T246000Z",
+            "20261122T105960Z",
+        ] {
+            assert_eq!(super::stamp_to_rfc3339(stamp), None, "{stamp}");
+        }
+        assert_eq!(
+            super::stamp_to_rfc3339("20240229T235959Z").as_deref(),
+            Some("2024-02-29T23:59:59Z")
+        );
     }
 }

@@ -591,12 +591,15 @@ async fn audit_and_backups(db: Db) {
     let reloads = s
         .admin("GET", "/audit-logs?action=reload&limit=1", None)
         .await;
+    // `resource_type: engine` as for every reload (shared decisions); the
+    // id names the connectors (audit 98).
     assert_eq!(
         (
             &reloads.ok(200)[0]["resource_type"],
+            &reloads.ok(200)[0]["resource_id"],
             &reloads.ok(200)[0]["details"]["connectors"]
         ),
-        (&json!("connectors"), &json!(0))
+        (&json!("engine"), &json!("connectors"), &json!(0))
     );
     // The closed filters refuse what no entry can hold, as `status` does;
     // `resource_id` narrows to one resource.
