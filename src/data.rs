@@ -140,9 +140,13 @@ pub async fn handle(
             end_span(traced, req, channel, &[], answer);
         }
         // An accepted submission is counted when its trace runs; a refused
-        // one now.
+        // one now, with its duration, as a sync refusal.
         if let Err(e) = &result {
             count_refusal(channel, e);
+            channel
+                .metrics
+                .duration
+                .record(req.started.elapsed().as_secs_f64());
         }
         result
     } else {
@@ -250,7 +254,12 @@ fn name_path_methods(snapshot: &Snapshot, parts: &[&str]) -> std::borrow::Cow<'s
 /// so the refusal counts in its `messages_total` (`rejected`), and a
 /// browser on an allowed origin can read these errors like any other (its
 /// CORS headers, for a request with an `Origin` header).
-pub(crate) fn decorate_early(app: &App, parts: &http::request::Parts, response: &mut HttpResponse) {
+pub(crate) fn decorate_early(
+    app: &App,
+    parts: &http::request::Parts,
+    started: Instant,
+    response: &mut HttpResponse,
+) {
     let Some(rest) = parts
         .uri
         .path()
@@ -282,6 +291,12 @@ pub(crate) fn decorate_early(app: &App, parts: &http::request::Parts, response: 
         } else {
             channel.metrics.failed.increment(1);
         }
+        // Every message `messages_total` counts has its duration (audit
+        // 100: these had none, while later refusals had one).
+        channel
+            .metrics
+            .duration
+            .record(started.elapsed().as_secs_f64());
         if parts.headers.contains_key(header::ORIGIN) {
             governance::decorate(channel, &parts.headers, response);
         }

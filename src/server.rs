@@ -474,7 +474,7 @@ async fn handle(
         // refusals before routing: a browser can then read the 503 and its
         // `Retry-After`.
         let (parts, _) = req.into_parts();
-        early(&app, &parts, shed)
+        early(&app, &parts, started, shed)
     } else {
         isolate(read_and_route(
             &app,
@@ -650,7 +650,7 @@ async fn read_and_route(
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit as u64) {
         drain_refused(&mut body, &parts.headers).await;
-        return early(app, &parts, too_large(limit));
+        return early(app, &parts, started, too_large(limit));
     }
     // A body announced by its length is judged by its headers before it is
     // read: a client that waits for `100 Continue` is refused without
@@ -658,7 +658,7 @@ async fn read_and_route(
     let announced = declared.is_some_and(|len| len > 0);
     if announced && let Some(refused) = unsupported_body(&parts.headers) {
         drain_refused(&mut body, &parts.headers).await;
-        return early(app, &parts, refused.into_response());
+        return early(app, &parts, started, refused.into_response());
     }
     // A body that came with its head (nearly all) is read in the first
     // poll, and no timer is made for it; otherwise the rest must arrive
@@ -678,7 +678,7 @@ async fn read_and_route(
                             Code::RequestTimeout,
                             format!("the request body was not received within {secs} s"),
                         );
-                        return early(app, &parts, late.into_response());
+                        return early(app, &parts, started, late.into_response());
                     }
                 }
             }
@@ -688,7 +688,7 @@ async fn read_and_route(
         Ok(body) => body,
         Err(BodyError::TooLarge) => {
             drain_refused(&mut body, &parts.headers).await;
-            return early(app, &parts, too_large(limit));
+            return early(app, &parts, started, too_large(limit));
         }
         // The client closed the connection before its body was complete:
         // nothing will read an answer, so none is counted (it showed as a
@@ -704,7 +704,7 @@ async fn read_and_route(
         }
         Err(BodyError::Read(e)) => {
             let bad = ApiError::bad_request(format!("could not read the request body: {e}"));
-            return early(app, &parts, bad.into_response());
+            return early(app, &parts, started, bad.into_response());
         }
     };
     // A body without a length (chunked) is judged once read.
@@ -712,7 +712,7 @@ async fn read_and_route(
         && !body.is_empty()
         && let Some(refused) = unsupported_body(&parts.headers)
     {
-        return early(app, &parts, refused.into_response());
+        return early(app, &parts, started, refused.into_response());
     }
     // A NUL (`%00`) names nothing Sluice keeps, and PostgreSQL cannot even
     // compare text holding one (its lookups failed with a 500): refused
@@ -723,7 +723,12 @@ async fn read_and_route(
     if let Some(problem) =
         escape_problem(parts.uri.path()).or_else(|| parts.uri.query().and_then(escape_problem))
     {
-        return early(app, &parts, ApiError::bad_request(problem).into_response());
+        return early(
+            app,
+            &parts,
+            started,
+            ApiError::bad_request(problem).into_response(),
+        );
     }
     let query = parts.uri.query().map(parse_query).unwrap_or_default();
     // Every target is a path but OPTIONS `*` (RFC 9112 3.2; CONNECT's
@@ -883,8 +888,13 @@ async fn read_body(body: &mut Incoming, limit: usize) -> Result<Bytes, BodyError
 
 /// An answer given before routing, with the CORS headers of the data-plane
 /// channel it was meant for (see `data::decorate_early`).
-fn early(app: &App, parts: &http::request::Parts, mut response: HttpResponse) -> HttpResponse {
-    crate::data::decorate_early(app, parts, &mut response);
+fn early(
+    app: &App,
+    parts: &http::request::Parts,
+    started: Instant,
+    mut response: HttpResponse,
+) -> HttpResponse {
+    crate::data::decorate_early(app, parts, started, &mut response);
     response
 }
 

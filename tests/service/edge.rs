@@ -243,6 +243,16 @@ async fn metrics_are_served_in_prometheus_format() {
             .await;
         r.error(400, "BAD_REQUEST");
     }
+    // Refused before routing (415): counted, and timed like the others.
+    let r = s
+        .raw(
+            "POST",
+            "/api/v1/data/metered-ch/1",
+            b"x".to_vec(),
+            Some("text/plain"),
+        )
+        .await;
+    r.error(415, "UNSUPPORTED_MEDIA_TYPE");
     // Methods a caller invents do not become label values (each one used to
     // add a series and its 17 buckets).
     let mut refused = 0;
@@ -266,7 +276,7 @@ async fn metrics_are_served_in_prometheus_format() {
     );
     for needle in [
         "messages_total{channel=\"metered-ch\",status=\"ok\"} 1",
-        "messages_total{channel=\"metered-ch\",status=\"rejected\"} 2",
+        "messages_total{channel=\"metered-ch\",status=\"rejected\"} 3",
         "channel_executions_total{channel=\"metered-ch\"} 1\n",
         "message_duration_seconds_bucket{channel=\"metered-ch\"",
         "http_requests_total{method=\"POST\",path=\"/api/v1/data/{path}\",status=\"200\"}",
@@ -275,6 +285,21 @@ async fn metrics_are_served_in_prometheus_format() {
     ] {
         assert!(r.text.contains(needle), "missing {needle} in\n{}", r.text);
     }
+    // Every counted message has a duration (audit 100: those refused
+    // before routing had none).
+    let sample = |prefix: &str| -> f64 {
+        r.text
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    assert_eq!(
+        sample("messages_total{channel=\"metered-ch\""),
+        sample("message_duration_seconds_count{channel=\"metered-ch\"}"),
+        "{}",
+        r.text
+    );
     // Every metric the spec lists is exported, with a `TYPE` line (those
     // whose labels only the first event knows have nothing else yet), and
     // every sample of a labelled metric carries labels.
