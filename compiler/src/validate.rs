@@ -619,8 +619,12 @@ fn check_input(c: &mut Ctx, f: Function, input: &Map<String, Json>, at: &FieldPa
         && let Some(Json::Object(headers)) = input.get("headers")
     {
         let hat = at.key("headers");
+        let strict = c.strict;
         for (k, v) in headers {
             check_header_name(c, k, &hat.key(k));
+            if strict {
+                check_not_framing(c, k, &hat.key(k));
+            }
             if let Some(v) = v.as_str() {
                 check_header_value(c, v, &hat.key(k));
             }
@@ -1700,7 +1704,10 @@ fn check_http_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
             };
             let field = at.key(k);
             match *k {
-                "header" => check_header_name(c, v, &field),
+                "header" => {
+                    check_header_name(c, v, &field);
+                    check_not_framing(c, v, &field);
+                }
                 // Sent as header values (`Bearer <token>`, `<header>: <key>`).
                 "token" | "key" => check_header_value(c, v, &field),
                 // RFC 7617: the user-id ends at the first colon.
@@ -1710,11 +1717,21 @@ fn check_http_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
                 _ => {}
             }
         }
+        // An unknown key is refused, as in `retry`: a credential is sent
+        // only as the type says (audit 101: `in: "query"` was stored, and
+        // the key still went out as a header).
+        if !required.is_empty() {
+            let known: Vec<&str> = std::iter::once("type")
+                .chain(required.iter().copied())
+                .collect();
+            unknown_keys(c, auth, &at, &known);
+        }
     }
     if let Some(h) = c.object(cfg, "headers", at, false) {
         let at = at.key("headers");
         for (k, v) in h {
             check_header_name(c, k, &at.key(k));
+            check_not_framing(c, k, &at.key(k));
             match v.as_str() {
                 Some(v) => check_header_value(c, v, &at.key(k)),
                 None => c.mismatch(&at.key(k), "string", v),
@@ -1732,6 +1749,31 @@ fn check_header_name(c: &mut Ctx, name: &str, at: &FieldPath) {
         c.push(
             at,
             "is not a valid HTTP header name (letters, digits and !#$%&'*+-.^_`|~ only)",
+        );
+    }
+}
+
+/// Headers the HTTP client writes itself from the request (its body's
+/// length and framing, the target's host, the connection's handling): one
+/// given by a definition was sent as well (audit 101: `Content-Length: 3`
+/// cut a JSON body to `{"o`, and reported success).
+pub const FRAMING_HEADERS: &[&str] = &[
+    "content-length",
+    "transfer-encoding",
+    "host",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+fn check_not_framing(c: &mut Ctx, name: &str, at: &FieldPath) {
+    if FRAMING_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(name)) {
+        c.push(
+            at,
+            "is written by the HTTP client from the request itself (body length, framing, host, connection); it cannot be set",
         );
     }
 }
@@ -1839,8 +1881,18 @@ fn check_http_url(c: &mut Ctx, url: &str, at: &FieldPath) {
     let ok = url::Url::parse(url).is_ok_and(|u| {
         matches!(u.scheme(), "http" | "https") && u.host_str().is_some_and(|h| !h.is_empty())
     });
-    if !ok || url.contains(char::is_whitespace) {
+    if !ok {
         c.push(at, "must be an http:// or https:// URL with a host");
+    } else if url.contains(char::is_whitespace) {
+        c.push(at, "must not contain whitespace (write a space as %20)");
+    } else if url.contains('#') {
+        // A request never carries a fragment, and a task's path and query
+        // joined after one were lost (audit 101: every call went to the
+        // base URL).
+        c.push(
+            at,
+            "must not hold a fragment ('#…'): a request never carries one (write '#' in a path as %23)",
+        );
     }
 }
 

@@ -349,6 +349,17 @@ impl HttpConn {
             })?;
             headers.insert(name, value);
         }
+        // Definitions stored before these were refused may still hold one;
+        // the client writes them from the request itself.
+        for name in sluice_compiler::validate::FRAMING_HEADERS {
+            headers.remove(*name);
+        }
+        // Sluice decodes no content coding: asked for none, an upstream
+        // that compresses anyway gets a clear 502 below, not a parse error
+        // or binary text in the data (audit 101).
+        headers
+            .entry(http::header::ACCEPT_ENCODING)
+            .or_insert(HeaderValue::from_static("identity"));
         inject_trace_context(&mut headers, scope);
         // The tighter of the task's timeout_ms and the connector's timeout.
         let timeout = self
@@ -386,6 +397,21 @@ impl HttpConn {
             .await
             .map_err(|e| transport_error(&what, timeout, e, self.env_host.as_deref()))?;
         let status = response.status();
+        if let Some(coding) = response
+            .headers()
+            .get(http::header::CONTENT_ENCODING)
+            .map(|v| v.as_bytes().trim_ascii())
+            .filter(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
+        {
+            return Err(ConnectorError::new(
+                ConnectorErrorKind::Upstream,
+                format!(
+                    "{what} answered HTTP {} with a body in Content-Encoding '{}', which Sluice does not decode (it asks for identity)",
+                    status.as_u16(),
+                    String::from_utf8_lossy(coding)
+                ),
+            ));
+        }
         let declared_json = response
             .headers()
             .get(http::header::CONTENT_TYPE)
@@ -443,11 +469,16 @@ async fn read_capped(
     what: &str,
     timeout: Duration,
 ) -> Result<bytes::Bytes, ConnectorError> {
+    // The upstream's answer: a 502, as for any answer that cannot be used
+    // (audit 101: it was a 500).
     let too_large = || {
-        ConnectorError::other(format!(
-            "{what}: the response body is larger than {} MiB",
-            MAX_RESPONSE_BYTES >> 20
-        ))
+        ConnectorError::new(
+            ConnectorErrorKind::Upstream,
+            format!(
+                "{what}: the response body is larger than {} MiB",
+                MAX_RESPONSE_BYTES >> 20
+            ),
+        )
     };
     if response
         .content_length()
@@ -916,10 +947,52 @@ mod tests {
                 .unwrap_err();
             assert!(e.message.contains("larger than 16 MiB"), "{}", e.message);
             assert!(!e.retryable);
+            // The upstream's doing: a 502 (audit 101: a 500).
+            assert_eq!(e.kind, ConnectorErrorKind::Upstream);
             // With a Content-Length nothing past the head was wanted; the
             // server may still have pushed some into the socket buffers.
             let _ = server.await;
         }
+    }
+
+    /// The request asks for no content coding and carries no framing header
+    /// a definition gave; an encoded answer is a clear upstream failure
+    /// (audit 101: gzip failed as unparsable JSON, or became binary text).
+    #[tokio::test]
+    async fn no_content_coding_and_no_given_framing_headers() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 8192];
+            let n = sock.read(&mut buf).await.unwrap();
+            let head = String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase();
+            sock.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\ncontent-length: 2\r\nconnection: close\r\n\r\n\x1f\x8b",
+            )
+            .await
+            .unwrap();
+            head
+        });
+        let c = conn(&format!("http://{addr}"), true);
+        let mut req = get("x");
+        req.headers = vec![
+            ("Content-Length".to_owned(), "3".to_owned()),
+            ("Connection".to_owned(), "upgrade".to_owned()),
+        ];
+        let e = c.send(&CallScope::default(), &req).await.unwrap_err();
+        assert_eq!(e.kind, ConnectorErrorKind::Upstream);
+        assert!(
+            e.message
+                .contains("with a body in Content-Encoding 'gzip', which Sluice does not decode"),
+            "{}",
+            e.message
+        );
+        let head = server.await.unwrap();
+        assert!(head.contains("accept-encoding: identity\r\n"), "{head}");
+        assert!(!head.contains("content-length: 3"), "{head}");
+        assert!(!head.contains("connection: upgrade"), "{head}");
     }
 
     #[test]

@@ -622,6 +622,22 @@ fn http_call_input() {
             ),
         ],
     );
+    // Framing headers are the client's own (audit 101: a `Content-Length`
+    // cut the body); refused in new definitions, stored ones still load.
+    let framing = workflow(json!([task(
+        "t",
+        "http_call",
+        json!({"connector": "a", "headers": {"content-length": "3", "Host": "h", "x": "ok"}}),
+    )]));
+    let message = "is written by the HTTP client from the request itself (body length, framing, host, connection); it cannot be set";
+    check(
+        crate::validate::validate_new_workflow(&framing),
+        &[
+            ("tasks[0].function.input.headers.content-length", message),
+            ("tasks[0].function.input.headers.Host", message),
+        ],
+    );
+    check(validate_workflow(&framing), &[]);
     // An absent input is `{}`, so the required connector is reported.
     check(
         workflow_with(json!({"id": "t", "name": "t", "function": {"name": "http_call"}})),
@@ -1574,12 +1590,59 @@ fn http_connector_rules() {
         validate_connector(&connector("http", json!({}))),
         &[("config.url", "is required")],
     );
+    // Audit 101: a fragment swallowed every task's path and query; a
+    // space was refused as if the URL had no host; framing headers were
+    // sent as given; unknown auth keys were stored and ignored.
+    check(
+        validate_connector(&connector("http", json!({"url": "http://x/v 1"}))),
+        &[(
+            "config.url",
+            "must not contain whitespace (write a space as %20)",
+        )],
+    );
+    for url in ["http://x/v1#top", "http://x/v1/#", "http://x/v1?a=1#f"] {
+        check(
+            validate_connector(&connector("http", json!({"url": url}))),
+            &[(
+                "config.url",
+                "must not hold a fragment ('#…'): a request never carries one (write '#' in a path as %23)",
+            )],
+        );
+    }
+    let framing = "is written by the HTTP client from the request itself (body length, framing, host, connection); it cannot be set";
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"url": "https://x",
+                   "auth": {"type": "api_key", "header": "Host", "key": "k", "in": "query"},
+                   "headers": {"Content-Length": "3", "x-fine": "v", "Transfer-Encoding": "chunked"}}),
+        )),
+        &[
+            ("config.auth.header", framing),
+            (
+                "config.auth.in",
+                "unknown field; expected one of type, header, key",
+            ),
+            ("config.headers.Content-Length", framing),
+            ("config.headers.Transfer-Encoding", framing),
+        ],
+    );
+    check(
+        validate_connector(&connector(
+            "http",
+            json!({"url": "https://x", "auth": {"type": "bearer", "token": "t", "extra": 1}}),
+        )),
+        &[(
+            "config.auth.extra",
+            "unknown field; expected one of type, token",
+        )],
+    );
     for bad in [
         "ftp://x",
         "https://",
         "api.example.com",
-        "http://:80/x",
         "http://a b",
+        "http://:80/x",
         // What the HTTP client would refuse on every call.
         "http://host:99999/",
         "http://[::1/x",
