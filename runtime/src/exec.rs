@@ -1564,10 +1564,13 @@ impl<'a> Machine<'a> {
                     None => {
                         let mut metadata = self.ctx.metadata.to_json();
                         sluice_compiler::validate::mask_secrets(&mut metadata);
+                        // The whole context as the shared decisions give it,
+                        // `payload` included (audit 102: it was left out).
                         let context = serde_json::json!({
                             "data": self.ctx.data.to_json(),
                             "metadata": metadata,
                             "temp_data": self.ctx.temp_data.to_json(),
+                            "payload": self.ctx.payload.to_json(),
                         });
                         bytes = context.to_string().into_bytes();
                     }

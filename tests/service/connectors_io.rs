@@ -766,6 +766,8 @@ async fn publish_kafka_is_consumed_back() {
         json!({"order": {"id": "55", "total": 12.5}})
     );
     assert_eq!(context["temp_data"], json!({}));
+    // The whole context, `payload` included (audit 102).
+    assert_eq!(context["payload"], json!({"total": 12.5}));
     assert_eq!(context["metadata"]["path"], json!({"id": "55"}));
     assert_eq!(context["metadata"]["method"], "POST");
     assert_eq!(context["metadata"]["headers"]["authorization"], "******");
