@@ -112,6 +112,10 @@ pub async fn handle(
             };
             if let Some(channel) = channel {
                 count_refusal(channel, &e);
+                channel
+                    .metrics
+                    .duration
+                    .record(req.started.elapsed().as_secs_f64());
             }
             let mut response = e.into_response();
             if let Some(channel) = channel {
@@ -215,13 +219,22 @@ fn resolve<'s, 'p>(
     if let [name] = parts {
         return match snapshot.channels.get(*name) {
             Some(channel) if method == Method::POST => Ok((channel, SmallVec::new())),
-            Some(_) => Err(ApiError {
-                allow: Some(name_path_methods(snapshot, parts)),
-                ..ApiError::new(
-                    Code::MethodNotAllowed,
-                    format!("channel '{name}' is called with POST, not {method}"),
-                )
-            }),
+            Some(_) => {
+                let allow = name_path_methods(snapshot, parts);
+                // With a route on the same path, the message names all it
+                // takes, as `Allow` does (audit 103).
+                let message = if allow == "POST" {
+                    format!("channel '{name}' is called with POST, not {method}")
+                } else {
+                    format!(
+                        "channel '{name}' is called with POST, not {method} (this path takes {allow})"
+                    )
+                };
+                Err(ApiError {
+                    allow: Some(allow),
+                    ..ApiError::new(Code::MethodNotAllowed, message)
+                })
+            }
             None => Err(ApiError::not_found(format!("Channel '{name}' not found"))),
         };
     }

@@ -99,6 +99,18 @@ impl HttpConn {
         if !matches!(url.scheme(), "http" | "https") {
             return Err(config_error(name, "url must be http:// or https://"));
         }
+        // What the definition check refuses in a written URL, for one read
+        // from the environment (audit 103: `env://` with `…/#x` sent every
+        // call to the base URL).
+        if cfg.url.contains('#') {
+            return Err(config_error(
+                name,
+                "url must not hold a fragment ('#…'): a request never carries one",
+            ));
+        }
+        if cfg.url.contains(char::is_whitespace) {
+            return Err(config_error(name, "url must not contain whitespace"));
+        }
         let mut headers = HeaderMap::new();
         let mut secrets: Vec<String> = Vec::new();
         for (k, v) in &cfg.headers {
@@ -397,21 +409,14 @@ impl HttpConn {
             .await
             .map_err(|e| transport_error(&what, timeout, e, self.env_host.as_deref()))?;
         let status = response.status();
-        if let Some(coding) = response
+        // Only a body that is read matters: a failed status keeps its own
+        // retry decision, a discarded body its success (audit 103).
+        let coding = response
             .headers()
             .get(http::header::CONTENT_ENCODING)
             .map(|v| v.as_bytes().trim_ascii())
             .filter(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
-        {
-            return Err(ConnectorError::new(
-                ConnectorErrorKind::Upstream,
-                format!(
-                    "{what} answered HTTP {} with a body in Content-Encoding '{}', which Sluice does not decode (it asks for identity)",
-                    status.as_u16(),
-                    String::from_utf8_lossy(coding)
-                ),
-            ));
-        }
+            .map(|c| String::from_utf8_lossy(c).into_owned());
         let declared_json = response
             .headers()
             .get(http::header::CONTENT_TYPE)
@@ -419,6 +424,15 @@ impl HttpConn {
             .is_some_and(is_json_type);
         let bytes = read_capped(response, &what, timeout).await?;
         if status.is_success() {
+            if let Some(coding) = coding.filter(|_| req.keep_body && !bytes.is_empty()) {
+                return Err(ConnectorError::new(
+                    ConnectorErrorKind::Upstream,
+                    format!(
+                        "{what} answered HTTP {} with a body in Content-Encoding '{coding}', which Sluice does not decode (it asks for identity)",
+                        status.as_u16()
+                    ),
+                ));
+            }
             // A body that is discarded (no `response_path`) need not parse.
             let mut body = parse_body(&bytes, declared_json && req.keep_body).map_err(|why| {
                 ConnectorError::new(
@@ -961,21 +975,22 @@ mod tests {
     #[tokio::test]
     async fn no_content_coding_and_no_given_framing_headers() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = tokio::spawn(async move {
-            let (mut sock, _) = listener.accept().await.unwrap();
-            let mut buf = vec![0u8; 8192];
-            let n = sock.read(&mut buf).await.unwrap();
-            let head = String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase();
-            sock.write_all(
-                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\ncontent-length: 2\r\nconnection: close\r\n\r\n\x1f\x8b",
-            )
-            .await
-            .unwrap();
-            head
-        });
-        let c = conn(&format!("http://{addr}"), true);
+        /// Answers one request with `answer`; returns the request's head.
+        async fn answer_once(answer: &'static [u8]) -> (String, tokio::task::JoinHandle<String>) {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let server = tokio::spawn(async move {
+                let (mut sock, _) = listener.accept().await.unwrap();
+                let mut buf = vec![0u8; 8192];
+                let n = sock.read(&mut buf).await.unwrap();
+                sock.write_all(answer).await.unwrap();
+                String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase()
+            });
+            (format!("http://{addr}"), server)
+        }
+        const GZIP_200: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\ncontent-length: 2\r\nconnection: close\r\n\r\n\x1f\x8b";
+        let (url, server) = answer_once(GZIP_200).await;
+        let c = conn(&url, true);
         let mut req = get("x");
         req.headers = vec![
             ("Content-Length".to_owned(), "3".to_owned()),
@@ -993,6 +1008,45 @@ mod tests {
         assert!(head.contains("accept-encoding: identity\r\n"), "{head}");
         assert!(!head.contains("content-length: 3"), "{head}");
         assert!(!head.contains("connection: upgrade"), "{head}");
+        // A body that is discarded is not read as anything (audit 103).
+        let (url, server) = answer_once(GZIP_200).await;
+        let mut req = get("x");
+        req.keep_body = false;
+        assert!(
+            conn(&url, true)
+                .send(&CallScope::default(), &req)
+                .await
+                .is_ok()
+        );
+        let _ = server.await;
+        // A failed status keeps its retry decision.
+        let (url, server) = answer_once(b"HTTP/1.1 503 Service Unavailable\r\ncontent-encoding: gzip\r\ncontent-length: 2\r\nconnection: close\r\n\r\n\x1f\x8b").await;
+        let e = conn(&url, true)
+            .send(&CallScope::default(), &get("x"))
+            .await
+            .unwrap_err();
+        assert!(e.retryable, "{e:?}");
+        assert!(e.message.contains("answered HTTP 503"), "{}", e.message);
+        let _ = server.await;
+    }
+
+    /// A URL read from the environment is held to the rules a written one
+    /// meets at create (audit 103: a fragment from `env://` sent every call
+    /// to the base URL).
+    #[test]
+    fn a_resolved_url_holds_no_fragment_or_whitespace() {
+        for (url, says) in [
+            ("http://example.com/#x", "must not hold a fragment"),
+            ("http://example.com/v1?a=1#", "must not hold a fragment"),
+            ("http://example.com/a b", "must not contain whitespace"),
+        ] {
+            let cfg: HttpConnector =
+                serde_json::from_value(serde_json::json!({"url": url})).unwrap();
+            let e = HttpConn::build("api", &cfg, &settings(true), &[])
+                .err()
+                .unwrap();
+            assert!(e.message.contains(says), "{url}: {}", e.message);
+        }
     }
 
     #[test]

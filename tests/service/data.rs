@@ -916,6 +916,10 @@ async fn root_routes_percent_patterns_cors_on_405_and_trace_id_case() {
     let r = s.call("DELETE", "/api/v1/data/corsy", None).await;
     r.error(405, "METHOD_NOT_ALLOWED");
     assert_eq!(r.headers["allow"], "GET, HEAD, POST, PUT");
+    assert_eq!(
+        r.body["error"]["message"],
+        "channel 'corsy' is called with POST, not DELETE (this path takes GET, HEAD, POST, PUT)"
+    );
     assert_eq!(s.call("GET", "/api/v1/data/corsy", None).await.status, 200);
 
     s.deploy(

@@ -253,6 +253,10 @@ async fn metrics_are_served_in_prometheus_format() {
         )
         .await;
     r.error(415, "UNSUPPORTED_MEDIA_TYPE");
+    // Another method on the channel's name path (audit 103: no duration).
+    s.call("DELETE", "/api/v1/data/metered-ch", None)
+        .await
+        .error(405, "METHOD_NOT_ALLOWED");
     // Methods a caller invents do not become label values (each one used to
     // add a series and its 17 buckets).
     let mut refused = 0;
@@ -276,7 +280,7 @@ async fn metrics_are_served_in_prometheus_format() {
     );
     for needle in [
         "messages_total{channel=\"metered-ch\",status=\"ok\"} 1",
-        "messages_total{channel=\"metered-ch\",status=\"rejected\"} 3",
+        "messages_total{channel=\"metered-ch\",status=\"rejected\"} 4",
         "channel_executions_total{channel=\"metered-ch\"} 1\n",
         "message_duration_seconds_bucket{channel=\"metered-ch\"",
         "http_requests_total{method=\"POST\",path=\"/api/v1/data/{path}\",status=\"200\"}",
