@@ -687,14 +687,16 @@ mod tests {
     }
 
     /// Answers one request with `reply` and hands back what it received.
-    async fn one_shot(reply: &'static str) -> (String, tokio::task::JoinHandle<String>) {
+    async fn one_shot(
+        reply: impl AsRef<[u8]> + Send + 'static,
+    ) -> (String, tokio::task::JoinHandle<String>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move {
             let (mut sock, _) = listener.accept().await.unwrap();
             let mut buf = vec![0u8; 8192];
             let n = sock.read(&mut buf).await.unwrap();
-            sock.write_all(reply.as_bytes()).await.unwrap();
+            sock.write_all(reply.as_ref()).await.unwrap();
             String::from_utf8_lossy(&buf[..n]).into_owned()
         });
         (format!("http://{addr}"), task)
@@ -974,22 +976,8 @@ mod tests {
     /// (audit 101: gzip failed as unparsable JSON, or became binary text).
     #[tokio::test]
     async fn no_content_coding_and_no_given_framing_headers() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        /// Answers one request with `answer`; returns the request's head.
-        async fn answer_once(answer: &'static [u8]) -> (String, tokio::task::JoinHandle<String>) {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let server = tokio::spawn(async move {
-                let (mut sock, _) = listener.accept().await.unwrap();
-                let mut buf = vec![0u8; 8192];
-                let n = sock.read(&mut buf).await.unwrap();
-                sock.write_all(answer).await.unwrap();
-                String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase()
-            });
-            (format!("http://{addr}"), server)
-        }
         const GZIP_200: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\ncontent-length: 2\r\nconnection: close\r\n\r\n\x1f\x8b";
-        let (url, server) = answer_once(GZIP_200).await;
+        let (url, server) = one_shot(GZIP_200).await;
         let c = conn(&url, true);
         let mut req = get("x");
         req.headers = vec![
@@ -1004,12 +992,12 @@ mod tests {
             "{}",
             e.message
         );
-        let head = server.await.unwrap();
+        let head = server.await.unwrap().to_ascii_lowercase();
         assert!(head.contains("accept-encoding: identity\r\n"), "{head}");
         assert!(!head.contains("content-length: 3"), "{head}");
         assert!(!head.contains("connection: upgrade"), "{head}");
         // A body that is discarded is not read as anything (audit 103).
-        let (url, server) = answer_once(GZIP_200).await;
+        let (url, server) = one_shot(GZIP_200).await;
         let mut req = get("x");
         req.keep_body = false;
         assert!(
@@ -1020,7 +1008,7 @@ mod tests {
         );
         let _ = server.await;
         // A failed status keeps its retry decision.
-        let (url, server) = answer_once(b"HTTP/1.1 503 Service Unavailable\r\ncontent-encoding: gzip\r\ncontent-length: 2\r\nconnection: close\r\n\r\n\x1f\x8b").await;
+        let (url, server) = one_shot(b"HTTP/1.1 503 Service Unavailable\r\ncontent-encoding: gzip\r\ncontent-length: 2\r\nconnection: close\r\n\r\n\x1f\x8b").await;
         let e = conn(&url, true)
             .send(&CallScope::default(), &get("x"))
             .await
