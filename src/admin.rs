@@ -265,13 +265,33 @@ fn storable(app: &App, def: &Json) -> Result<(), ApiError> {
             "the definition holds a NUL character (\\u0000), which storage cannot keep",
         ));
     }
-    match app.store.json_depth() {
-        Some(limit) if !within(def, limit) => Err(ApiError::bad_request(format!(
+    if let Some(limit) = app.store.json_depth()
+        && !within(def, limit)
+    {
+        return Err(ApiError::bad_request(format!(
             "the definition nests deeper than the {limit} levels this database ({}) keeps in a JSON column",
             app.store.backend().as_str()
-        ))),
-        _ => Ok(()),
+        )));
     }
+    // MariaDB/MySQL take at most `max_allowed_packet` bytes per statement:
+    // a larger definition is refused before it is sent, naming both sizes
+    // (audit 106: it was a 503 "retry later" that no retry could pass, and
+    // an import's dry run promised it).
+    if let Some(limit) = app.store.definition_limit() {
+        let size = crate::api::to_json_bytes(def).len();
+        if size > limit {
+            return Err(ApiError::new(
+                api::Code::PayloadTooLarge,
+                format!(
+                    "the definition is {size} bytes as JSON; this database ({}) stores at most {limit} \
+                     in one statement (its max_allowed_packet less room for the rest); \
+                     raise max_allowed_packet on the server or split the definition",
+                    app.store.backend().as_str()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A connector definition that would store `******` as a secret (see
@@ -1007,12 +1027,33 @@ async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
             Ok(_) => created.push(Json::String(id)),
             Err(e) => {
                 let e = ApiError::from(e);
+                if e.code.status().is_server_error() {
+                    return Err(import_interrupted(e, &created));
+                }
                 let field = conflict_field(kind, &e.message);
                 failed.push(import_failure(index, field, e.message));
             }
         }
     }
     import_answer(created, failed, warned, dry_run)
+}
+
+/// An import that storage stopped (unavailable, or failing on its side):
+/// the whole request answers that error, as a dry run and every other
+/// admin request do, so a client retries it instead of reading a
+/// definition problem into `failed` under a 200 (audit 106). What was
+/// imported before stays (each item is its own change) and is named, so
+/// the retry's conflicts for those items are expected.
+fn import_interrupted(mut e: ApiError, created: &[Json]) -> ApiError {
+    if !created.is_empty() {
+        let ids: Vec<&str> = created.iter().filter_map(Json::as_str).collect();
+        e.message = format!(
+            "{}; imported before the failure: {}",
+            e.message,
+            ids.join(", ")
+        );
+    }
+    e
 }
 
 /// An import's answer (workflows, channels and connectors alike), with
@@ -1358,7 +1399,16 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
         }
         match app.store.create_connector(&def, audit(who, "import")).await {
             Ok(_) => created.push(Json::String(name)),
-            Err(e) => failed.push(import_failure(index, "name", ApiError::from(e).message)),
+            Err(e) => {
+                let e = ApiError::from(e);
+                if e.code.status().is_server_error() {
+                    if !created.is_empty() {
+                        connectors_changed(app).await;
+                    }
+                    return Err(import_interrupted(e, &created));
+                }
+                failed.push(import_failure(index, "name", e.message));
+            }
         }
     }
     if !dry_run && !created.is_empty() {
@@ -1368,9 +1418,8 @@ async fn import_connectors(app: &App, req: &Req, who: Principal) -> ApiResult {
 }
 
 async fn reload_connectors(app: &App, who: Principal) -> ApiResult {
-    let n = app.connectors.reload(&app.store).await?;
     // The other replicas reload theirs (and their engines) too.
-    app.store.bump_engine_generation_or_later().await;
+    let n = app.connectors_changed().await?;
     let report = json!({"connectors": n});
     // The shared decisions give every `reload` `resource_type: engine`;
     // the id says what was reloaded.
@@ -1384,15 +1433,9 @@ async fn reload_connectors(app: &App, who: Principal) -> ApiResult {
     api::ok(&report)
 }
 
-/// After a connector change: the registry picks it up (a changed connector
-/// gets a new client on its next call). A failure leaves the previous
-/// registry serving.
+/// After a connector change: see [`App::connectors_changed`].
 async fn connectors_changed(app: &App) {
-    if let Err(e) = app.connectors.reload(&app.store).await {
-        tracing::warn!(error = %e, "connector reload after a change failed");
-    }
-    // Other replicas reload their registries when the generation moves.
-    app.store.bump_engine_generation_or_later().await;
+    let _ = app.connectors_changed().await;
 }
 
 async fn reset_breaker(app: &App, key: &str, who: Principal) -> ApiResult {

@@ -258,6 +258,7 @@ impl From<StorageError> for ApiError {
                 e.retry_after = Some(1);
                 e
             }
+            StorageError::TooLarge(m) => ApiError::new(Code::PayloadTooLarge, m),
             StorageError::Backup(m) => {
                 tracing::error!(error = %m, "backup directory unusable");
                 ApiError::internal(format!("{m} (storage.backup_dir)"))

@@ -134,6 +134,29 @@ impl App {
         self.reload(audit).await
     }
 
+    /// After a connector change (create, update, delete, import, reload):
+    /// the registry reloads (a changed connector gets a new client on its
+    /// next call), the stored generation moves on (the other replicas pick
+    /// the change up) and this replica's engine is rebuilt at that
+    /// generation, as after any other change, so `/engine/status` reports
+    /// it on every backend and this replica's own notification finds
+    /// nothing left to do (audit 106: SQLite kept serving the old number
+    /// while storage moved on, and PostgreSQL and MariaDB reloaded a
+    /// second time as if another replica had changed something). Returns
+    /// the registry's size; a failed registry reload leaves the previous
+    /// one serving.
+    pub async fn connectors_changed(&self) -> Result<usize, crate::storage::StorageError> {
+        let _changing = self.change_gate.read().await;
+        let loaded = self.connectors.reload(&self.store).await;
+        if let Err(e) = &loaded {
+            tracing::warn!(error = %e, "connector reload after a change failed");
+        }
+        self.store.bump_engine_generation_or_later().await;
+        // A failure is logged by `reload`; the previous engine keeps serving.
+        let _ = self.reload(None).await;
+        loaded
+    }
+
     /// Returns once the admin changes this replica is making (moving the
     /// generation on, then reloading) have reloaded.
     pub async fn wait_for_own_changes(&self) {

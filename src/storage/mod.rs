@@ -74,6 +74,11 @@ pub enum StorageError {
     /// not an internal fault.
     #[error("{0}")]
     Unavailable(String),
+    /// More than the database takes in one statement (MariaDB/MySQL's
+    /// `max_allowed_packet`): a 413 naming the limit, not an outage to
+    /// retry (audit 106: a 20 MB definition was a 503 "retry later").
+    #[error("{0}")]
+    TooLarge(String),
     /// The backup directory cannot be used (a 500 whose message names the
     /// directory and the reason: the fix is in the configuration, not in
     /// the database).
@@ -552,7 +557,14 @@ struct Inner {
     /// [`JSON_DEPTH_PROBE`] is refused (PostgreSQL and MariaDB/MySQL keep
     /// the text unchecked). Measured at connect.
     json_depth: Option<usize>,
+    /// The most bytes one statement may carry (MariaDB/MySQL's
+    /// `max_allowed_packet`, read at connect); `None` elsewhere.
+    max_packet: Option<usize>,
 }
+
+/// What a statement storing a definition carries besides its text (the
+/// statement, ids, names, timestamps), with a wide margin.
+const PACKET_ROOM: usize = 64 * 1024;
 
 /// The deepest nesting [`Store::json_depth`] looks for: the executor's own
 /// limit on a context.
@@ -785,6 +797,16 @@ pub(crate) fn db_err(e: sqlx::Error) -> StorageError {
         let mysql_number = d
             .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
             .map(|m| m.number());
+        // MariaDB/MySQL's ER_NET_PACKET_TOO_LARGE (SQLSTATE 08S01, which
+        // would read as a lost connection below): the statement is larger
+        // than the server takes, and sending it again cannot work.
+        if mysql_number == Some(1153) {
+            return StorageError::TooLarge(format!(
+                "the data is larger than the database takes in one statement ({}); \
+                 raise the server's max_allowed_packet or send less",
+                d.message()
+            ));
+        }
         let transient = matches!(code.as_str(), "40001" | "40P01" | "55P03")
             || matches!(mysql_number, Some(1205 | 1213))
             // SQLite: SQLITE_BUSY and SQLITE_LOCKED with their extended codes.
@@ -980,6 +1002,14 @@ impl Store {
             }
         };
         let json_depth = json_depth_of(&pools).await;
+        let max_packet = match &pools {
+            Pools::MySql(p) => sqlx::query_scalar::<_, u64>("SELECT @@max_allowed_packet")
+                .fetch_one(p)
+                .await
+                .ok()
+                .and_then(|n| usize::try_from(n).ok()),
+            _ => None,
+        };
         Ok(Store {
             inner: Arc::new(Inner {
                 pools,
@@ -988,8 +1018,17 @@ impl Store {
                 backup_lock: tokio::sync::Mutex::new(()),
                 url: shareable.then(|| url.to_owned()),
                 json_depth,
+                max_packet,
             }),
         })
+    }
+
+    /// The largest definition (its JSON text, in bytes) one statement can
+    /// store: MariaDB/MySQL's `max_allowed_packet` less room for the
+    /// statement's other values; `None` when the database sets no such
+    /// limit below what an admin body may hold.
+    pub fn definition_limit(&self) -> Option<usize> {
+        self.inner.max_packet.map(|n| n.saturating_sub(PACKET_ROOM))
     }
 
     /// How deep stored JSON (trace payloads and results) may nest on this

@@ -2189,6 +2189,7 @@ async fn a_reload_without_its_own_connection_uses_the_shared_pool() {
                 dir.join("missing/dir/s.db").display()
             )),
             json_depth: s.json_depth(),
+            max_packet: None,
         }),
     };
     assert!(matches!(unreachable.twin().await, Some(Err(_))));

@@ -448,7 +448,15 @@ async fn connectors(db: Db) {
                    "headers": {"x-api-key": "k-123", "accept": "application/json"},
                    "retry": {"max_retries": 2, "retry_delay_ms": 50}}
     });
+    let generation = |status: &Json| status["generation"].as_u64().unwrap();
+    let before = generation(s.admin("GET", "/engine/status", None).await.ok(200));
     let created = s.admin("POST", "/connectors", Some(def.clone())).await;
+    // The change moves the served generation on, on every backend (audit
+    // 106: SQLite kept reporting the old one).
+    assert_eq!(
+        generation(s.admin("GET", "/engine/status", None).await.ok(200)),
+        before + 1
+    );
     let data = created.ok(201);
     assert_eq!(data["config"]["auth"]["token"], "******");
     assert_eq!(data["config"]["headers"]["x-api-key"], "******");
@@ -2656,6 +2664,21 @@ async fn a_database_refusing_connections_is_a_503() {
         "{e}"
     );
     assert!(r.headers.contains_key("retry-after"), "{:?}", r.headers);
+    // An import the database stops is that 503 too, not a 200 listing
+    // every item as failed on its id (audit 106).
+    let wf = json!([{"workflow_id": "w", "name": "w", "tasks": [{"id": "t", "name": "t",
+        "function": {"name": "filter", "input": {"condition": true}}}]}]);
+    let conn = json!([{"name": "c", "connector_type": "cache",
+                       "config": {"type": "cache", "backend": "memory"}}]);
+    for (path, body) in [("/workflows/import", wf), ("/connectors/import", conn)] {
+        let r = s.admin("POST", path, Some(body)).await;
+        r.error(503, "SERVICE_UNAVAILABLE");
+        assert!(
+            r.headers.contains_key("retry-after"),
+            "{path}: {:?}",
+            r.headers
+        );
+    }
     sqlx::query(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true"))
         .execute(&mut admin)
         .await
@@ -2739,4 +2762,75 @@ async fn an_unreachable_database_is_a_503() {
         "{e}"
     );
     assert!(r.headers.contains_key("retry-after"), "{:?}", r.headers);
+}
+
+/// MariaDB takes at most `max_allowed_packet` bytes in one statement (16 MiB
+/// on the test server, its default): a larger definition, still inside the
+/// admin body limit, is a 413 naming that limit on create and in an import
+/// (whose dry run says so too), not a 503 "retry later" no retry could pass;
+/// and the service goes on storing (audit 106).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_definition_over_mariadbs_packet_limit_is_a_413() {
+    let s = start(Db::MySql).await;
+    let task = |i: usize| {
+        json!({"id": format!("t{i}"), "name": "t", "function": {"name": "map", "input":
+            {"mappings": [{"path": "data.x", "logic": "x".repeat(9000)}]}}})
+    };
+    let big = json!({"workflow_id": "big", "name": "big",
+                     "tasks": (0..2000).map(task).collect::<Vec<_>>()});
+    let refused = s.admin("POST", "/workflows", Some(big.clone())).await;
+    let message = refused.error(413, "PAYLOAD_TOO_LARGE")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(message.contains("max_allowed_packet"), "{message}");
+    for dry_run in ["true", "false"] {
+        let small = json!({"workflow_id": format!("small-{dry_run}"), "name": "s",
+                           "tasks": [task(0)]});
+        let r = s
+            .admin(
+                "POST",
+                &format!("/workflows/import?dry_run={dry_run}"),
+                Some(json!([small, big])),
+            )
+            .await;
+        let data = r.ok(200);
+        assert_eq!(
+            data["created"],
+            json!([format!("small-{dry_run}")]),
+            "{data}"
+        );
+        assert_eq!(data["failed"][0]["index"], 1, "{data}");
+        let said = data["failed"][0]["details"][0]["message"].as_str().unwrap();
+        assert!(said.contains("max_allowed_packet"), "{said}");
+    }
+    // Storage goes on working.
+    s.admin("GET", "/workflows/small-false", None).await.ok(200);
+}
+
+/// A statement MariaDB refuses as larger than its `max_allowed_packet`
+/// (error 1153, SQLSTATE 08S01, which reads like a lost connection) is a
+/// 413, not a 503 to retry: here an async submission whose payload the
+/// operator allowed past 16 MiB (audit 106). The next submission is
+/// stored as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_over_mariadbs_packet_limit_is_a_413() {
+    let s = start_with(Db::MySql, |c| c.ingest.max_payload_size = 24 << 20).await;
+    s.deploy(
+        json!({"workflow_id": "later", "name": "later", "tasks": [{"id": "t", "name": "t",
+               "function": {"name": "filter", "input": {"condition": true}}}]}),
+        json!({"channel_id": "later", "name": "later", "channel_type": "async",
+               "protocol": "http", "workflow_id": "later", "config_json": {}}),
+    )
+    .await;
+    let big = json!({"data": {"blob": "x".repeat(17 << 20)}});
+    let r = s.post("/api/v1/data/later", big).await;
+    let message = r.error(413, "PAYLOAD_TOO_LARGE")["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(message.contains("max_allowed_packet"), "{message}");
+    assert!(!r.headers.contains_key("retry-after"), "{:?}", r.headers);
+    let r = s.post("/api/v1/data/later", json!({"data": {}})).await;
+    assert_eq!(r.status, 202, "{}", r.text);
 }

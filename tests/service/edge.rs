@@ -1275,7 +1275,9 @@ async fn serve_logging(
 
 /// On PostgreSQL a replica's own change notifies it too; it reloads once,
 /// not once more on the notification (audit 83: every change was reloaded,
-/// logged and counted in `engine_reloads_total` twice).
+/// logged and counted in `engine_reloads_total` twice; audit 106: a
+/// connector change was reloaded only on the notification, as "another
+/// replica's change").
 #[tokio::test]
 async fn an_own_change_reloads_once_on_postgres() {
     let url = fresh_database(Db::Postgres).await;
@@ -1301,6 +1303,34 @@ async fn an_own_change_reloads_once_on_postgres() {
         assert_eq!(r.status(), 200);
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     }
+    // A connector created, then the connectors reloaded: each moves the
+    // generation on, and this replica serves the new one at once.
+    let generation = |base: String| async move {
+        let status: serde_json::Value = reqwest::get(format!("{base}/api/v1/admin/engine/status"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        status["data"]["generation"].as_u64().unwrap()
+    };
+    let before = generation(base.clone()).await;
+    let r = c
+        .post(format!("{base}/api/v1/admin/connectors"))
+        .json(&json!({"name": "cache", "connector_type": "cache",
+                      "config": {"type": "cache", "backend": "memory"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    assert_eq!(generation(base.clone()).await, before + 1);
+    let r = c
+        .post(format!("{base}/api/v1/admin/connectors/reload"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(generation(base.clone()).await, before + 2);
     tokio::time::sleep(std::time::Duration::from_millis(700)).await;
     let _ = child.kill();
     let _ = child.wait();
@@ -1310,7 +1340,7 @@ async fn an_own_change_reloads_once_on_postgres() {
         log.lines()
             .filter(|l| l.contains("engine reloaded"))
             .count(),
-        3,
+        5,
         "{log}"
     );
     assert!(!log.contains("caught up"), "{log}");
