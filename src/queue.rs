@@ -664,7 +664,11 @@ async fn dlq_loop(app: Arc<App>, every: Duration) {
     loop {
         tick.tick().await;
         loop {
-            match app.store.requeue_due_traces(REQUEUE_BATCH).await {
+            match app
+                .store
+                .requeue_due_traces(REQUEUE_BATCH, Queue::retry_policy(&app.config.queue))
+                .await
+            {
                 Ok(ids) => {
                     let full = ids.len() as i64 == REQUEUE_BATCH;
                     for id in ids {

@@ -168,6 +168,12 @@ pub fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::Promethe
             for code in crate::api::Code::ALL {
                 metrics::counter!(names::ERRORS_TOTAL, "type" => code.as_str()).increment(0);
             }
+            // Both outcomes of a reload likewise (audit 108: the failure
+            // series appeared only with the first failure, so an alert on
+            // its rate had nothing to compare against).
+            for status in ["success", "failure"] {
+                metrics::counter!(names::ENGINE_RELOADS_TOTAL, "status" => status).increment(0);
+            }
             // Histograms keep raw samples until upkeep folds them into buckets.
             let upkeep = handle.clone();
             std::thread::Builder::new()

@@ -216,6 +216,7 @@ pub(crate) struct TraceSql {
     fail: String,
     release: String,
     dlq_delete: String,
+    dlq_exhaust: String,
     dlq_insert: String,
     dlq_due: String,
     requeue: String,
@@ -271,11 +272,14 @@ impl TraceSql {
                  WHERE trace_id = ? AND status = 'running' AND attempts = ?",
             ),
             dlq_delete: f("DELETE FROM trace_dlq WHERE trace_id = ?"),
+            dlq_exhaust: f(
+                "UPDATE trace_dlq SET state = 'exhausted', next_retry_at = NULL WHERE trace_id = ?",
+            ),
             dlq_insert: f(
                 "INSERT INTO trace_dlq (trace_id, state, attempts, next_retry_at, last_error, created_at) VALUES (?, ?, ?, ?, ?, ?)",
             ),
             dlq_due: f(&format!(
-                "SELECT trace_id FROM trace_dlq WHERE state = 'waiting' AND next_retry_at <= ? \
+                "SELECT trace_id, attempts FROM trace_dlq WHERE state = 'waiting' AND next_retry_at <= ? \
                  ORDER BY next_retry_at, trace_id LIMIT ?{skip_locked}"
             )),
             // A retry waits like a new submission (no run times), keeping the
@@ -570,7 +574,15 @@ impl Store {
 
     /// Moves up to `limit` dead letters whose retry is due back to `pending` and
     /// returns their ids (the entry is removed; a new failure writes a new one).
-    pub async fn requeue_due_traces(&self, limit: i64) -> Result<Vec<String>, StorageError> {
+    /// A due entry whose runs already spend `policy`'s budget (it was written
+    /// under a larger `queue.dlq_max_retries`) becomes `exhausted` instead:
+    /// a trace runs at most `1 + dlq_max_retries` times under the limit in
+    /// force (audit 108: lowering it across a restart allowed one run more).
+    pub async fn requeue_due_traces(
+        &self,
+        limit: i64,
+        policy: RetryPolicy,
+    ) -> Result<Vec<String>, StorageError> {
         let s = &self.sql().traces;
         retry(|| async {
             let now = now_micros();
@@ -580,6 +592,11 @@ impl Store {
                 let mut ids = Vec::with_capacity(rows.len());
                 for row in &rows {
                     let id: String = row.try_get_unchecked(0).map_err(super::db_err)?;
+                    let attempts: i64 = row.try_get_unchecked(1).map_err(super::db_err)?;
+                    if policy.delay_after(attempts).is_none() {
+                        execute!(&mut *tx, &s.dlq_exhaust, &id)?;
+                        continue;
+                    }
                     execute!(&mut *tx, &s.dlq_delete, &id)?;
                     if execute!(&mut *tx, &s.requeue, &id)? == 1 {
                         ids.push(id);

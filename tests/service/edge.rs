@@ -285,6 +285,8 @@ async fn metrics_are_served_in_prometheus_format() {
         "message_duration_seconds_bucket{channel=\"metered-ch\"",
         "http_requests_total{method=\"POST\",path=\"/api/v1/data/{path}\",status=\"200\"}",
         "engine_reloads_total{status=\"success\"}",
+        // Shown before any reload fails (audit 108).
+        "engine_reloads_total{status=\"failure\"}",
         "active_workflows",
     ] {
         assert!(r.text.contains(needle), "missing {needle} in\n{}", r.text);

@@ -231,10 +231,10 @@ async fn failure_dead_letter_retry_and_exhaustion(s: Store) {
         "{next}"
     );
     // Not due yet.
-    assert!(s.requeue_due_traces(10).await.unwrap().is_empty());
+    assert!(s.requeue_due_traces(10, policy).await.unwrap().is_empty());
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(
-        s.requeue_due_traces(10).await.unwrap(),
+        s.requeue_due_traces(10, policy).await.unwrap(),
         vec!["f".to_owned()]
     );
     // Waiting again: no run times of the failed attempt (they used to stay
@@ -264,11 +264,11 @@ async fn failure_dead_letter_retry_and_exhaustion(s: Store) {
         (d.state.as_str(), d.attempts, d.next_retry_at),
         ("exhausted", 2, None)
     );
-    assert!(s.requeue_due_traces(10).await.unwrap().is_empty());
+    assert!(s.requeue_due_traces(10, policy).await.unwrap().is_empty());
     let t = s.get_trace("f").await.unwrap();
     assert_eq!(
         (t.status, t.attempts, t.errors),
-        (TraceStatus::Failed, 2, errors)
+        (TraceStatus::Failed, 2, errors.clone())
     );
 
     // A retry that succeeds clears its dead letter.
@@ -285,7 +285,7 @@ async fn failure_dead_letter_retry_and_exhaustion(s: Store) {
         .unwrap();
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(
-        s.requeue_due_traces(10).await.unwrap(),
+        s.requeue_due_traces(10, policy).await.unwrap(),
         vec!["g".to_owned()]
     );
     let c = s.claim_trace("g", LEASE).await.unwrap().unwrap();
@@ -296,6 +296,35 @@ async fn failure_dead_letter_retry_and_exhaustion(s: Store) {
     );
     assert!(s.dlq_entry("g").await.unwrap().is_none());
     assert_eq!(s.get_trace("g").await.unwrap().attempts, 2);
+
+    // A dead letter written under a larger budget (three retries) whose
+    // runs spend the budget in force now (one retry): exhausted when due,
+    // not run again (audit 108: one more run after the limit was lowered
+    // across a restart).
+    s.insert_pending(&new_trace("h", "c", now_micros()))
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        let c = s.claim_trace("h", LEASE).await.unwrap().unwrap();
+        s.fail_trace(&outcome(&c, None, errors.clone()), zero)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(2100)).await;
+        if c.attempt == 1 {
+            assert_eq!(
+                s.requeue_due_traces(10, zero).await.unwrap(),
+                vec!["h".to_owned()]
+            );
+        }
+    }
+    assert!(s.requeue_due_traces(10, policy).await.unwrap().is_empty());
+    let d = s.dlq_entry("h").await.unwrap().unwrap();
+    assert_eq!(
+        (d.state.as_str(), d.attempts, d.next_retry_at),
+        ("exhausted", 2, None)
+    );
+    let t = s.get_trace("h").await.unwrap();
+    assert_eq!((t.status, t.attempts), (TraceStatus::Failed, 2));
 }
 
 async fn expired_lease_is_reclaimed_and_fences_the_old_run(s: Store) {
