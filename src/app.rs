@@ -147,14 +147,14 @@ impl App {
     /// one serving.
     pub async fn connectors_changed(&self) -> Result<usize, crate::storage::StorageError> {
         let _changing = self.change_gate.read().await;
-        let loaded = self.connectors.reload(&self.store).await;
-        if let Err(e) = &loaded {
-            tracing::warn!(error = %e, "connector reload after a change failed");
-        }
         self.store.bump_engine_generation_or_later().await;
-        // A failure is logged by `reload`; the previous engine keeps serving.
-        let _ = self.reload(None).await;
-        loaded
+        // `reload` reloads the registry (and logs a failure; the previous
+        // engine and registry keep serving). Definitions that do not build
+        // are the engine's problem, not the connectors'.
+        match self.reload(None).await {
+            Err(ReloadError::Storage(e)) => Err(e),
+            _ => Ok(self.connectors.loaded()),
+        }
     }
 
     /// Returns once the admin changes this replica is making (moving the
@@ -197,6 +197,17 @@ impl App {
                 return Err(ReloadError::Storage(e));
             }
         };
+        // The connector registry first (unchanged connectors keep their
+        // clients). Read after the generation, it holds every connector
+        // change that generation counts (a change is committed before it
+        // moves the generation on), so whatever made this reload, a replica
+        // serving a generation calls the connectors it describes (audit
+        // 111: a replica whose own change overtook another replica's
+        // connector change never loaded that connector, while its
+        // generation said it was current).
+        if let Err(e) = self.connectors.reload(&self.store).await {
+            tracing::warn!(error = %e, "could not reload the connectors; the previous ones keep serving");
+        }
         let built = self
             .reloader
             .build(&self.store, generation, self.engine.load_full())
@@ -236,6 +247,18 @@ impl App {
             .record(built.elapsed.as_secs_f64());
         metrics::gauge!(names::ACTIVE_WORKFLOWS).set(built.snapshot.active_workflows as f64);
         let old = self.engine.swap(Arc::new(built.snapshot));
+        // A channel no longer served (deleted, paused, renamed) forgets its
+        // circuit breakers on every replica, which all reload: one created
+        // or resumed under that name starts closed (audit 111: only the
+        // replica that answered the delete forgot them).
+        {
+            let now = self.engine.load();
+            for name in old.channels.keys() {
+                if !now.channels.contains_key(name) {
+                    self.connectors.policy.breakers.forget_channel(name);
+                }
+            }
+        }
         self.reload_failed.store(false, Ordering::Release);
         // Freeing a large engine takes a while: on a thread of its own at
         // background priority, not on a runtime worker.

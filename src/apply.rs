@@ -178,6 +178,22 @@ fn local(kind: Kind, file: &Path) -> Result<Local, String> {
     let Some(obj) = body.as_object_mut() else {
         return Err("a definition must be a JSON object".into());
     };
+    // A file whose `$schema` names another kind than its folder would be
+    // linted as one kind and applied as another (audit 110: a workflow
+    // under `channels/` became a channel).
+    if let Some(named) = obj.get("$schema").and_then(Json::as_str)
+        && let Some(other) = [Kind::Connector, Kind::Workflow, Kind::Channel]
+            .into_iter()
+            .find(|k| named.rsplit('/').next() == Some(&format!("{}.json", k.label())))
+        && other != kind
+    {
+        return Err(format!(
+            "$schema names a {} definition, but the file is under {}/, where apply reads {}s",
+            other.label(),
+            kind.collection(),
+            kind.label()
+        ));
+    }
     obj.remove("$schema");
     let id = match kind {
         Kind::Connector => obj.get("name").and_then(Json::as_str).map(str::to_owned),
@@ -283,10 +299,25 @@ struct Api {
     client: reqwest::Client,
     base: String,
     api_key: Option<String>,
+    /// The `warnings` of the answers since they were last taken
+    /// (`field: message`), printed under the step that drew them.
+    warnings: std::sync::Mutex<Vec<String>>,
 }
 
 /// A failed call: what was asked and what the server said.
 struct ApiFailure(String);
+
+/// `field: message` of a `{field, message}` the server answered (the
+/// message alone for the definition as a whole).
+fn diagnostic_line(d: &Json) -> String {
+    let field = d["field"].as_str().unwrap_or_default();
+    let message = d["message"].as_str().unwrap_or_default();
+    if field.is_empty() {
+        message.to_owned()
+    } else {
+        format!("{field}: {message}")
+    }
+}
 
 impl Api {
     async fn call(
@@ -327,6 +358,11 @@ impl Api {
     async fn ok(&self, method: &str, path: &str, body: Option<&Json>) -> Result<Json, ApiFailure> {
         let (status, json) = self.call(method, path, body).await?;
         if (200..300).contains(&status) {
+            let drawn = json["warnings"].as_array().into_iter().flatten();
+            self.warnings
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(drawn.map(diagnostic_line));
             return Ok(json.get("data").cloned().unwrap_or(Json::Null));
         }
         let error = &json["error"];
@@ -526,8 +562,10 @@ fn decide(kind: Kind, versions: &[Json], want: Option<&Json>, rollout: Option<u8
 
 /// The server's dry-run import of every resource the plan creates, per
 /// kind: the problems it finds, as `kind id: field: message` lines.
-async fn preflight(api: &Api, steps: &[Step]) -> Result<Vec<String>, ApiFailure> {
-    let mut problems = Vec::new();
+/// What the server's dry-run import says of the creations: their problems
+/// and (`kind id: field: message`) their warnings.
+async fn preflight(api: &Api, steps: &[Step]) -> Result<(Vec<String>, Vec<String>), ApiFailure> {
+    let (mut problems, mut warnings) = (Vec::new(), Vec::new());
     for kind in [Kind::Connector, Kind::Workflow, Kind::Channel] {
         let created: Vec<&Step> = steps
             .iter()
@@ -543,13 +581,22 @@ async fn preflight(api: &Api, steps: &[Step]) -> Result<Vec<String>, ApiFailure>
         // first change as before.
         let (status, answer) = api.call("POST", &path, Some(&bodies)).await?;
         if status == 403 {
-            return Ok(problems);
+            return Ok((problems, warnings));
         }
         if !(200..300).contains(&status) {
             // Asked again for the formatted error.
             api.ok("POST", &path, Some(&bodies)).await?;
         }
         let report = &answer["data"];
+        for warned in report["warnings"].as_array().into_iter().flatten() {
+            let step = warned["index"]
+                .as_u64()
+                .and_then(|i| created.get(i as usize));
+            let id = step.map_or("?", |s| s.id.as_str());
+            for d in warned["details"].as_array().into_iter().flatten() {
+                warnings.push(format!("{} {id}: {}", kind.label(), diagnostic_line(d)));
+            }
+        }
         for failure in report["failed"].as_array().into_iter().flatten() {
             let step = failure["index"]
                 .as_u64()
@@ -566,7 +613,7 @@ async fn preflight(api: &Api, steps: &[Step]) -> Result<Vec<String>, ApiFailure>
             }
         }
     }
-    Ok(problems)
+    Ok((problems, warnings))
 }
 
 async fn execute(api: &Api, step: &Step, rollout: Option<u8>) -> Result<String, ApiFailure> {
@@ -703,6 +750,7 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
         client,
         base: opts.server.trim_end_matches('/').to_owned(),
         api_key: opts.api_key.clone(),
+        warnings: std::sync::Mutex::default(),
     };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -726,8 +774,15 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
         // masked secret in a new connector) is asked before anything is
         // changed: the creations go through its dry-run import first.
         match preflight(&api, &steps).await {
-            Ok(problems) if problems.is_empty() => {}
-            Ok(problems) => {
+            Ok((problems, warnings)) if problems.is_empty() => {
+                // A real apply prints each step's own warnings as it goes.
+                if opts.dry_run {
+                    for w in warnings {
+                        crate::errln!("warning: {w}");
+                    }
+                }
+            }
+            Ok((problems, _)) => {
                 for p in problems {
                     crate::errln!("error: {p}");
                 }
@@ -763,6 +818,18 @@ pub fn run(opts: &ApplyOptions) -> ExitCode {
             } else {
                 execute(&api, step, opts.rollout).await
             };
+            // What the server warned of (a connector or workflow that does
+            // not exist, a misspelt key it ignored) is shown, as `lint` and
+            // the API show it (audit 110: apply reported a clean success).
+            let warned = std::mem::take(
+                &mut *api
+                    .warnings
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+            );
+            for w in warned {
+                crate::errln!("warning: {} {}: {w}", step.kind.label(), step.id);
+            }
             match outcome {
                 Ok(note) if note.is_empty() => out.line(format_args!(
                     "{:<10} {:<32} {shown}",

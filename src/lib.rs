@@ -62,9 +62,7 @@ pub async fn start_with_services(
     let mut app = app::App::new(config, store, services);
     app.otel = otel;
     let app = Arc::new(app);
-    if let Err(e) = app.connectors.reload(&app.store).await {
-        tracing::error!(error = %e, "cannot load the connectors; connector calls fail until a reload");
-    }
+    // The first reload loads the connectors, then the engine.
     invoke::attach(&app);
     match app.reload(None).await {
         Ok(report) => tracing::info!(

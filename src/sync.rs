@@ -74,11 +74,8 @@ pub async fn catch_up(app: &App) {
                 return;
             }
             app.behind.store(true, Ordering::Release);
-            // Connectors first (unchanged ones keep their clients), then the
-            // engine whose workflows call them.
-            if let Err(e) = app.connectors.reload(&app.store).await {
-                tracing::warn!(error = %e, "could not reload the connectors while catching up");
-            }
+            // The reload loads the connectors first (unchanged ones keep
+            // their clients), then the engine whose workflows call them.
             match app.reload(None).await {
                 Ok(r) => {
                     tracing::info!(

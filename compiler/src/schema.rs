@@ -97,6 +97,29 @@ fn integral_numbers(v: &mut Json) {
     }
 }
 
+/// Gives 32-bit and signed 64-bit integer fields the bounds of their
+/// type, which the validator enforces (audit 110: `burst: 4294967296` and
+/// `priority: 2^63` passed the schema).
+fn integer_bounds(v: &mut Json) {
+    match v {
+        Json::Object(m) => {
+            let bounds = match m.get("format").and_then(Json::as_str) {
+                Some("uint32") => Some((json!(0), json!(u32::MAX))),
+                Some("int32") => Some((json!(i32::MIN), json!(i32::MAX))),
+                Some("int64") => Some((json!(i64::MIN), json!(i64::MAX))),
+                _ => None,
+            };
+            if let Some((min, max)) = bounds {
+                m.entry("minimum").or_insert(min);
+                m.entry("maximum").or_insert(max);
+            }
+            m.values_mut().for_each(integer_bounds);
+        }
+        Json::Array(items) => items.iter_mut().for_each(integer_bounds),
+        _ => {}
+    }
+}
+
 /// The JSON Schema of one kind of definition.
 pub fn definition_schema(kind: DefinitionKind) -> Json {
     let mut schema = match kind {
@@ -105,6 +128,7 @@ pub fn definition_schema(kind: DefinitionKind) -> Json {
         DefinitionKind::Connector => connector_schema(),
     };
     strip_null(&mut schema);
+    integer_bounds(&mut schema);
     plain_descriptions(&mut schema);
     integral_numbers(&mut schema);
     if let Json::Object(m) = &mut schema {
@@ -145,6 +169,14 @@ fn workflow_schema() -> Json {
     for f in Function::ALL {
         defs.insert(input_def_name(f), input_schema(f));
     }
+    // A step with `tasks` is a group (the validator reads it so): a group
+    // takes no `function` and no `halt_on`, and a task no `tasks`.
+    if let Some(group) = defs.get_mut("GroupDef") {
+        group["not"] = json!({"anyOf": [{"required": ["function"]}, {"required": ["halt_on"]}]});
+    }
+    if let Some(task) = defs.get_mut("TaskDef") {
+        task["not"] = json!({"required": ["tasks"]});
+    }
     schema
 }
 
@@ -161,7 +193,10 @@ fn function_def_schema() -> Json {
         .map(|f| {
             let mut then = json!({"properties": {"input": {"$ref": format!("#/$defs/{}", input_def_name(f))}}});
             // An absent input is `{}`, which lacks any required field.
-            if f.checked_at_create() && f.input_schema().iter().any(|x| x.required) {
+            // `channel_call` needs one of two fields, neither required alone.
+            if f.checked_at_create()
+                && (f.input_schema().iter().any(|x| x.required) || f == Function::ChannelCall)
+            {
                 then["required"] = json!(["input"]);
             }
             let name = if f == Function::Validation {
@@ -296,12 +331,39 @@ fn channel_schema() -> Json {
             "then": {
                 "required": ["config_json"],
                 "properties": {
-                    "config_json": {"required": ["topic"]},
+                    "config_json": {
+                        "required": ["topic"],
+                        "not": {"anyOf": [
+                            {"required": ["rate_limit"]}, {"required": ["deduplication"]},
+                            {"required": ["cache"]}, {"required": ["cors"]},
+                            {"required": ["backpressure"]},
+                        ]},
+                    },
                     "channel_type": {"const": "async"},
                 },
+                "not": {"anyOf": [{"required": ["route_pattern"]}, {"required": ["methods"]}]},
             },
         },
+        {
+            "description": "An http channel is routed by its name: no route_pattern, no methods.",
+            "if": {"properties": {"protocol": {"const": "http"}}, "required": ["protocol"]},
+            "then": {"not": {"anyOf": [{"required": ["route_pattern"]}, {"required": ["methods"]}]}},
+        },
+        {
+            "description": "config_json.topic and consumer_group apply only to a kafka channel.",
+            "if": {"not": {"properties": {"protocol": {"const": "kafka"}}, "required": ["protocol"]}},
+            "then": {"properties": {"config_json": {
+                "not": {"anyOf": [{"required": ["topic"]}, {"required": ["consumer_group"]}]},
+            }}},
+        },
     ]);
+    // Each method once (the validator names a repeated one).
+    schema["properties"]["methods"]["uniqueItems"] = json!(true);
+    // CORS methods are methods (the validator's list).
+    if let Some(allowed) = schema.pointer_mut("/$defs/CorsConfig/properties/allowed_methods/items")
+    {
+        *allowed = json!({"$ref": "#/$defs/HttpMethod"});
+    }
     schema
 }
 
@@ -347,6 +409,31 @@ fn connector_schema() -> Json {
         "properties": {"type": {"type": "string", "description": "Optional; must equal connector_type."}},
     });
     schema["allOf"] = Json::Array(rules);
+    // What the validator refuses and a schema can say: unknown keys in
+    // `auth` and `retry`, a redis cache without its URL, no brokers
+    // (audit 110).
+    if let Some(defs) = schema["$defs"].as_object_mut() {
+        if let Some(Json::Array(variants)) =
+            defs.get_mut("HttpAuth").and_then(|a| a.get_mut("oneOf"))
+        {
+            for v in variants {
+                v["additionalProperties"] = json!(false);
+            }
+        }
+        if let Some(retry) = defs.get_mut("RetryPolicy") {
+            retry["additionalProperties"] = json!(false);
+        }
+        if let Some(Json::Array(forms)) = defs.get_mut("Brokers").and_then(|b| b.get_mut("anyOf")) {
+            for form in forms.iter_mut().filter(|f| f["type"] == "array") {
+                form["minItems"] = json!(1);
+            }
+        }
+        if let Some(cache) = defs.get_mut("CacheConnector") {
+            cache["if"] =
+                json!({"properties": {"backend": {"const": "redis"}}, "required": ["backend"]});
+            cache["then"] = json!({"required": ["url"]});
+        }
+    }
     schema
 }
 

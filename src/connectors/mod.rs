@@ -254,10 +254,25 @@ impl Connectors {
             );
             rebuilt += 1;
         }
+        // A connector deleted or changed (a fixed URL, new credentials)
+        // forgets its circuit breakers, here where every replica reloads
+        // (audit 111: only the replica that answered the change forgot
+        // them): the failures they counted were the old definition's, and
+        // one created again under the name starts closed.
+        for (name, entry) in old.iter() {
+            if next.get(name).is_none_or(|e| e.stamp != entry.stamp) {
+                self.policy.breakers.forget_connector(name);
+            }
+        }
         let n = next.len();
         self.entries.store(Arc::new(next));
         tracing::info!(connectors = n, kept, rebuilt, "connectors reloaded");
         Ok(n)
+    }
+
+    /// How many connectors are loaded.
+    pub fn loaded(&self) -> usize {
+        self.entries.load().len()
     }
 
     /// The type of the stored connector named `name` (`None`: no such

@@ -647,6 +647,107 @@ fn schema_and_validator_agree_on_bad_definitions() {
                 json!({"endpoint": "https://s3", "access_key": "a", "secret_key": "s"}),
             ),
         ),
+        // Structural rules the schema states since session 30 (audit 110:
+        // each passed the schema and failed at create).
+        (
+            "cors method not a method",
+            Channel,
+            ch(
+                json!({"config_json": {"cors": {"allowed_origins": ["https://a.example"], "allowed_methods": ["FETCH"]}}}),
+            ),
+        ),
+        (
+            "route on an http channel",
+            Channel,
+            ch(json!({"protocol": "http", "route_pattern": "/r", "methods": ["POST"]})),
+        ),
+        (
+            "methods on an http channel",
+            Channel,
+            ch(json!({"protocol": "http", "methods": ["POST"]})),
+        ),
+        (
+            "route on a kafka channel",
+            Channel,
+            ch(json!({"protocol": "kafka", "route_pattern": "/r", "config_json": {"topic": "t"}})),
+        ),
+        (
+            "rate limit on a kafka channel",
+            Channel,
+            ch(
+                json!({"protocol": "kafka", "config_json": {"topic": "t", "rate_limit": {"requests_per_second": 1}}}),
+            ),
+        ),
+        (
+            "topic on a rest channel",
+            Channel,
+            ch(
+                json!({"protocol": "rest", "route_pattern": "/r", "methods": ["POST"], "config_json": {"topic": "t"}}),
+            ),
+        ),
+        (
+            "consumer group on a name-routed channel",
+            Channel,
+            ch(json!({"config_json": {"consumer_group": "g"}})),
+        ),
+        (
+            "duplicate methods",
+            Channel,
+            ch(json!({"route_pattern": "/x", "methods": ["POST", "POST"]})),
+        ),
+        (
+            "burst past 32 bits",
+            Channel,
+            ch(
+                json!({"config_json": {"rate_limit": {"requests_per_second": 1, "burst": 4294967296_u64}}}),
+            ),
+        ),
+        (
+            "halt_on on a group",
+            Workflow,
+            wf(
+                json!([{"id": "g", "halt_on": "failure", "tasks": [task("log", json!({"message": "m"}))]}]),
+            ),
+        ),
+        (
+            "function on a group",
+            Workflow,
+            wf(
+                json!([{"id": "g", "function": {"name": "log", "input": {"message": "m"}},
+                       "tasks": [task("log", json!({"message": "m"}))]}]),
+            ),
+        ),
+        (
+            "channel_call without input",
+            Workflow,
+            wf(json!([{"id": "t", "name": "t", "function": {"name": "channel_call"}}])),
+        ),
+        (
+            "redis cache without url",
+            Connector,
+            conn("cache", json!({"backend": "redis"})),
+        ),
+        (
+            "unknown auth key",
+            Connector,
+            conn(
+                "http",
+                json!({"url": "https://x", "auth": {"type": "bearer", "token": "t", "in": "query"}}),
+            ),
+        ),
+        (
+            "unknown retry key",
+            Connector,
+            conn(
+                "http",
+                json!({"url": "https://x", "retry": {"max_retries": 1, "x": 1}}),
+            ),
+        ),
+        (
+            "no brokers",
+            Connector,
+            conn("kafka", json!({"brokers": []})),
+        ),
         // Bounds the validator sets and the schema states (session 19).
         (
             "description too long",
@@ -1028,6 +1129,46 @@ cases:
 }
 
 // ---------------------------------------------------------------- sluice apply
+
+/// What the server warns of is shown by `apply` too, under the resource
+/// (audit 110: a channel naming a workflow that does not exist, and a
+/// misspelt key, were applied as a clean success); a file whose `$schema`
+/// names another kind than its folder is refused (it was applied as the
+/// folder's kind while `lint` checked it as the other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_shows_warnings_and_refuses_a_file_of_another_kind() {
+    let s = start(Db::Sqlite).await;
+    let dir = temp_dir();
+    write_def(
+        &dir,
+        "channels/ch.json",
+        &json!({"channel_id": "ch", "name": "ch", "protocol": "http",
+                "workflow_id": "nosuchwf", "validaton_logic": true}),
+    );
+    for extra in [&["--dry-run"][..], &[]] {
+        let out = apply(&s, &dir, extra);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("warning: channel ch: validaton_logic: unknown field"),
+            "{extra:?}: {stderr}"
+        );
+        assert!(
+            stderr.contains("warning: channel ch: workflow_id: no workflow 'nosuchwf'"),
+            "{extra:?}: {stderr}"
+        );
+    }
+    std::fs::remove_file(dir.join("channels/ch.json")).unwrap();
+    write_def(&dir, "channels/wf.json", &greeting_workflow("hello"));
+    let out = apply(&s, &dir, &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("$schema names a workflow definition, but the file is under channels/"),
+        "{}",
+        text(&out)
+    );
+}
 
 fn apply(s: &TestServer, dir: &Path, extra: &[&str]) -> Output {
     sluice()

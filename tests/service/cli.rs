@@ -348,6 +348,20 @@ fn lint_knows_channels_yaml_and_warnings() {
             .starts_with("channel"),
         "{envelope}"
     );
+    // A connector holding the mask where its secret goes (copied from an
+    // answer) cannot be created: a warning, as only an update could keep
+    // the stored secret (audit 110: it passed without a word).
+    let masked = write(
+        "masked.json",
+        r#"{"name": "m", "connector_type": "http", "config": {"url": "https://x.example.com", "auth": {"type": "bearer", "token": "******"}}}"#,
+    );
+    let out = sluice().arg("lint").arg(&masked).output().unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("warning: config.auth.token: holds the mask '******'"),
+        "{stderr}"
+    );
     let warned = write(
         "warn.json",
         r#"{"name": "w", "tasks": [{"id": "m", "name": "m", "function": {"name": "map", "input": {"mapings": []}}}]}"#,

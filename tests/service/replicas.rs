@@ -909,3 +909,161 @@ async fn a_restart_on_sqlite_runs_what_a_killed_process_left_running() {
     };
     assert_eq!(done["attempts"], 2, "{done}");
 }
+
+/// A replica whose own change overtakes another replica's connector change
+/// (before its poll or notification catches up) loads that connector with
+/// it: the reload that serves a generation reloads the connector registry
+/// too (audit 111: the replica's generation moved past the change and it
+/// answered "connector not found" until the next connector change). The
+/// second replica polls rarely here, so only its own change can load it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_own_change_loads_a_connector_another_replica_made() {
+    crate::support::install_crypto();
+    let url = fresh_database(Db::MySql).await;
+    let a = replica(&url).await;
+    let b = replica_with(&url, &[("SERVICE_ENGINE__SYNC_INTERVAL_MS", "600000")]).await;
+    let c = reqwest::Client::new();
+    admin(
+        &c,
+        &b.base,
+        "POST",
+        "/workflows",
+        json!({"workflow_id": "put", "name": "put", "tasks": [
+        {"id": "w", "name": "w", "function": {"name": "cache_write",
+         "input": {"connector": "kv", "key": "k", "value": "v"}}}]}),
+    )
+    .await;
+    admin(
+        &c,
+        &b.base,
+        "POST",
+        "/channels",
+        json!({"channel_id": "put", "name": "put",
+        "channel_type": "sync", "protocol": "http", "workflow_id": "put"}),
+    )
+    .await;
+    // The connector through the first replica; the second does not poll.
+    admin(
+        &c,
+        &a.base,
+        "POST",
+        "/connectors",
+        json!({"name": "kv", "connector_type": "cache",
+        "config": {"type": "cache", "backend": "memory"}}),
+    )
+    .await;
+    for path in ["/workflows/put/status", "/channels/put/status"] {
+        admin(&c, &b.base, "PATCH", path, json!({"status": "active"})).await;
+    }
+    let r = c
+        .post(format!("{}/api/v1/data/put", b.base))
+        .json(&json!({"data": {}}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status();
+    let text = r.text().await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    // The first replica (polling every 100 ms) catches up with the second's
+    // changes: both then serve one generation.
+    let until = Instant::now() + Duration::from_secs(10);
+    while generation(&c, &a.base).await != generation(&c, &b.base).await {
+        assert!(Instant::now() < until, "the replicas never agreed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Circuit breakers of a connector changed, or of a channel deleted,
+/// through one replica are forgotten on every replica as it catches up
+/// (audit 111: only the replica that answered forgot them, and the others
+/// kept refusing a fixed connector with 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn breakers_are_forgotten_on_every_replica() {
+    crate::support::install_crypto();
+    let url = fresh_database(Db::Postgres).await;
+    let env = [("SERVICE_SECURITY__ALLOW_PRIVATE_NETWORKS", "true")];
+    let a = replica_with(&url, &env).await;
+    let b = replica_with(&url, &env).await;
+    let c = reqwest::Client::new();
+    // Nothing listens there: every call fails at once.
+    let dead = format!("http://127.0.0.1:{}", crate::support::free_port());
+    let connector = |path: &str| {
+        json!({"name": "down", "connector_type": "http", "config": {"type": "http",
+               "url": format!("{dead}{path}"), "retry": {"max_retries": 0, "retry_delay_ms": 10}}})
+    };
+    admin(&c, &a.base, "POST", "/connectors", connector("")).await;
+    admin(
+        &c,
+        &a.base,
+        "POST",
+        "/workflows",
+        json!({"workflow_id": "bk", "name": "bk", "tasks": [
+        {"id": "call", "name": "call", "function": {"name": "http_call",
+         "input": {"connector": "down", "method": "GET", "path": "/x"}}}]}),
+    )
+    .await;
+    admin(
+        &c,
+        &a.base,
+        "PATCH",
+        "/workflows/bk/status",
+        json!({"status": "active"}),
+    )
+    .await;
+    admin(
+        &c,
+        &a.base,
+        "POST",
+        "/channels",
+        json!({"channel_id": "bk", "name": "bk",
+        "channel_type": "sync", "protocol": "http", "workflow_id": "bk"}),
+    )
+    .await;
+    admin(
+        &c,
+        &a.base,
+        "PATCH",
+        "/channels/bk/status",
+        json!({"status": "active"}),
+    )
+    .await;
+    let caught_up = |c: reqwest::Client, a: String, b: String| async move {
+        let until = Instant::now() + Duration::from_secs(10);
+        while generation(&c, &a).await != generation(&c, &b).await {
+            assert!(Instant::now() < until, "the second replica never caught up");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let open_on_b = |c: reqwest::Client, b: String| async move {
+        for _ in 0..5 {
+            let r = c
+                .post(format!("{b}/api/v1/data/bk"))
+                .json(&json!({"data": {}}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 502, "{}", r.text().await.unwrap());
+        }
+        let listed = admin(&c, &b, "GET", "/connectors/circuit-breakers", Json::Null).await;
+        assert_eq!(listed["data"][0]["state"], "open", "{listed}");
+    };
+    let breakers_on_b = |c: reqwest::Client, b: String| async move {
+        admin(&c, &b, "GET", "/connectors/circuit-breakers", Json::Null).await["data"].clone()
+    };
+    caught_up(c.clone(), a.base.clone(), b.base.clone()).await;
+    open_on_b(c.clone(), b.base.clone()).await;
+    // The connector changed through the first replica.
+    admin(&c, &a.base, "PUT", "/connectors/down", connector("/v2")).await;
+    caught_up(c.clone(), a.base.clone(), b.base.clone()).await;
+    assert_eq!(breakers_on_b(c.clone(), b.base.clone()).await, json!([]));
+    // Open again, then the channel deleted through the first replica.
+    open_on_b(c.clone(), b.base.clone()).await;
+    let r = c
+        .delete(format!("{}/api/v1/admin/channels/bk", a.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    caught_up(c.clone(), a.base.clone(), b.base.clone()).await;
+    assert_eq!(breakers_on_b(c.clone(), b.base.clone()).await, json!([]));
+}
