@@ -2808,11 +2808,13 @@ async fn a_definition_over_mariadbs_packet_limit_is_a_413() {
     s.admin("GET", "/workflows/small-false", None).await.ok(200);
 }
 
-/// A statement MariaDB refuses as larger than its `max_allowed_packet`
-/// (error 1153, SQLSTATE 08S01, which reads like a lost connection) is a
-/// 413, not a 503 to retry: here an async submission whose payload the
-/// operator allowed past 16 MiB (audit 106). The next submission is
-/// stored as usual.
+/// An async submission whose payload the operator allowed past MariaDB's
+/// `max_allowed_packet` is a 413, not a 503 to retry (audit 106): the
+/// server refuses such a statement (error 1153, SQLSTATE 08S01) and may
+/// close the connection while it is still being sent, which reads as a
+/// lost connection, so the size is judged before sending (a first version
+/// that only mapped error 1153 passed alone and failed under CI's load).
+/// The next submission is stored as usual.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_over_mariadbs_packet_limit_is_a_413() {
     let s = start_with(Db::MySql, |c| c.ingest.max_payload_size = 24 << 20).await;
