@@ -981,7 +981,12 @@ async fn import(app: &App, req: &Req, kind: Kind, who: Principal) -> ApiResult {
             .and_then(|(id, def, w)| storable(app, &def).map(|()| (id, def, w)))
         {
             Ok((id, def, mut warnings)) => {
-                warnings.extend(reference_warnings(app, kind, &def).await?);
+                // Storage failing here stops the import as a create's
+                // failure does, naming what was imported before it.
+                let references = reference_warnings(app, kind, &def)
+                    .await
+                    .map_err(|e| import_interrupted(e, &created))?;
+                warnings.extend(references);
                 if !warnings.is_empty() {
                     warned.push(json!({"index": index, "details": warnings}));
                 }

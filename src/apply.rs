@@ -594,7 +594,9 @@ async fn preflight(api: &Api, steps: &[Step]) -> Result<(Vec<String>, Vec<String
                 .and_then(|i| created.get(i as usize));
             let id = step.map_or("?", |s| s.id.as_str());
             for d in warned["details"].as_array().into_iter().flatten() {
-                warnings.push(format!("{} {id}: {}", kind.label(), diagnostic_line(d)));
+                if !made_by_the_plan(steps, d) {
+                    warnings.push(format!("{} {id}: {}", kind.label(), diagnostic_line(d)));
+                }
             }
         }
         for failure in report["failed"].as_array().into_iter().flatten() {
@@ -614,6 +616,26 @@ async fn preflight(api: &Api, steps: &[Step]) -> Result<(Vec<String>, Vec<String
         }
     }
     Ok((problems, warnings))
+}
+
+/// Whether a dry-run warning is about a connector or workflow missing on
+/// the server that the plan itself creates or keeps (the real apply makes
+/// it first, so it would not warn; audit 112: `--dry-run` warned of them).
+fn made_by_the_plan(steps: &[Step], d: &Json) -> bool {
+    let field = d["field"].as_str().unwrap_or_default();
+    let message = d["message"].as_str().unwrap_or_default();
+    let (kind, said) = if field.ends_with("input.connector") {
+        (Kind::Connector, "no connector named '")
+    } else if field == "workflow_id" {
+        (Kind::Workflow, "no workflow '")
+    } else {
+        return false;
+    };
+    steps.iter().any(|s| {
+        s.kind == kind
+            && !matches!(s.action, Action::Archive)
+            && message.starts_with(&format!("{said}{}'", s.id))
+    })
 }
 
 async fn execute(api: &Api, step: &Step, rollout: Option<u8>) -> Result<String, ApiFailure> {

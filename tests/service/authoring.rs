@@ -1168,6 +1168,32 @@ async fn apply_shows_warnings_and_refuses_a_file_of_another_kind() {
         "{}",
         text(&out)
     );
+    // A dry run does not warn of what the plan itself creates (audit 112:
+    // the connector and workflow made first by the real apply were
+    // "missing" in the dry run's import).
+    let dir = temp_dir();
+    write_def(
+        &dir,
+        "connectors/kv.json",
+        &json!({"name": "kv", "connector_type": "cache", "config": {"backend": "memory"}}),
+    );
+    write_def(
+        &dir,
+        "workflows/put.json",
+        &json!({"workflow_id": "put", "name": "put", "tasks": [{"id": "w", "name": "w",
+            "function": {"name": "cache_write", "input": {"connector": "kv", "key": "k", "value": 1}}}]}),
+    );
+    write_def(
+        &dir,
+        "channels/put.json",
+        &json!({"channel_id": "put", "name": "put", "protocol": "http", "workflow_id": "put"}),
+    );
+    for extra in [&["--dry-run"][..], &[]] {
+        let out = apply(&s, &dir, extra);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("warning"), "{extra:?}: {stderr}");
+    }
 }
 
 fn apply(s: &TestServer, dir: &Path, extra: &[&str]) -> Output {
