@@ -557,14 +557,23 @@ fn end_span(
 }
 
 /// The 404 of a request no workflow matched; names the first workflow
-/// whose condition failed to evaluate, if one did.
-pub(crate) fn unmatched_message(channel: &str, execution: &Execution) -> String {
-    match execution.errors.first() {
+/// whose condition failed to evaluate, if one did, and says when the
+/// channel's workflow has no active version at all (audit 113: a workflow
+/// left as a draft read the same as conditions that do not hold).
+pub(crate) fn unmatched_message(channel: &Channel, execution: Option<&Execution>) -> String {
+    let name = &channel.name;
+    if channel.plans.is_empty() {
+        return format!(
+            "No active workflow of channel '{name}' matches the request: workflow '{}' has no active version",
+            channel.def.workflow_id
+        );
+    }
+    match execution.and_then(|e| e.errors.first()) {
         Some(e) => format!(
-            "No active workflow of channel '{channel}' matches the request ({})",
+            "No active workflow of channel '{name}' matches the request ({})",
             e.message
         ),
-        None => format!("No active workflow of channel '{channel}' matches the request"),
+        None => format!("No active workflow of channel '{name}' matches the request"),
     }
 }
 
@@ -579,8 +588,8 @@ fn respond(
 ) -> Result<Bytes, ApiError> {
     if execution.matched.is_none() {
         return Err(ApiError::not_found(unmatched_message(
-            &channel.name,
-            &execution,
+            channel,
+            Some(&execution),
         )));
     }
     if let Status::Failed(f) = &execution.status {

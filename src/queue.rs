@@ -601,7 +601,7 @@ pub(crate) async fn execute(
         Ok(Ok(execution)) => execution,
     };
     let Some(matched) = &execution.matched else {
-        let message = crate::data::unmatched_message(&channel.name, &execution);
+        let message = crate::data::unmatched_message(channel, Some(&execution));
         outcome.errors = json!([error_item(Code::NotFound.as_str(), "", &message)]);
         return false;
     };

@@ -30,9 +30,8 @@ pub async fn submit(
     // as a sync request is, rather than accepted and failed (and retried)
     // as a trace.
     if channel.plans.is_empty() {
-        return Err(ApiError::not_found(format!(
-            "No active workflow of channel '{}' matches the request",
-            channel.name
+        return Err(ApiError::not_found(crate::data::unmatched_message(
+            channel, None,
         )));
     }
     let mut headers = crate::data::HeaderPairs::new();

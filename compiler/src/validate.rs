@@ -1004,6 +1004,31 @@ pub fn channel_warnings(def: &Json) -> Vec<Diagnostic> {
         return Vec::new();
     };
     let mut out = unknown_key_warnings(&FieldPath::root(), obj, CHANNEL_KEYS);
+    // Other frameworks' parameter syntax, or the data plane's own prefix,
+    // are matched as literal text: the route never matches what was meant
+    // (audit 113: `/orders/:id` answered "No route matches" without a hint).
+    if let Some(pattern) = obj.get("route_pattern").and_then(Json::as_str) {
+        if pattern.starts_with("/api/v1/data/") || pattern == "/api/v1/data" {
+            out.push(Diagnostic::new(
+                "route_pattern",
+                "routes are relative to /api/v1/data (this one matches /api/v1/data/api/v1/data/…); \
+                 leave the prefix out",
+            ));
+        }
+        for segment in pattern.split('/') {
+            let literal = segment.starts_with(':')
+                || (segment.starts_with('<') && segment.ends_with('>'))
+                || segment.contains('*');
+            if literal {
+                out.push(Diagnostic::new(
+                    "route_pattern",
+                    format!(
+                        "segment '{segment}' is matched literally; write a path parameter as {{name}}"
+                    ),
+                ));
+            }
+        }
+    }
     // CORS methods that allow none of the methods the channel serves: every
     // preflight would be refused (403), which looks like a browser problem.
     if let Some(Json::Array(allowed)) = obj
@@ -1830,7 +1855,12 @@ fn check_kafka_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
     };
     for (at, b) in brokers {
         if !is_env_ref(b) && !is_host_port(b) {
-            c.push(&at, format!("broker '{b}' must be host:port"));
+            let scheme = if b.contains("://") {
+                ", without a scheme"
+            } else {
+                ""
+            };
+            c.push(&at, format!("broker '{b}' must be host:port{scheme}"));
         }
     }
     c.nonempty_string(cfg, "client_id", at, false);
@@ -1845,9 +1875,13 @@ fn check_kafka_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
 /// `host:port` with a port from 1 to 65535 (a Kafka broker address).
 pub fn is_host_port(s: &str) -> bool {
     match s.rsplit_once(':') {
+        // A host holds no '/': `kafka://h:9092` is a URL, which the Kafka
+        // client reads as no broker at all (audit 113: every publish then
+        // waited for the channel's timeout).
         Some((host, port)) => {
             !host.is_empty()
                 && !host.contains(char::is_whitespace)
+                && !host.contains('/')
                 && port.parse::<u16>().is_ok_and(|p| p > 0)
         }
         None => false,

@@ -742,7 +742,7 @@ async fn a_channel_without_a_workflow_refuses_submissions() {
     let r = s.post("/api/v1/data/idle/7", json!({"data": {}})).await;
     assert_eq!(
         r.error(404, "NOT_FOUND")["message"],
-        "No active workflow of channel 'idle' matches the request"
+        "No active workflow of channel 'idle' matches the request: workflow 'idle' has no active version"
     );
     let listed = s.get("/api/v1/data/traces?channel=idle").await;
     assert_eq!(listed.body["total"], 0, "{}", listed.text);

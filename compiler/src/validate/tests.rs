@@ -1066,6 +1066,30 @@ fn async_channels_warn_of_settings_they_cannot_use() {
     assert!(validate_channel(&channel("async")).is_empty());
 }
 
+/// Route syntax of other frameworks and the data plane's own prefix are
+/// matched literally: warned of (audit 113), and still valid.
+#[test]
+fn literal_route_segments_that_look_like_parameters_are_warned_of() {
+    let warned = |route: &str| -> Vec<String> {
+        let c = json!({"channel_id": "c", "name": "c", "workflow_id": "w", "protocol": "rest",
+                       "route_pattern": route, "methods": ["POST"]});
+        assert!(validate_channel(&c).is_empty(), "{route}");
+        channel_warnings(&c)
+            .into_iter()
+            .map(|d| d.message)
+            .collect()
+    };
+    assert_eq!(
+        warned("/orders/:id"),
+        ["segment ':id' is matched literally; write a path parameter as {name}"]
+    );
+    assert_eq!(warned("/orders/<id>").len(), 1);
+    assert!(
+        warned("/api/v1/data/orders/{id}")[0].starts_with("routes are relative to /api/v1/data")
+    );
+    assert!(warned("/orders/{id}").is_empty());
+}
+
 /// CORS methods that allow none of the channel's methods are warned of
 /// (every preflight would be refused); HEAD counts for GET.
 #[test]
@@ -1844,6 +1868,16 @@ fn other_connector_rules() {
             ("config.brokers[2]", "expected string, got integer"),
             ("config.brokers[1]", "broker 'b' must be host:port"),
         ],
+    );
+    // A URL is not a broker (audit 113: stored, then every publish waited
+    // for the channel's timeout).
+    check_cfg(
+        "kafka",
+        json!({"brokers": ["kafka://127.0.0.1:9092"]}),
+        &[(
+            "config.brokers[0]",
+            "broker 'kafka://127.0.0.1:9092' must be host:port, without a scheme",
+        )],
     );
     check_cfg(
         "kafka",
