@@ -588,31 +588,32 @@ async fn preflight(api: &Api, steps: &[Step]) -> Result<(Vec<String>, Vec<String
             api.ok("POST", &path, Some(&bodies)).await?;
         }
         let report = &answer["data"];
-        for warned in report["warnings"].as_array().into_iter().flatten() {
-            let step = warned["index"]
-                .as_u64()
-                .and_then(|i| created.get(i as usize));
-            let id = step.map_or("?", |s| s.id.as_str());
-            for d in warned["details"].as_array().into_iter().flatten() {
-                if !made_by_the_plan(steps, d) {
-                    warnings.push(format!("{} {id}: {}", kind.label(), diagnostic_line(d)));
-                }
+        // Each `{field, message}` of the report's `key` list, with the id
+        // of the creation its `index` names.
+        let each = |key: &str| {
+            report[key]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|item| {
+                    let id = item["index"]
+                        .as_u64()
+                        .and_then(|i| created.get(i as usize))
+                        .map_or("?", |s| s.id.as_str());
+                    item["details"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(move |d| (id, d))
+                })
+        };
+        for (id, d) in each("warnings") {
+            if !made_by_the_plan(steps, d) {
+                warnings.push(format!("{} {id}: {}", kind.label(), diagnostic_line(d)));
             }
         }
-        for failure in report["failed"].as_array().into_iter().flatten() {
-            let step = failure["index"]
-                .as_u64()
-                .and_then(|i| created.get(i as usize));
-            let id = step.map_or("?", |s| s.id.as_str());
-            for d in failure["details"].as_array().into_iter().flatten() {
-                let field = d["field"].as_str().unwrap_or_default();
-                let message = d["message"].as_str().unwrap_or_default();
-                problems.push(if field.is_empty() {
-                    format!("{} {id}: {message}", kind.label())
-                } else {
-                    format!("{} {id}: {field}: {message}", kind.label())
-                });
-            }
+        for (id, d) in each("failed") {
+            problems.push(format!("{} {id}: {}", kind.label(), diagnostic_line(d)));
         }
     }
     Ok((problems, warnings))
