@@ -277,19 +277,9 @@ fn storable(app: &App, def: &Json) -> Result<(), ApiError> {
     // a larger definition is refused before it is sent, naming both sizes
     // (audit 106: it was a 503 "retry later" that no retry could pass, and
     // an import's dry run promised it).
-    if let Some(limit) = app.store.definition_limit() {
+    if app.store.definition_limit().is_some() {
         let size = crate::api::to_json_bytes(def).len();
-        if size > limit {
-            return Err(ApiError::new(
-                api::Code::PayloadTooLarge,
-                format!(
-                    "the definition is {size} bytes as JSON; this database ({}) stores at most {limit} \
-                     in one statement (its max_allowed_packet less room for the rest); \
-                     raise max_allowed_packet on the server or split the definition",
-                    app.store.backend().as_str()
-                ),
-            ));
-        }
+        app.store.fits_one_statement("definition", size)?;
     }
     Ok(())
 }

@@ -1031,6 +1031,22 @@ impl Store {
         self.inner.max_packet.map(|n| n.saturating_sub(PACKET_ROOM))
     }
 
+    /// `TooLarge` (a 413 naming both sizes) when `size` bytes of `what`
+    /// would pass [`Self::definition_limit`]: judged before sending, since
+    /// the server may close the connection while such a statement is still
+    /// being sent, which reads as a lost connection (a 503).
+    pub fn fits_one_statement(&self, what: &str, size: usize) -> Result<(), StorageError> {
+        match self.definition_limit() {
+            Some(limit) if size > limit => Err(StorageError::TooLarge(format!(
+                "the {what} is {size} bytes as stored; this database ({}) stores at most {limit} \
+                 in one statement (its max_allowed_packet less room for the rest); \
+                 raise max_allowed_packet on the server or send less",
+                self.backend().as_str()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// How deep stored JSON (trace payloads and results) may nest on this
     /// database; `None` when it keeps anything the executor can build.
     pub fn json_depth(&self) -> Option<usize> {

@@ -386,20 +386,7 @@ fn error_summary(errors: &Json) -> String {
 impl Store {
     /// Stores a submission as `pending` (the caller then hands the id to a worker).
     pub async fn insert_pending(&self, t: &NewTrace) -> Result<(), StorageError> {
-        // Over MariaDB/MySQL's `max_allowed_packet` the server refuses the
-        // statement and may close the connection while the payload is still
-        // being sent, which reads as a lost connection (a 503): judged
-        // before anything is sent.
-        if let Some(limit) = self.definition_limit() {
-            let size = t.payload.len() + t.metadata.len();
-            if size > limit {
-                return Err(StorageError::TooLarge(format!(
-                    "the request is {size} bytes as stored; this database stores at most {limit} \
-                     in one statement (its max_allowed_packet less room for the rest); \
-                     raise max_allowed_packet on the server or send less"
-                )));
-            }
-        }
+        self.fits_one_statement("request", t.payload.len() + t.metadata.len())?;
         let s = &self.sql().traces;
         let bucket = t.bucket.map(i64::from);
         retry(|| async {
