@@ -17,6 +17,72 @@ pub struct Diagnostic {
     pub message: String,
 }
 
+/// What a rule is evaluated against, for [`stray_reads`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RuleRoot {
+    /// A workflow's JSONLogic: the data context.
+    Workflow,
+    /// A channel's `validation_logic`: the request's data and its parts.
+    ChannelValidation,
+    /// A channel's `key_logic`: as `validation_logic`, with the client and
+    /// the channel.
+    ChannelKey,
+}
+
+impl RuleRoot {
+    fn roots(self) -> &'static [&'static str] {
+        match self {
+            RuleRoot::Workflow => &["data", "metadata", "temp_data", "payload"],
+            RuleRoot::ChannelValidation => &["data", "headers", "query", "path"],
+            RuleRoot::ChannelKey => &["data", "headers", "query", "path", "client_ip", "channel"],
+        }
+    }
+
+    /// The path most likely meant by a stray read.
+    fn suggest(self, path: &str) -> String {
+        let (first, rest) = path.split_once('.').unwrap_or((path, ""));
+        match self {
+            RuleRoot::Workflow if matches!(first, "headers" | "query" | "path") => {
+                format!("metadata.{path}")
+            }
+            RuleRoot::Workflow => format!("data.{path}"),
+            _ if first == "metadata" && !rest.is_empty() => rest.to_owned(),
+            _ if first == "payload" => {
+                format!("data{}", path.strip_prefix("payload").unwrap_or(""))
+            }
+            _ => format!("data.{path}"),
+        }
+    }
+}
+
+/// A warning for each read of `logic` outside the roots of what it is
+/// evaluated against (`{"var": "order.total"}` in a workflow): such a read
+/// is always missing, so the rule silently works on `null`.
+pub fn stray_reads(
+    logic: &crate::logic::Logic,
+    field: &str,
+    root: RuleRoot,
+    out: &mut Vec<Diagnostic>,
+) {
+    let roots = root.roots();
+    for path in logic.stray_reads(roots) {
+        let first = path.split('.').next().unwrap_or_default();
+        let what = match root {
+            RuleRoot::Workflow => "the data context",
+            RuleRoot::ChannelValidation => "what validation_logic reads",
+            RuleRoot::ChannelKey => "what key_logic reads",
+        };
+        out.push(Diagnostic::new(
+            field,
+            format!(
+                "reads '{path}', which is always missing: '{first}' is not in {what} ({}); did you mean '{}'?",
+                roots.join(", "),
+                root.suggest(&path)
+            ),
+        ));
+    }
+}
+
 impl Diagnostic {
     pub fn new(field: impl Into<String>, message: impl Into<String>) -> Diagnostic {
         Diagnostic {

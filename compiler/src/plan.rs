@@ -10,7 +10,7 @@
 //! not compile therefore becomes [`FunctionPlan::Invalid`], which fails when it
 //! runs, and the problem is also returned as a warning so `validate` can show it.
 
-use crate::diag::Diagnostic;
+use crate::diag::{Diagnostic, RuleRoot};
 use crate::functions::{Function, FunctionKind};
 use crate::logic::{self, Logic};
 use crate::path::{Path, PathSet, Segment};
@@ -357,6 +357,30 @@ pub enum FunctionPlan {
 }
 
 impl FunctionPlan {
+    /// A data function's JSONLogic rules, each with its field under the
+    /// task's `function.input` (`mappings[0].logic`).
+    fn data_rules(&self) -> Vec<(String, &Logic)> {
+        match self {
+            FunctionPlan::Map { mappings, .. } => mappings
+                .iter()
+                .enumerate()
+                .map(|(i, (_, l))| (format!("mappings[{i}].logic"), l))
+                .collect(),
+            FunctionPlan::Filter { condition, .. } => vec![("condition".into(), condition)],
+            FunctionPlan::Validation { rules } => rules
+                .iter()
+                .enumerate()
+                .map(|(i, (l, _))| (format!("rules[{i}].logic"), l))
+                .collect(),
+            FunctionPlan::Log {
+                message, fields, ..
+            } => std::iter::once(("message".into(), message))
+                .chain(fields.iter().map(|(k, l)| (format!("fields.{k}"), l)))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     pub fn needs_io(&self) -> bool {
         matches!(
             self,
@@ -632,7 +656,10 @@ impl Cx {
 
     fn logic(&mut self, rule: &Json, field: &str) -> Option<Logic> {
         match logic::compile(rule) {
-            Ok(l) => Some(l),
+            Ok(l) => {
+                crate::diag::stray_reads(&l, field, RuleRoot::Workflow, &mut self.warnings);
+                Some(l)
+            }
             Err(e) => {
                 self.error(field, format!("invalid JSONLogic: {}", e.message));
                 None
@@ -813,7 +840,17 @@ impl Cx {
             _ => return self.io_function(function, input, field),
         };
         Some(match data_result {
-            Ok(plan) => plan,
+            Ok(plan) => {
+                for (sub, logic) in plan.data_rules() {
+                    crate::diag::stray_reads(
+                        logic,
+                        &join(field, &sub),
+                        RuleRoot::Workflow,
+                        &mut self.warnings,
+                    );
+                }
+                plan
+            }
             Err(problems) => {
                 let at = |sub: &str| {
                     if sub.is_empty() {
@@ -1500,13 +1537,67 @@ mod tests {
         assert_eq!(fields, ["tasks[0].loop.inc"]);
     }
 
+    /// A read outside the data context's roots (`order.total` for
+    /// `data.order.total`) is always missing: warned of wherever JSONLogic
+    /// is, with the path most likely meant. Reads of an iterator's element
+    /// and of the roots are not.
+    #[test]
+    fn reads_outside_the_context_are_warned_of() {
+        let def = json!({"workflow_id": "w", "name": "w",
+            "condition": {"==": [{"var": "headers.x-mode"}, "a"]},
+            "tasks": [
+            {"id": "m", "name": "m", "condition": {"var": "temp_data.go"},
+             "function": {"name": "map", "input": {"mappings": [
+                {"path": "data.total", "logic": {"reduce": [{"var": "data.items"},
+                    {"+": [{"var": "accumulator"}, {"var": "current.qty"}]}, 0]}},
+                {"path": "data.tier", "logic": {"if": [{">": [{"var": "order.total"}, 10]}, "a", "b"]}}]}}},
+            {"id": "v", "name": "v", "function": {"name": "validation", "input": {"rules": [
+                {"logic": {"all": [{"var": "data.items"}, {">": [{"var": "price"}, 0]}]}, "message": "p"},
+                {"logic": {"!!": [{"var": "payload.id"}]}, "message": "id"},
+                {"logic": {"!!": [{"var": "email"}]}, "message": "e"}]}}},
+            {"id": "h", "name": "h", "function": {"name": "http_call", "input": {
+                "connector": "api", "body_logic": {"cat": [{"var": "customer.id"}, {"var": "metadata.path.id"}]}}}}]});
+        let compiled = compile_workflow(&def).unwrap();
+        let warned: Vec<(&str, &str)> = compiled
+            .warnings
+            .iter()
+            .map(|w| (w.field.as_str(), w.message.as_str()))
+            .collect();
+        assert_eq!(
+            warned.iter().map(|w| w.0).collect::<Vec<_>>(),
+            [
+                "condition",
+                "tasks[0].function.input.mappings[1].logic",
+                "tasks[1].function.input.rules[2].logic",
+                "tasks[2].function.input.body_logic",
+            ],
+            "{warned:?}"
+        );
+        assert_eq!(
+            warned[0].1,
+            "reads 'headers.x-mode', which is always missing: 'headers' is not in the data context \
+             (data, metadata, temp_data, payload); did you mean 'metadata.headers.x-mode'?"
+        );
+        assert!(
+            warned[1].1.ends_with("did you mean 'data.order.total'?"),
+            "{}",
+            warned[1].1
+        );
+        assert!(warned[2].1.starts_with("reads 'email',"), "{}", warned[2].1);
+        assert!(
+            warned[3].1.starts_with("reads 'customer.id',"),
+            "{}",
+            warned[3].1
+        );
+    }
+
     /// A data function's misspelt field, a mapping's or rule's, and a
     /// static field beside its `_logic` twin are warnings with their paths.
     #[test]
     fn misspelt_data_inputs_and_doubled_twins_are_warnings() {
         let def = json!({"workflow_id": "w", "name": "w", "tasks": [
             {"id": "f", "name": "f", "function": {"name": "filter",
-             "input": {"condition": {"var": "ok"}, "onReject": "skip"}}},
+             "input": {"condition": {"var": "data.ok"}, "onReject": "skip"}}},
             {"id": "m", "name": "m", "function": {"name": "map",
              "input": {"mappings": [{"path": "a", "logic": 1}, {"path": "b", "logic": 1, "lgoic": 2}]}}},
             {"id": "v", "name": "v", "function": {"name": "validation",

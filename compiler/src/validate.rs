@@ -18,7 +18,7 @@ use crate::def::{
     ChannelConfig, ChannelDef, ChannelStatus, ConnectorDef, ConnectorType, GroupDef, HaltOn,
     HttpMethod, LoopDef, RetryPolicy, SaslConfig, WorkflowDef, WorkflowStatus,
 };
-use crate::diag::{Diagnostic, FieldPath};
+use crate::diag::{Diagnostic, FieldPath, RuleRoot};
 use crate::functions::{Constraint, FieldSchema, FieldType, Function};
 use serde_json::{Map, Value as Json};
 use std::collections::HashMap;
@@ -1004,6 +1004,36 @@ pub fn channel_warnings(def: &Json) -> Vec<Diagnostic> {
         return Vec::new();
     };
     let mut out = unknown_key_warnings(&FieldPath::root(), obj, CHANNEL_KEYS);
+    // Reads outside what the rules are evaluated against (`payload.x`, or
+    // `metadata.headers.x` as a workflow writes it) are always missing.
+    let config = obj.get("config_json");
+    let rules = [(
+        obj.get("validation_logic"),
+        "validation_logic".to_owned(),
+        RuleRoot::ChannelValidation,
+    )]
+    .into_iter()
+    .chain(
+        ["rate_limit", "deduplication", "cache"]
+            .into_iter()
+            .map(|part| {
+                (
+                    config
+                        .and_then(|c| c.get(part))
+                        .and_then(|p| p.get("key_logic")),
+                    format!("config_json.{part}.key_logic"),
+                    RuleRoot::ChannelKey,
+                )
+            }),
+    );
+    for (rule, field, root) in rules {
+        if let Some(logic) = rule
+            .filter(|r| !r.is_null())
+            .and_then(|r| crate::logic::compile(r).ok())
+        {
+            crate::diag::stray_reads(&logic, &field, root, &mut out);
+        }
+    }
     // Other frameworks' parameter syntax, or the data plane's own prefix,
     // are matched as literal text: the route never matches what was meant
     // (audit 113: `/orders/:id` answered "No route matches" without a hint).

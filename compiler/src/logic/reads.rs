@@ -18,6 +18,27 @@ impl Logic {
         collect(&self.prog, self.root, 0, &mut reads)?;
         Some(reads)
     }
+
+    /// The paths this rule reads from its evaluation root whose first key is
+    /// none of `roots`, dotted, each once, in the order they appear. Such a
+    /// read always finds nothing (`null`, or `var`'s default): most likely a
+    /// path written without its root (`order.total` for `data.order.total`).
+    /// Empty when the reads cannot be known before evaluation.
+    pub fn stray_reads(&self, roots: &[&str]) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for path in self.root_reads().unwrap_or_default() {
+            let Some(first) = path.first() else { continue };
+            if roots.contains(&&*first.key) {
+                continue;
+            }
+            let dotted = path.iter().map(|s| &*s.key).collect::<Vec<_>>().join(".");
+            // `""` reads the whole root.
+            if !dotted.is_empty() && !out.contains(&dotted) {
+                out.push(dotted);
+            }
+        }
+        out
+    }
 }
 
 /// Walks `id` at iterator depth `depth` (0 = the root scope).
@@ -160,6 +181,38 @@ mod tests {
                 .map(|segs| segs.iter().map(|s| &*s.key).collect::<Vec<_>>().join("."))
                 .collect()
         })
+    }
+
+    #[test]
+    fn stray_reads_are_those_outside_the_roots() {
+        let stray =
+            |rule: serde_json::Value| compile(&rule).unwrap().stray_reads(&["data", "metadata"]);
+        assert_eq!(
+            stray(
+                json!({"if": [{"var": "order.total"}, {"var": "data.x"}, {"var": ["order.total", 0]}]})
+            ),
+            vec!["order.total".to_owned()]
+        );
+        assert_eq!(
+            stray(
+                json!({"and": [{"missing": ["total"]}, {"var": "metadata.headers.x"}, {"var": ""}]})
+            ),
+            vec!["total".to_owned()]
+        );
+        // An iterator's body reads the element, not the root.
+        assert!(
+            stray(json!({"all": [{"var": "data.items"}, {">": [{"var": "price"}, 0]}]})).is_empty()
+        );
+        assert!(
+            stray(json!({"reduce": [{"var": "data.items"}, {"+": [{"var": "accumulator"}, {"var": "current.qty"}]}, 0]}))
+                .is_empty()
+        );
+        assert_eq!(
+            stray(json!({"map": [{"var": "items"}, {"var": "x"}]})),
+            vec!["items".to_owned()]
+        );
+        // Reads known only at evaluation time: nothing is claimed.
+        assert!(stray(json!({"var": {"cat": [{"var": "data.p"}, ".x"]}})).is_empty());
     }
 
     #[test]

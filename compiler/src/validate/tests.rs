@@ -1090,6 +1090,40 @@ fn literal_route_segments_that_look_like_parameters_are_warned_of() {
     assert!(warned("/orders/{id}").is_empty());
 }
 
+/// A channel rule's read outside what it is evaluated against (a
+/// workflow's `payload` or `metadata.headers` spelling) is warned of.
+#[test]
+fn channel_rule_reads_outside_their_roots_are_warned_of() {
+    let c = json!({"channel_id": "c", "name": "c", "workflow_id": "w", "protocol": "rest",
+        "route_pattern": "/o/{id}", "methods": ["POST"],
+        "validation_logic": {"and": [{"var": "payload.amount"}, {"var": "data.id"}, {"var": "path.id"}]},
+        "config_json": {"rate_limit": {"requests_per_second": 5,
+            "key_logic": {"cat": [{"var": "metadata.headers.x-tenant"}, {"var": "client_ip"}]}}}});
+    assert!(validate_channel(&c).is_empty());
+    let warned: Vec<(String, String)> = channel_warnings(&c)
+        .into_iter()
+        .map(|d| (d.field, d.message))
+        .collect();
+    assert_eq!(
+        warned,
+        [
+            (
+                "validation_logic".to_owned(),
+                "reads 'payload.amount', which is always missing: 'payload' is not in what \
+                 validation_logic reads (data, headers, query, path); did you mean 'data.amount'?"
+                    .to_owned()
+            ),
+            (
+                "config_json.rate_limit.key_logic".to_owned(),
+                "reads 'metadata.headers.x-tenant', which is always missing: 'metadata' is not in \
+                 what key_logic reads (data, headers, query, path, client_ip, channel); did you mean \
+                 'headers.x-tenant'?"
+                    .to_owned()
+            )
+        ]
+    );
+}
+
 /// CORS methods that allow none of the channel's methods are warned of
 /// (every preflight would be refused); HEAD counts for GET.
 #[test]
