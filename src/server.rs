@@ -452,6 +452,7 @@ async fn handle(
     // HTTP/1 leaves a HEAD answer's body out itself; over HTTP/2 hyper sent
     // it, which clients refuse as a protocol error.
     let h2_head = method == Method::HEAD && req.version() == http::Version::HTTP_2;
+    let http1 = req.version() < http::Version::HTTP_2;
     let route = crate::router::route_label(req.uri().path());
     // Load shedding: past `server.max_in_flight` requests, answer 503 at
     // once (health and metrics stay reachable).
@@ -524,6 +525,16 @@ async fn handle(
                 .headers_mut()
                 .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
         }
+    }
+    // While stopping (the shutdown delay, then the drain), an HTTP/1.1
+    // answer closes its connection: a keep-alive client or load balancer
+    // opens its next request elsewhere instead of finding the connection
+    // gone when the listener closes. (HTTP/2 is told by the GOAWAY of the
+    // graceful shutdown.)
+    if http1 && app.stopping.load(Ordering::Relaxed) {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     Ok(finish(response, &request_id))
 }

@@ -54,6 +54,18 @@ impl ConnectorError {
     pub fn other(message: impl Into<String>) -> Self {
         Self::new(ConnectorErrorKind::Other, message)
     }
+
+    /// The failure with the connector it came from named first (`connector
+    /// 'orders-db': database error: …`), unless its message names it
+    /// already: with several connectors of one kind in a workflow, a
+    /// driver's message alone does not say which one failed.
+    pub fn naming(mut self, connector: &str) -> Self {
+        let name = format!("connector '{connector}'");
+        if !self.message.contains(&name) {
+            self.message = format!("{name}: {}", self.message);
+        }
+        self
+    }
 }
 
 impl fmt::Display for ConnectorError {
@@ -359,4 +371,24 @@ impl Services {
 /// `"{\"a\":1}"`) therefore reads back as the value it spells.
 fn cached_value(text: String) -> Json {
     serde_json::from_str(&text).unwrap_or(Json::String(text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_names_its_connector_once() {
+        let e = ConnectorError::new(ConnectorErrorKind::Upstream, "database error: boom")
+            .retryable(true)
+            .naming("orders");
+        assert_eq!(e.message, "connector 'orders': database error: boom");
+        assert!(e.retryable && e.kind == ConnectorErrorKind::Upstream);
+        // A message that names it already stays as it is.
+        let e = ConnectorError::other("connector 'orders' not found").naming("orders");
+        assert_eq!(e.message, "connector 'orders' not found");
+        // Another connector named in the message does not count.
+        let e = ConnectorError::other("connector 'old': gone").naming("orders");
+        assert_eq!(e.message, "connector 'orders': connector 'old': gone");
+    }
 }

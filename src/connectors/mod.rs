@@ -394,6 +394,7 @@ impl Publisher for Connectors {
                 },
             )
             .await
+            .map_err(|e| e.naming(&req.connector))
     }
 }
 
@@ -416,6 +417,7 @@ impl SqlClient for Connectors {
                 },
             )
             .await
+            .map_err(|e| e.naming(&req.connector))
     }
 
     async fn write(&self, scope: &CallScope, req: SqlRequest) -> Result<u64, ConnectorError> {
@@ -435,6 +437,7 @@ impl SqlClient for Connectors {
                 },
             )
             .await
+            .map_err(|e| e.naming(&req.connector))
     }
 }
 
@@ -462,6 +465,7 @@ impl Cache for Connectors {
                 },
             )
             .await
+            .map_err(|e| e.naming(connector))
     }
 
     async fn set(
@@ -488,6 +492,7 @@ impl Cache for Connectors {
                 },
             )
             .await
+            .map_err(|e| e.naming(connector))
     }
 }
 
@@ -513,6 +518,7 @@ impl DocumentStore for Connectors {
                 },
             )
             .await
+            .map_err(|e| e.naming(&req.connector))
     }
 }
 

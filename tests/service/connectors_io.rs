@@ -231,6 +231,11 @@ async fn sql_write_then_read_on_postgres() {
         .to_owned();
     assert!(m.contains("duplicate key"), "{m}");
     assert!(!m.contains("after"), "not retried: {m}");
+    // Named by connector: a workflow may use several databases.
+    assert!(
+        m.contains("db_write: connector 'pg': database error: "),
+        "{m}"
+    );
 }
 
 /// The circuit breaker guards every connector, not only HTTP: a `db`
@@ -268,7 +273,7 @@ async fn a_db_connector_that_is_down_opens_its_breaker() {
             .as_str()
             .unwrap()
             .to_owned();
-        assert!(m.contains("db_read"), "{m}");
+        assert!(m.contains("db_read: connector 'down': "), "{m}");
     }
     let r = s.post("/api/v1/data/reads/1", json!({"data": {}})).await;
     let m = r.error(503, "SERVICE_UNAVAILABLE")["message"]

@@ -639,6 +639,36 @@ async fn a_shutdown_delay_keeps_serving_with_readiness_off() {
     assert_eq!(body["checks"]["stopping"], true, "{body}");
     let health = fresh.get(format!("{base}/healthz")).send().await.unwrap();
     assert_eq!(health.status(), 200);
+    // Answers close their connection meanwhile: the client that kept one
+    // alive from before is told so, and its next request opens a new one.
+    for _ in 0..2 {
+        let kept = client.get(format!("{base}/healthz")).send().await.unwrap();
+        assert_eq!(kept.status(), 200);
+        assert_eq!(
+            kept.headers().get("connection").map(|v| v.as_bytes()),
+            Some(&b"close"[..])
+        );
+    }
+    // And the server does close it after the answer (the read ends).
+    let addr = base.trim_start_matches("http://").to_owned();
+    let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    raw.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(1),
+        raw.read_to_end(&mut answer),
+    )
+    .await
+    .expect("the connection stayed open after the answer")
+    .unwrap();
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
     stopping.await.unwrap();
     assert!(
         started.elapsed() >= std::time::Duration::from_secs(2),
