@@ -882,7 +882,29 @@ fn connector_warnings(app: &App, def: &Json) -> Vec<Diagnostic> {
                     t.name(),
                     function.unwrap_or_default()
                 ),
-                Some(_) => continue,
+                Some(_) => {
+                    // The query's placeholders against the connector's
+                    // database and the task's params: a mismatch is a
+                    // driver error on every run.
+                    let input = step.pointer("/function/input");
+                    let query = input.and_then(|i| i.get("query")).and_then(Json::as_str);
+                    if let (Some(query), Some(dialect)) = (query, app.connectors.sql_dialect(name))
+                    {
+                        let params = input
+                            .and_then(|i| i.get("params"))
+                            .and_then(Json::as_array)
+                            .map_or(0, Vec::len);
+                        if let Some(problem) =
+                            sluice_compiler::sql::placeholder_problem(query, params, dialect)
+                        {
+                            out.push(Diagnostic {
+                                field: format!("{at}.function.input.query"),
+                                message: format!("{problem} (connector '{name}')"),
+                            });
+                        }
+                    }
+                    continue;
+                }
             };
             out.push(Diagnostic {
                 field: format!("{at}.function.input.connector"),

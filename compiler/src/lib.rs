@@ -12,6 +12,7 @@ pub mod logic;
 pub mod path;
 pub mod plan;
 pub mod schema;
+pub mod sql;
 pub mod validate;
 pub mod value;
 

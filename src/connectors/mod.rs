@@ -281,6 +281,15 @@ impl Connectors {
         self.entries.load().get(name).map(|e| e.def.connector_type)
     }
 
+    /// The SQL dialect of the database connector `name`, when its
+    /// connection string says it (not for an `env://` reference).
+    pub fn sql_dialect(&self, name: &str) -> Option<sluice_compiler::sql::Dialect> {
+        match &self.entries.load().get(name)?.typed {
+            Ok(ConnectorConfig::Db(db)) => sluice_compiler::sql::Dialect::of(&db.connection_string),
+            _ => None,
+        }
+    }
+
     fn entry(&self, name: &str) -> Result<Arc<Entry>, ConnectorError> {
         self.entries
             .load()

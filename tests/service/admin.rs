@@ -2836,3 +2836,98 @@ async fn a_statement_over_mariadbs_packet_limit_is_a_413() {
     let r = s.post("/api/v1/data/later", json!({"data": {}})).await;
     assert_eq!(r.status, 202, "{}", r.text);
 }
+
+/// A db task's query is checked against its connector's database when a
+/// workflow is validated or saved: the placeholder style (`?` on
+/// PostgreSQL, `$1` on MariaDB) and the number of params. Warnings: the
+/// definition is valid, and the connector may change before it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_placeholders_are_checked_against_the_connector() {
+    let s = start(Db::Sqlite).await;
+    for (name, url) in [
+        ("pg", "postgres://postgres@127.0.0.1:5432/test"),
+        ("maria", "mariadb://root@127.0.0.1:3306/test"),
+        ("lite", "sqlite::memory:"),
+        ("hidden", "env://SLUICE_TEST_UNSET_DB_URL"),
+    ] {
+        s.admin(
+            "POST",
+            "/connectors",
+            Some(json!({"name": name, "connector_type": "db",
+                        "config": {"type": "db", "connection_string": url}})),
+        )
+        .await
+        .ok(201);
+    }
+    let warned = |connector: &str, query: &str, params: Json| {
+        let mut w = workflow("q");
+        w["tasks"][1] = json!({"id": "read", "name": "read", "function": {"name": "db_read",
+            "input": {"connector": connector, "query": query, "params": params}}});
+        let s = &s;
+        async move {
+            let r = s.admin("POST", "/workflows/validate", Some(w)).await;
+            r.ok(200)["warnings"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|w| {
+                    format!(
+                        "{}: {}",
+                        w["field"].as_str().unwrap(),
+                        w["message"].as_str().unwrap()
+                    )
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    let id = json!([{"var": "data.id"}]);
+    assert_eq!(
+        warned("pg", "SELECT * FROM t WHERE id = ?", id.clone()).await,
+        [
+            "tasks[1].function.input.query: PostgreSQL placeholders are $1, $2, …; this query has \
+          none for the 1 value of params ('?' is the MySQL and SQLite style) (connector 'pg')"
+        ]
+    );
+    assert!(
+        warned("pg", "SELECT * FROM t WHERE id = $1", id.clone())
+            .await
+            .is_empty()
+    );
+    assert_eq!(
+        warned("maria", "SELECT * FROM t WHERE id = $1", id.clone()).await,
+        [
+            "tasks[1].function.input.query: MySQL and MariaDB placeholders are '?'; $1 is the \
+          PostgreSQL style (connector 'maria')"
+        ]
+    );
+    assert_eq!(
+        warned("lite", "SELECT * FROM t WHERE a = ? AND b = ?", id.clone()).await,
+        [
+            "tasks[1].function.input.query: the query has 2 '?' placeholders, but params gives \
+          1 value (connector 'lite')"
+        ]
+    );
+    assert!(
+        warned("lite", "SELECT '?' FROM t WHERE a = ?", id.clone())
+            .await
+            .is_empty()
+    );
+    // A connection string from the environment: the database is not known.
+    assert!(
+        warned("hidden", "SELECT * FROM t WHERE id = ?", json!([]))
+            .await
+            .is_empty()
+    );
+    // Saving answers the same warning.
+    let mut w = workflow("saved");
+    w["tasks"][1] = json!({"id": "read", "name": "read", "function": {"name": "db_read",
+        "input": {"connector": "pg", "query": "SELECT $1, $2", "params": [1]}}});
+    let r = s.admin("POST", "/workflows", Some(w)).await;
+    r.ok(201);
+    assert_eq!(
+        r.body["warnings"][0]["message"],
+        "the query's placeholders go up to $2, but params gives 1 value (connector 'pg')",
+        "{}",
+        r.text
+    );
+}
