@@ -1439,11 +1439,12 @@ async fn reload_connectors(app: &App, who: Principal) -> ApiResult {
     let n = app.connectors_changed().await?;
     let report = json!({"connectors": n});
     // The shared decisions give every `reload` `resource_type: engine`;
-    // the id says what was reloaded.
+    // the id says what was reloaded. The generation it made is recorded
+    // as an engine reload's is.
     let mut entry = audit(who, "reload");
     entry.resource_type = "engine".into();
     entry.resource_id = "connectors".into();
-    entry.details = report.clone();
+    entry.details = json!({"connectors": n, "generation": app.engine.load().generation});
     if let Err(e) = app.store.audit(entry).await {
         tracing::error!(error = %e, "could not write the connector reload audit entry");
     }
@@ -1519,7 +1520,6 @@ pub(crate) const AUDIT_RESOURCE_TYPES: &[&str] = &[
     "workflow",
     "channel",
     "connector",
-    "connectors",
     "engine",
     "circuit_breaker",
     "backup",

@@ -797,9 +797,18 @@ impl Store {
             let rows = load_state!(tx, k, id);
             let Some(latest) = rows.last() else { return Err(kind.not_found(id)) };
             if latest.status != Status::Draft {
+                // Named by the version that serves (an archived later one
+                // is not what the caller meant to edit), and how to start
+                // a draft.
+                let shown = rows
+                    .iter()
+                    .rev()
+                    .find(|r| matches!(r.status, Status::Active | Status::Paused))
+                    .unwrap_or(latest);
                 return Err(conflict(format!(
-                    "only a draft can be updated; version {} of {} '{id}' is {}",
-                    latest.version, kind.label(), latest.status
+                    "only a draft can be updated, and {label} '{id}' has none (version {} is {}); \
+                     POST /api/v1/admin/{label}s/{id}/versions starts one",
+                    shown.version, shown.status, label = kind.label()
                 )));
             }
             if kind == Kind::Channel {

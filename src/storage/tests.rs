@@ -486,7 +486,8 @@ async fn update_only_drafts(s: Store, _: PathBuf) {
     assert_conflict(
         s.update_draft(Kind::Workflow, "u", &wf("Three", &[]), admin("update"))
             .await,
-        "only a draft can be updated; version 1 of workflow 'u' is active",
+        "only a draft can be updated, and workflow 'u' has none (version 1 is active); \
+         POST /api/v1/admin/workflows/u/versions starts one",
     );
     assert_eq!(
         s.get(Kind::Workflow, "u", None).await.unwrap().definition["name"],
@@ -506,7 +507,8 @@ async fn update_only_drafts(s: Store, _: PathBuf) {
     assert_conflict(
         s.update_draft(Kind::Workflow, "u", &wf("Three", &[]), admin("update"))
             .await,
-        "only a draft can be updated; version 1 of workflow 'u' is archived",
+        "only a draft can be updated, and workflow 'u' has none (version 1 is archived); \
+         POST /api/v1/admin/workflows/u/versions starts one",
     );
     assert_not_found(
         s.update_draft(Kind::Workflow, "zz", &wf("x", &[]), admin("update"))
@@ -902,7 +904,23 @@ async fn channels_names_and_lifecycle(s: Store, _: PathBuf) {
     assert_conflict(
         s.update_draft(k, "c1", &channel("x", "sync", "rest"), admin("update"))
             .await,
-        "only a draft can be updated; version 2 of channel 'c1' is active",
+        "only a draft can be updated, and channel 'c1' has none (version 2 is active); \
+         POST /api/v1/admin/channels/c1/versions starts one",
+    );
+    // After a rollback the latest version is archived: the message names
+    // the one that serves (audit 116: it named the archived one).
+    s.set_status(k, "c1", Active, None, None, admin("activate"))
+        .await
+        .unwrap();
+    assert_eq!(
+        states(&s, k, "c1").await,
+        [(1, Active, 100), (2, Archived, 100)]
+    );
+    assert_conflict(
+        s.update_draft(k, "c1", &channel("x", "sync", "rest"), admin("update"))
+            .await,
+        "only a draft can be updated, and channel 'c1' has none (version 1 is active); \
+         POST /api/v1/admin/channels/c1/versions starts one",
     );
     assert_not_found(
         s.get(k, "nope", None).await,

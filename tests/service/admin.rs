@@ -609,6 +609,12 @@ async fn audit_and_backups(db: Db) {
         ),
         (&json!("engine"), &json!("connectors"), &json!(0))
     );
+    // With the generation it made, as an engine reload's entry has.
+    let status = s.admin("GET", "/engine/status", None).await;
+    assert_eq!(
+        reloads.ok(200)[0]["details"]["generation"],
+        status.ok(200)["generation"]
+    );
     // The closed filters refuse what no entry can hold, as `status` does;
     // `resource_id` narrows to one resource.
     for (query, message) in [
@@ -620,6 +626,12 @@ async fn audit_and_backups(db: Db) {
         (
             "resource_type=bogus",
             "resource_type must be one of workflow, channel",
+        ),
+        // No entry has it since connector reloads became `engine` ones
+        // (audit 116: it was accepted and matched nothing).
+        (
+            "resource_type=connectors",
+            "resource_type must be one of workflow, channel, connector, engine",
         ),
     ] {
         let r = s.admin("GET", &format!("/audit-logs?{query}"), None).await;
