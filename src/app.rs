@@ -186,13 +186,21 @@ impl App {
                 "another reload is still running".into(),
             ))
         })?;
+        // A failed reload is timed too, from here to its failure (audit 117:
+        // it was counted in `engine_reloads_total` but not timed).
+        let started = std::time::Instant::now();
+        let failed = || {
+            metrics::counter!(names::ENGINE_RELOADS_TOTAL, "status" => "failure").increment(1);
+            metrics::histogram!(names::ENGINE_RELOAD_DURATION_SECONDS)
+                .record(started.elapsed().as_secs_f64());
+        };
         // The generation is the stored one, read before the definitions: the
         // snapshot holds at least what that generation describes, and every
         // replica serving the same definitions reports the same number.
         let generation = match self.store.engine_generation().await {
             Ok(g) => g.max(1) as u64,
             Err(e) => {
-                metrics::counter!(names::ENGINE_RELOADS_TOTAL, "status" => "failure").increment(1);
+                failed();
                 tracing::warn!(error = %e, "engine reload failed; the previous engine keeps serving");
                 return Err(ReloadError::Storage(e));
             }
@@ -215,7 +223,7 @@ impl App {
         let built = match built {
             Ok(b) => b,
             Err(e) => {
-                metrics::counter!(names::ENGINE_RELOADS_TOTAL, "status" => "failure").increment(1);
+                failed();
                 // Definitions that do not build (not a busy or lost database,
                 // which the database check and the next reload cover).
                 if matches!(e, ReloadError::Invalid(_)) {

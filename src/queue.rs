@@ -421,9 +421,22 @@ pub(crate) fn log_failure(outcome: &Outcome, c: &Claimed) {
     };
     let first = outcome.errors.as_array().and_then(|e| e.first());
     let field = |k: &str| first.and_then(|e| e[k].as_str()).unwrap_or("").to_owned();
-    tracing::warn!(trace_id = %c.trace_id, channel = %c.channel, attempt = c.attempt,
+    tracing::warn!(request_id = %request_id_of(c), trace_id = %c.trace_id, channel = %c.channel, attempt = c.attempt,
         code = %field("code"), task_id = %field("task_id"), error = %field("message"),
         left_out, "trace failed");
+}
+
+/// The request id a trace's run logs under: its request's, kept in the
+/// stored metadata (a Kafka message's is its trace id).
+fn request_id_of(c: &Claimed) -> String {
+    #[derive(serde::Deserialize)]
+    struct Stored {
+        #[serde(default)]
+        request_id: String,
+    }
+    serde_json::from_str::<Stored>(&c.metadata)
+        .map(|m| m.request_id)
+        .unwrap_or_default()
 }
 
 /// [`execute`], with a panic in the run turned into a failed run (an
@@ -437,7 +450,14 @@ pub(crate) async fn execute_guarded(
     c: &Claimed,
     outcome: &mut Outcome,
 ) -> bool {
-    let run = std::panic::AssertUnwindSafe(execute(app, channel, c, &mut *outcome));
+    // The run's log lines (a `log` task's, a connector's) carry the
+    // request id and the trace id, as a request's lines carry its id
+    // (spec: the request id is propagated through logs).
+    let span = tracing::info_span!("trace", request_id = %request_id_of(c), trace_id = %c.trace_id);
+    let run = std::panic::AssertUnwindSafe(tracing::Instrument::instrument(
+        execute(app, channel, c, &mut *outcome),
+        span,
+    ));
     match futures_util::FutureExt::catch_unwind(run).await {
         Ok(ok) => {
             // An error text may quote a secret of the payload (an upstream

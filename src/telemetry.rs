@@ -168,6 +168,12 @@ pub fn metrics_handle() -> Option<&'static metrics_exporter_prometheus::Promethe
             for code in crate::api::Code::ALL {
                 metrics::counter!(names::ERRORS_TOTAL, "type" => code.as_str()).increment(0);
             }
+            // And the codes that are not API error codes: the HTTP layer's
+            // own refusals (`rejections.rs`) and failed span exports
+            // (audit 117: they appeared only when they first happened).
+            for code in ["URI_TOO_LONG", "HEADERS_TOO_LARGE", "OTEL_EXPORT"] {
+                metrics::counter!(names::ERRORS_TOTAL, "type" => code).increment(0);
+            }
             // Both outcomes of a reload likewise (audit 108: the failure
             // series appeared only with the first failure, so an alert on
             // its rate had nothing to compare against).

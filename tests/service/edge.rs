@@ -1006,7 +1006,22 @@ async fn requests_the_http_layer_refuses_get_the_envelope() {
             .and_then(|l| l.rsplit(' ').next()?.parse().ok())
             .unwrap_or(0.0)
     };
-    let before = counted(&s.get("/metrics").await.text);
+    // The duration histogram counts them as the counter does (audit 117:
+    // only `http_requests_total` did).
+    let timed = |metrics: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("http_request_duration_seconds_count{")
+                    && l.contains("path=\"unmatched\"")
+                    && l.contains("status=\"414\"")
+                    && l.contains("method=\"other\"")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let metrics = s.get("/metrics").await.text;
+    let (before, before_timed) = (counted(&metrics), timed(&metrics));
     for (raw, status, code) in [
         ("GARBAGE\r\n\r\n".to_owned(), 400, "BAD_REQUEST"),
         (
@@ -1051,7 +1066,9 @@ async fn requests_the_http_layer_refuses_get_the_envelope() {
     }
     // The server goes on serving, and counted them.
     assert_eq!(s.get("/healthz").await.status, 200);
-    assert_eq!(counted(&s.get("/metrics").await.text), before + 1.0);
+    let metrics = s.get("/metrics").await.text;
+    assert_eq!(counted(&metrics), before + 1.0);
+    assert_eq!(timed(&metrics), before_timed + 1.0, "{metrics}");
 }
 
 /// The admin plane has its own body limit (`server.admin_max_payload_size`,
@@ -1379,6 +1396,63 @@ async fn deploy_named(base: &str, id: &str, tasks: serde_json::Value) {
     }
 }
 
+/// Every engine reload is one sample of `engine_reload_duration_seconds`,
+/// a failed one too (audit 117: it was counted in `engine_reloads_total`
+/// and not timed). In a process of its own, so the counts are exact.
+#[tokio::test]
+async fn failed_reloads_are_timed() {
+    use sqlx::Connection as _;
+    let (mut child, base, dir) = serve_logging("reloadtimed", &[]).await;
+    deploy_named(
+        &base,
+        "t",
+        json!([{"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": []}}}]),
+    )
+    .await;
+    let url = format!("sqlite://{}", dir.join("sluice.db").display());
+    let mut db = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    sqlx::query("UPDATE workflows SET definition = ?, digest = NULL WHERE id = 't'")
+        .bind(json!({"name": "t", "tasks": 7}).to_string())
+        .execute(&mut db)
+        .await
+        .unwrap();
+    let c = reqwest::Client::new();
+    let r = c
+        .post(format!("{base}/api/v1/admin/engine/reload"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 409);
+    let metrics = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let sample = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name}:\n{metrics}"))
+    };
+    let (ok, failed) = (
+        sample("engine_reloads_total{status=\"success\"}"),
+        sample("engine_reloads_total{status=\"failure\"}"),
+    );
+    assert_eq!(failed, 1.0, "{metrics}");
+    assert_eq!(
+        sample("engine_reload_duration_seconds_count"),
+        ok + failed,
+        "{metrics}"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A request that fails upstream is logged (warn, with its request id and
 /// the error), in plain text when the log is not a terminal.
 #[tokio::test]
@@ -1455,6 +1529,7 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
         let r = c
             .post(format!("{base}/api/v1/data/{path}"))
             .header("authorization", "Bearer hdrSecret77")
+            .header("x-request-id", "7e8f9a0b-1c2d-4e3f-8a4b-5c6d7e8f9a0b")
             .json(&json!({"data": {"login": {"password": "paySecret88"}}}))
             .send()
             .await
@@ -1471,9 +1546,10 @@ async fn failed_requests_are_logged_without_colours_off_a_terminal() {
     let log = std::fs::read_to_string(&log_path).unwrap();
     for what in ["request failed", "trace failed"] {
         assert!(
-            log.lines()
-                .any(|l| l.contains(what) && l.contains("to-******")),
-            "{what} quoting the secrets, masked:\n{log}"
+            log.lines().any(|l| l.contains(what)
+                && l.contains("to-******")
+                && l.contains("7e8f9a0b-1c2d-4e3f-8a4b-5c6d7e8f9a0b")),
+            "{what} quoting the secrets, masked, with the request id:\n{log}"
         );
     }
     for secret in ["hdrSecret77", "paySecret88"] {
@@ -1526,7 +1602,21 @@ async fn a_log_message_is_written_as_is_in_json_logs() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // The same task in an async run logs under the request's id and the
+    // trace's (audit 117: an async run's lines carried neither).
+    let r = c
+        .post(format!("{base}/api/v1/data/l/async"))
+        .header("x-request-id", "5a6b7c8d-1e2f-4a3b-8c4d-5e6f7a8b9c0d")
+        .json(&json!({"data": {"m": "in the background"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let trace_id = r.json::<serde_json::Value>().await.unwrap()["trace_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
     let _ = child.kill();
     let _ = child.wait();
     let log = std::fs::read_to_string(dir.join("sluice.log")).unwrap();
@@ -1536,6 +1626,19 @@ async fn a_log_message_is_written_as_is_in_json_logs() {
         .unwrap_or_else(|| panic!("no log task line:\n{log}"));
     let entry: serde_json::Value = serde_json::from_str(line).unwrap();
     assert_eq!(entry["fields"]["message"], "line one\nline two", "{line}");
+    let line = log
+        .lines()
+        .find(|l| l.contains("in the background"))
+        .unwrap_or_else(|| panic!("no async log task line:\n{log}"));
+    let entry: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(
+        (&entry["span"]["request_id"], &entry["span"]["trace_id"]),
+        (
+            &json!("5a6b7c8d-1e2f-4a3b-8c4d-5e6f7a8b9c0d"),
+            &json!(trace_id)
+        ),
+        "{line}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
