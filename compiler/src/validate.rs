@@ -1092,6 +1092,20 @@ pub fn channel_warnings(def: &Json) -> Vec<Diagnostic> {
             ));
         }
     }
+    // No origin at all: every browser request from another origin is
+    // refused, which reads as a browser problem (audit 115).
+    if let Some(Json::Array(origins)) = obj
+        .get("config_json")
+        .and_then(|c| c.get("cors"))
+        .and_then(|c| c.get("allowed_origins"))
+        && origins.is_empty()
+    {
+        out.push(Diagnostic::new(
+            "config_json.cors.allowed_origins",
+            "allows no origin: every cross-origin request and preflight is refused \
+             (list the origins, or \"*\" for any)",
+        ));
+    }
     // Settings an async channel accepts and cannot use (a Kafka channel's
     // are errors; these stay warnings so stored channels keep loading).
     if obj.get("channel_type").and_then(Json::as_str) == Some("async")

@@ -373,6 +373,16 @@ async fn async_requests_and_canary_rollouts() {
     assert!(compared >= 10);
 }
 
+/// "Channel governance", after the quick start on the same service: a
+/// channel version with a keyed rate limit and idempotency keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn channel_governance() {
+    let mut run = fresh_run().await;
+    compare_section(&mut run, "Quick start").await;
+    let compared = compare_section(&mut run, "Channel governance").await;
+    assert!(compared >= 8);
+}
+
 async fn fresh_run() -> Run {
     Run {
         s: start_with(Db::Sqlite, |_| {}).await,

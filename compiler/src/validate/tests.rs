@@ -1154,6 +1154,13 @@ fn cors_methods_the_channel_never_serves_are_warned_of() {
         assert!(channel(Some("/x"), methods, allowed).is_empty());
     }
     assert!(channel(None, json!(null), json!(["POST", "GET"])).is_empty());
+    // No origin at all is warned of too.
+    let w = channel_warnings(&json!({"channel_id": "c", "name": "c", "workflow_id": "w",
+        "protocol": "http", "config_json": {"cors": {"allowed_origins": []}}}));
+    assert_eq!(
+        w.iter().map(|d| d.field.as_str()).collect::<Vec<_>>(),
+        ["config_json.cors.allowed_origins"]
+    );
 }
 
 #[test]
