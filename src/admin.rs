@@ -342,10 +342,12 @@ fn checked(
             Ok(compiled) => (Vec::new(), compiled.warnings),
             Err(problems) => (problems, Vec::new()),
         },
-        Kind::Channel => (
-            validate::validate_channel(&def),
-            validate::channel_warnings(&def),
-        ),
+        Kind::Channel => {
+            let warnings = validate::channel_warnings(&def);
+            let mut problems = validate::validate_channel(&def);
+            sluice_compiler::diag::with_misspellings(&mut problems, &warnings);
+            (problems, warnings)
+        }
     };
     if let Some(mismatch) = mismatch {
         // The id field's own problem is the mismatch (the engine schema's
@@ -696,6 +698,7 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
             }),
         )
         .await?;
+    let mut warnings = Vec::new();
     if kind == Kind::Channel
         && target == Status::Active
         && !app.config.kafka.enabled
@@ -705,10 +708,18 @@ async fn set_status(app: &App, req: &Req, kind: Kind, id: &str, who: Principal) 
             channel = %id,
             "a Kafka channel was activated but kafka.enabled is false: nothing is consumed until Kafka is enabled"
         );
+        // Said to the caller too (audit 118: only the log said it).
+        warnings.push(Diagnostic {
+            field: "protocol".into(),
+            message: KAFKA_OFF_CHANNEL.into(),
+        });
     }
     reload_after_change(app, who).await;
-    api::ok(&record.to_json(kind))
+    with_warnings(http::StatusCode::OK, record.to_json(kind), &warnings)
 }
+
+/// The warning for a Kafka channel on a service without Kafka.
+const KAFKA_OFF_CHANNEL: &str = "kafka.enabled is false on this service: nothing is consumed from the topic until it is enabled";
 
 /// The message for a key a small control body (status, rollout) does not
 /// take.
@@ -828,19 +839,27 @@ async fn reference_warnings(
     if kind == Kind::Workflow {
         return Ok(connector_warnings(app, def));
     }
+    let mut out = Vec::new();
+    if !app.config.kafka.enabled && def.get("protocol").and_then(Json::as_str) == Some("kafka") {
+        out.push(Diagnostic {
+            field: "protocol".into(),
+            message: KAFKA_OFF_CHANNEL.into(),
+        });
+    }
     let Some(workflow) = def.get("workflow_id").and_then(Json::as_str) else {
-        return Ok(Vec::new());
+        return Ok(out);
     };
     match app.store.get(Kind::Workflow, workflow, None).await {
-        Ok(_) => Ok(Vec::new()),
-        Err(StorageError::NotFound(_)) => Ok(vec![Diagnostic {
+        Ok(_) => {}
+        Err(StorageError::NotFound(_)) => out.push(Diagnostic {
             field: "workflow_id".into(),
             message: format!(
                 "no workflow '{workflow}' exists; the channel answers 404 until one is created and activated"
             ),
-        }]),
-        Err(e) => Err(e.into()),
+        }),
+        Err(e) => return Err(e.into()),
     }
+    Ok(out)
 }
 
 /// Warnings about the connectors a workflow's tasks name: one that does
@@ -859,6 +878,12 @@ fn connector_warnings(app: &App, def: &Json) -> Vec<Diagnostic> {
                 continue;
             }
             let function = step.pointer("/function/name").and_then(Json::as_str);
+            if function == Some("publish_kafka") && !app.config.kafka.enabled {
+                out.push(Diagnostic {
+                    field: format!("{at}.function.name"),
+                    message: "kafka.enabled is false on this service: publish_kafka fails on every run until it is enabled".into(),
+                });
+            }
             let needs = match function {
                 Some("http_call") => "http",
                 Some("db_read" | "db_write") => "db",
@@ -1223,6 +1248,7 @@ fn checked_connector(def: Json, name_from_path: Option<&str>) -> Result<Json, Ap
     if let Some(mismatch) = mismatch {
         problems.insert(0, mismatch);
     }
+    sluice_compiler::diag::with_misspellings(&mut problems, &validate::connector_warnings(&def));
     if problems.is_empty() {
         Ok(def)
     } else {

@@ -453,6 +453,9 @@ fn fixed_schemas() -> Json {
             "created_at": string, "started_at": {"type": "string", "nullable": true},
             "completed_at": {"type": "string", "nullable": true},
             "duration_ms": {"type": "number", "nullable": true}, "attempts": integer,
+            // A failed trace's next run (its dead letter is due then); null
+            // when the failure is final.
+            "next_retry_at": {"type": "string", "nullable": true},
         }},
     })
 }

@@ -163,7 +163,8 @@ pub async fn read(app: &Arc<App>, req: &Req, rest: &[&str]) -> ApiResult {
         // Trace ids are UUIDs, written lowercase; a UUID read back in
         // uppercase names the same trace (RFC 9562).
         let id = id.to_ascii_lowercase();
-        return api::ok(&app.store.get_trace(&id).await?.to_json());
+        let trace = retries_shown(app, app.store.get_trace(&id).await?);
+        return api::ok(&trace.to_json());
     }
     let (limit, offset) = crate::admin::paging(req)?;
     let status = match req.query("status") {
@@ -191,7 +192,10 @@ pub async fn read(app: &Arc<App>, req: &Req, rest: &[&str]) -> ApiResult {
     };
     let (traces, total) = app.store.list_traces(&q).await?;
     api::page(
-        traces.iter().map(|t| t.to_json()).collect(),
+        traces
+            .into_iter()
+            .map(|t| retries_shown(app, t).to_json())
+            .collect(),
         total,
         limit,
         offset,
@@ -203,4 +207,13 @@ fn now_micros() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// A trace as shown: with `queue.dlq_retry_enabled = false` no dead letter
+/// runs again, so none is said to be due.
+fn retries_shown(app: &App, mut trace: crate::storage::Trace) -> crate::storage::Trace {
+    if !app.config.queue.dlq_retry_enabled {
+        trace.next_retry_at = None;
+    }
+    trace
 }

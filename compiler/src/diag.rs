@@ -17,6 +17,25 @@ pub struct Diagnostic {
     pub message: String,
 }
 
+/// The message of an unknown-key warning starts with this.
+pub const UNKNOWN_FIELD: &str = "unknown field, ignored";
+
+/// A refused definition's problems, with its unknown-field warnings among
+/// them: a misspelt field is most likely why a required one is missing
+/// (`sql` for `query`, `base_url` for `url`), and the caller would not
+/// see it until the next attempt (audit 118). Nothing is added to a
+/// definition without problems.
+pub fn with_misspellings(problems: &mut Vec<Diagnostic>, warnings: &[Diagnostic]) {
+    if problems.is_empty() {
+        return;
+    }
+    for w in warnings {
+        if w.message.starts_with(UNKNOWN_FIELD) && !problems.contains(w) {
+            problems.push(w.clone());
+        }
+    }
+}
+
 /// What a rule is evaluated against, for [`stray_reads`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RuleRoot {
@@ -53,6 +72,38 @@ impl RuleRoot {
             _ => format!("data.{path}"),
         }
     }
+}
+
+/// A warning when a rule that should judge each request is a constant
+/// that refuses every request, or a string (`"data.qty > 0"` is text, not
+/// an expression): it gives the same answer every time. `passes` says whether that answer lets requests
+/// through (channel `validation_logic` takes any truthy value; a workflow
+/// `validation` rule only `true`).
+pub fn constant_rule(
+    logic: &crate::logic::Logic,
+    field: &str,
+    passes: impl Fn(&serde_json::Value) -> bool,
+    out: &mut Vec<Diagnostic>,
+) {
+    // A constant that lets everything through is harmless unless it is a
+    // string, which was meant as an expression.
+    let Some(value) = logic.constant().filter(|v| v.is_string() || !passes(v)) else {
+        return;
+    };
+    let outcome = if passes(value) {
+        "every request passes"
+    } else {
+        "every request is refused"
+    };
+    let hint = if value.is_string() {
+        " (a string is a constant, not an expression: write JSONLogic such as {\">\": [{\"var\": \"data.qty\"}, 0]})"
+    } else {
+        ""
+    };
+    out.push(Diagnostic::new(
+        field,
+        format!("is a constant ({value}), so {outcome}{hint}"),
+    ));
 }
 
 /// A warning for each read of `logic` outside the roots of what it is

@@ -298,7 +298,7 @@ const HTTP_CALL: &[FieldSchema] = &[
 const DB_READ: &[FieldSchema] = &[
     f("connector", T::String, true, None, "connection", "SQL connector name."),
     f("query", T::String, true, None, "request", "SELECT (or a write with RETURNING) with placeholders: `?` for SQLite/MySQL, `$1`, `$2`, ... for PostgreSQL."),
-    f("params", T::Array, false, None, "request", "Values bound in order."),
+    f("params", T::Array, false, None, "request", "Values bound to the placeholders in order; each item is JSONLogic (a constant, or {\"var\": …})."),
     f("output", T::String, false, Some("data"), "output", "Dotted path for the row array."),
 ];
 
@@ -306,7 +306,7 @@ const DB_READ: &[FieldSchema] = &[
 const DB_WRITE: &[FieldSchema] = &[
     f("connector", T::String, true, None, "connection", "SQL connector name."),
     f("query", T::String, true, None, "request", "INSERT/UPDATE/DELETE with placeholders: `?` for SQLite/MySQL, `$1`, `$2`, ... for PostgreSQL."),
-    f("params", T::Array, false, None, "request", "Values bound in order."),
+    f("params", T::Array, false, None, "request", "Values bound to the placeholders in order; each item is JSONLogic (a constant, or {\"var\": …})."),
     f("output", T::String, false, Some("data"), "output", "Dotted path receiving `{rows_affected: N}`."),
 ];
 

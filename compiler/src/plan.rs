@@ -434,6 +434,7 @@ fn compile_checked(def: &Json, validated: Vec<Diagnostic>) -> Result<Compiled, V
     };
     errors.extend(cx.errors);
     if !errors.is_empty() {
+        crate::diag::with_misspellings(&mut errors, &cx.warnings);
         dedup(&mut errors);
         document_order(&mut errors);
         return Err(errors);
@@ -715,7 +716,8 @@ impl Cx {
                 self.warnings.push(Diagnostic {
                     field: join(field, key),
                     message: format!(
-                        "unknown field, ignored; expected one of {}",
+                        "{}; expected one of {}",
+                        crate::diag::UNKNOWN_FIELD,
                         known.join(", ")
                     ),
                 });
@@ -841,6 +843,16 @@ impl Cx {
         };
         Some(match data_result {
             Ok(plan) => {
+                if let FunctionPlan::Validation { rules } = &plan {
+                    for (i, (logic, _)) in rules.iter().enumerate() {
+                        crate::diag::constant_rule(
+                            logic,
+                            &join(field, &format!("rules[{i}].logic")),
+                            |v| *v == Json::Bool(true),
+                            &mut self.warnings,
+                        );
+                    }
+                }
                 for (sub, logic) in plan.data_rules() {
                     crate::diag::stray_reads(
                         logic,
@@ -956,6 +968,24 @@ impl Cx {
                     });
                 }
             }
+        }
+        // Static text written as a template (`a:{{payload.sku}}`) is used as
+        // written: a cache key shared by every request, a literal path
+        // (audit 118). The `_logic` twin computes it.
+        for (key, value) in input {
+            if key == "connector" || key.ends_with("_logic") {
+                continue;
+            }
+            let twin = format!("{key}_logic");
+            let fix = if known.contains(&twin.as_str()) {
+                format!(
+                    "compute it with {twin}, e.g. {{\"cat\": [\"text\", {{\"var\": \"data.x\"}}]}}"
+                )
+            } else {
+                "static fields are not expanded".to_owned()
+            };
+            let braces = matches!(key.as_str(), "path" | "key");
+            template_warnings(value, &join(field, key), braces, &fix, &mut self.warnings);
         }
         let connector: Box<str> = str_field(input, "connector").unwrap_or_default().into();
         let output = |key: &str| WritePath::parse(str_field(input, key).unwrap_or("data"));
@@ -1113,6 +1143,57 @@ impl Cx {
         }
         Some(input.get(key).cloned().map(Source::Static))
     }
+}
+
+/// A warning for each string in `value` (at `field`, nested members and
+/// items included) that reads like a template another tool would expand:
+/// `{{x}}`, `${x}`, and with `braces` a route-style `{name}`.
+fn template_warnings(
+    value: &Json,
+    field: &str,
+    braces: bool,
+    fix: &str,
+    out: &mut Vec<Diagnostic>,
+) {
+    match value {
+        Json::String(text) if looks_like_template(text, braces) => out.push(Diagnostic {
+            field: field.into(),
+            message: format!(
+                "'{text}' looks like a template, but it is used as written (the same for every request); {fix}"
+            ),
+        }),
+        Json::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                template_warnings(item, &format!("{field}[{i}]"), false, fix, out);
+            }
+        }
+        Json::Object(members) => {
+            for (k, v) in members {
+                template_warnings(v, &join(field, k), false, fix, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn looks_like_template(text: &str, braces: bool) -> bool {
+    let closed_after = |open: &str| {
+        text.find(open)
+            .is_some_and(|at| text[at + open.len()..].contains('}'))
+    };
+    if closed_after("{{") || closed_after("${") {
+        return true;
+    }
+    // `/prices/{sku}`: a name in braces, as route patterns write parameters.
+    braces
+        && text.split('{').skip(1).any(|rest| {
+            rest.split_once('}').is_some_and(|(name, _)| {
+                !name.is_empty()
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+            })
+        })
 }
 
 fn required_str<'j>(input: &'j Map<String, Json>, key: &str) -> Result<&'j str, InputProblem> {
@@ -1588,6 +1669,107 @@ mod tests {
             warned[3].1.starts_with("reads 'customer.id',"),
             "{}",
             warned[3].1
+        );
+    }
+
+    /// A refused workflow's misspelt fields are among its problems: most
+    /// likely why a required field is missing.
+    #[test]
+    fn a_refused_workflow_names_its_misspelt_fields() {
+        let def = json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "q", "name": "q", "function": {"name": "db_read",
+                "input": {"connector": "db", "sql": "SELECT 1"}}}]});
+        let problems = compile_workflow(&def).unwrap_err();
+        let fields: Vec<&str> = problems.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "tasks[0].function.input.query",
+                "tasks[0].function.input.sql"
+            ],
+            "{problems:?}"
+        );
+        assert!(
+            problems[1]
+                .message
+                .starts_with("unknown field, ignored; expected one of connector, query")
+        );
+        // Without an error the misspelling stays a warning.
+        let def = json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "q", "name": "q", "function": {"name": "db_read",
+                "input": {"connector": "db", "query": "SELECT 1", "sql": "x"}}}]});
+        assert_eq!(compile_workflow(&def).unwrap().warnings.len(), 1);
+    }
+
+    /// A `validation` rule that is a constant fails (or passes) every run.
+    #[test]
+    fn constant_validation_rules_are_warned_of() {
+        let def = json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "v", "name": "v", "function": {"name": "validation", "input": {"rules": [
+                {"logic": "data.qty > 0", "message": "qty"},
+                {"logic": {">": [{"var": "data.qty"}, 0]}, "message": "ok"},
+                {"logic": true, "message": "always"},
+                {"logic": {"==": [1, 2]}, "message": "never"}]}}}]});
+        let compiled = compile_workflow(&def).unwrap();
+        let warned: Vec<String> = compiled
+            .warnings
+            .iter()
+            .map(|w| format!("{}: {}", w.field, w.message))
+            .collect();
+        assert_eq!(warned.len(), 2, "{warned:?}");
+        assert_eq!(
+            warned[1],
+            "tasks[0].function.input.rules[3].logic: is a constant (false), so every request is refused"
+        );
+        assert!(
+            warned[0].starts_with(
+                "tasks[0].function.input.rules[0].logic: is a constant (\"data.qty > 0\"), so every request is refused (a string"
+            ),
+            "{warned:?}"
+        );
+    }
+
+    /// Static connector inputs written as templates are used as written:
+    /// warned of at their field, with the `_logic` twin to use.
+    #[test]
+    fn static_templates_are_warned_of() {
+        let def = json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "c", "name": "c", "function": {"name": "cache_read",
+                "input": {"connector": "r", "key": "price:{{payload.sku}}"}}},
+            {"id": "h", "name": "h", "function": {"name": "http_call", "input": {
+                "connector": "api", "path": "/prices/{sku}",
+                "headers": {"X-Sku": "${data.sku}", "Accept": "application/json"},
+                "body": {"items": [{"sku": "{{payload.sku}}"}], "note": "a {b} c"}}}},
+            {"id": "ok", "name": "ok", "function": {"name": "cache_write", "input": {
+                "connector": "r", "key": "fixed", "value": "{\"json\": 1}"}}}]});
+        let compiled = compile_workflow(&def).unwrap();
+        let warned: Vec<(&str, &str)> = compiled
+            .warnings
+            .iter()
+            .map(|w| (w.field.as_str(), w.message.as_str()))
+            .collect();
+        assert_eq!(
+            warned.iter().map(|w| w.0).collect::<Vec<_>>(),
+            [
+                "tasks[0].function.input.key",
+                "tasks[1].function.input.path",
+                "tasks[1].function.input.headers.X-Sku",
+                "tasks[1].function.input.body.items[0].sku",
+            ],
+            "{warned:?}"
+        );
+        assert!(
+            warned[0].1.starts_with(
+                "'price:{{payload.sku}}' looks like a template, but it is used as written \
+                 (the same for every request); compute it with key_logic"
+            ),
+            "{}",
+            warned[0].1
+        );
+        assert!(
+            warned[2].1.ends_with("static fields are not expanded"),
+            "{}",
+            warned[2].1
         );
     }
 

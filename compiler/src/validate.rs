@@ -987,7 +987,8 @@ fn unknown_key_warnings(
             Diagnostic::new(
                 at.key(k).as_str(),
                 format!(
-                    "unknown field, ignored; expected one of {}",
+                    "{}; expected one of {}",
+                    crate::diag::UNKNOWN_FIELD,
                     known.join(", ")
                 ),
             )
@@ -1032,6 +1033,9 @@ pub fn channel_warnings(def: &Json) -> Vec<Diagnostic> {
             .and_then(|r| crate::logic::compile(r).ok())
         {
             crate::diag::stray_reads(&logic, &field, root, &mut out);
+            if root == RuleRoot::ChannelValidation {
+                crate::diag::constant_rule(&logic, &field, crate::logic::truthy_json, &mut out);
+            }
         }
     }
     // Other frameworks' parameter syntax, or the data plane's own prefix,

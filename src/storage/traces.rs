@@ -149,12 +149,17 @@ pub struct Trace {
     pub completed_at: Option<i64>,
     pub duration_ms: Option<f64>,
     pub attempts: i64,
+    /// When a failed trace's dead letter is due to run again (`None`: no
+    /// retry is scheduled; the failure is final, or retries are off).
+    pub next_retry_at: Option<i64>,
 }
 
 impl Trace {
     /// The record of decisions.md: `{trace_id, channel, mode, status,
     /// workflow_id, workflow_version, data, errors, created_at, started_at,
-    /// completed_at, duration_ms, attempts}` (absent values are `null`).
+    /// completed_at, duration_ms, attempts}` (absent values are `null`),
+    /// and `next_retry_at`: when a `failed` trace runs again (its dead
+    /// letter is due), `null` when the failure is final.
     pub fn to_json(&self) -> Json {
         let time = |t: Option<i64>| t.map_or(Json::Null, |t| rfc3339(t).into());
         let mut m = Map::new();
@@ -171,6 +176,10 @@ impl Trace {
         m.insert("completed_at".into(), time(self.completed_at));
         m.insert("duration_ms".into(), self.duration_ms.into());
         m.insert("attempts".into(), self.attempts.into());
+        let retry = self
+            .next_retry_at
+            .filter(|_| self.status == TraceStatus::Failed);
+        m.insert("next_retry_at".into(), time(retry));
         Json::Object(m)
     }
 }
@@ -199,7 +208,9 @@ impl Default for TraceQuery {
 
 /// Columns of a `Trace` in the order `trace_from_row` reads them.
 const TRACE: &str = "trace_id, channel, mode, status, workflow_id, workflow_version, data, errors, \
-                     created_at, started_at, completed_at, duration_ms, attempts";
+                     created_at, started_at, completed_at, duration_ms, attempts, \
+                     (SELECT d.next_retry_at FROM trace_dlq d \
+                      WHERE d.trace_id = traces.trace_id AND d.state = 'waiting')";
 /// Columns of a `Claimed` in the order `claimed_from_row` reads them.
 const CLAIMED: &str = "trace_id, channel, attempts, bucket, payload, metadata";
 /// A trace a worker may take: waiting, or running under an expired lease.
@@ -346,6 +357,7 @@ where
             .try_get::<Option<f64>, usize>(11)
             .map_err(super::db_err)?,
         attempts: row.try_get(12).map_err(super::db_err)?,
+        next_retry_at: opt_int(13)?,
     })
 }
 

@@ -2943,3 +2943,117 @@ async fn sql_placeholders_are_checked_against_the_connector() {
         r.text
     );
 }
+
+/// On a service without Kafka, what needs it says so to the API caller
+/// (audit 118: only the log did): a workflow publishing to Kafka and a
+/// Kafka channel are created, and the channel activated, with a warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_work_on_a_service_without_kafka_is_warned_of() {
+    let s = start(Db::Sqlite).await;
+    let mut wf = workflow("pub");
+    wf["tasks"][1] = json!({"id": "send", "name": "send", "function": {"name": "publish_kafka",
+        "input": {"connector": "bus", "topic": "orders"}}});
+    let r = s.admin("POST", "/workflows", Some(wf)).await;
+    r.ok(201);
+    let fields: Vec<&str> = r.body["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "tasks[1].function.name",
+            "tasks[1].function.input.connector"
+        ],
+        "{}",
+        r.text
+    );
+    assert!(
+        r.body["warnings"][0]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("kafka.enabled is false on this service"),
+        "{}",
+        r.text
+    );
+    s.admin(
+        "PATCH",
+        "/workflows/pub/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    let r = s
+        .admin(
+            "POST",
+            "/channels",
+            Some(json!({"channel_id": "in", "name": "in", "channel_type": "async",
+                        "protocol": "kafka", "workflow_id": "pub", "config_json": {"topic": "orders"}})),
+        )
+        .await;
+    r.ok(201);
+    assert_eq!(r.body["warnings"][0]["field"], "protocol", "{}", r.text);
+    let r = s
+        .admin(
+            "PATCH",
+            "/channels/in/status",
+            Some(json!({"status": "active"})),
+        )
+        .await;
+    assert_eq!(r.ok(200)["status"], "active");
+    assert_eq!(
+        r.body["warnings"][0]["message"],
+        "kafka.enabled is false on this service: nothing is consumed from the topic until it is enabled",
+        "{}",
+        r.text
+    );
+    // An HTTP channel's activation answers no warnings.
+    s.admin("POST", "/channels", Some(channel("web", "pub")))
+        .await
+        .ok(201);
+    let r = s
+        .admin(
+            "PATCH",
+            "/channels/web/status",
+            Some(json!({"status": "active"})),
+        )
+        .await;
+    r.ok(200);
+    assert!(r.body.get("warnings").is_none(), "{}", r.text);
+}
+
+/// A refused connector or channel names its misspelt fields among its
+/// problems (audit 118: `base_url` for `url` answered only `config.url: is
+/// required`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_definitions_name_their_misspelt_fields() {
+    let s = start(Db::Sqlite).await;
+    let r = s
+        .admin(
+            "POST",
+            "/connectors",
+            Some(json!({"name": "api", "connector_type": "http",
+                        "config": {"type": "http", "base_url": "https://api.example.com"}})),
+        )
+        .await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(
+        r.detail_fields(),
+        ["config.url", "config.base_url"],
+        "{}",
+        r.text
+    );
+    let mut c = channel("c", "w");
+    c.as_object_mut().unwrap().remove("workflow_id");
+    c["workflowId"] = json!("w");
+    let r = s.admin("POST", "/channels", Some(c)).await;
+    r.error(400, "BAD_REQUEST");
+    assert_eq!(
+        r.detail_fields(),
+        ["workflow_id", "workflowId"],
+        "{}",
+        r.text
+    );
+}

@@ -146,9 +146,11 @@ async fn submit_poll_list_and_mask_body(db: Db) {
             "started_at",
             "completed_at",
             "duration_ms",
-            "attempts"
+            "attempts",
+            "next_retry_at"
         ]
     );
+    assert_eq!(t["next_retry_at"], json!(null));
 
     // By route, with a path parameter; and a channel of type async without `/async`.
     let routed = submit(
@@ -288,6 +290,13 @@ async fn dead_letter_retry_completes_body(db: Db) {
         .unwrap()
         .expect("dead letter");
     assert_eq!(dead.state, "waiting");
+    // The trace says a retry is due, and when (audit 118: a poller took
+    // `failed` as final).
+    let due = t["next_retry_at"].as_str().unwrap_or_else(|| panic!("{t}"));
+    assert!(dead.next_retry_at.is_some());
+    // The first retry waits a second: later than the failure, in the same
+    // RFC 3339 form (so the texts compare as the times do).
+    assert!(due > t["completed_at"].as_str().unwrap(), "{t}");
 
     // The poller retries it (after 1 s, then 2 s): it fails a second time...
     let t = poll(&s, &id, |t| t["status"] == "failed" && t["attempts"] == 2).await;
@@ -353,6 +362,8 @@ async fn dead_letter_retries_run_out() {
         (t["status"].as_str(), t["attempts"].as_i64()),
         (Some("failed"), Some(2))
     );
+    // Final: no retry is due.
+    assert_eq!(t["next_retry_at"], json!(null), "{t}");
     assert_eq!(t["errors"][0]["code"], "TASK_ERROR");
     let dead = s.app.store.dlq_entry(&id).await.unwrap().unwrap();
     assert_eq!(

@@ -29,6 +29,7 @@ use std::fmt;
 pub use ops::compare::{loose_eq, strict_eq};
 pub(crate) use ops::string::write_js_number;
 pub use ops::truthy;
+pub(crate) use ops::truthy_json;
 
 /// The deepest nesting (of operators, argument lists and literal containers) a
 /// rule may have. Enforced at compile time so evaluation, which recurses once

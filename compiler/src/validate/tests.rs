@@ -1124,6 +1124,32 @@ fn channel_rule_reads_outside_their_roots_are_warned_of() {
     );
 }
 
+/// A channel `validation_logic` that reads nothing is a constant: the same
+/// answer for every request (audit 118: a string rule let everything pass).
+#[test]
+fn a_constant_channel_validation_is_warned_of() {
+    let warned = |rule: Json| -> Vec<String> {
+        let c = json!({"channel_id": "c", "name": "c", "workflow_id": "w", "protocol": "http",
+                       "validation_logic": rule});
+        channel_warnings(&c)
+            .into_iter()
+            .map(|d| format!("{}: {}", d.field, d.message))
+            .collect()
+    };
+    assert_eq!(
+        warned(json!("data.qty > 0")),
+        [
+            "validation_logic: is a constant (\"data.qty > 0\"), so every request passes (a string \
+          is a constant, not an expression: write JSONLogic such as {\">\": [{\"var\": \"data.qty\"}, 0]})"
+        ]
+    );
+    assert_eq!(
+        warned(json!({"==": [1, 2]})),
+        ["validation_logic: is a constant (false), so every request is refused"]
+    );
+    assert!(warned(json!({">": [{"var": "data.qty"}, 0]})).is_empty());
+}
+
 /// CORS methods that allow none of the channel's methods are warned of
 /// (every preflight would be refused); HEAD counts for GET.
 #[test]
