@@ -46,8 +46,21 @@ pub fn placeholders(query: &str, dialect: Dialect) -> Placeholders {
         let c = b[i];
         match c {
             b'\'' | b'"' | b'`' => i = skip_quoted(b, i, dialect == Dialect::MySql && c == b'\''),
-            b'-' if b.get(i + 1) == Some(&b'-') => i = skip_line(b, i),
+            // MySQL takes `--` as a comment only before a space or a
+            // control byte (`5--?` is five minus minus a value).
+            b'-' if b.get(i + 1) == Some(&b'-')
+                && (dialect != Dialect::MySql || b.get(i + 2).is_none_or(|&c| c <= b' ')) =>
+            {
+                i = skip_line(b, i)
+            }
             b'#' if dialect == Dialect::MySql => i = skip_line(b, i),
+            // MySQL's and MariaDB's executable comments (`/*! … */`,
+            // `/*M! … */`) are code: only their markers are skipped.
+            b'/' if dialect == Dialect::MySql
+                && (query[i..].starts_with("/*!") || query[i..].starts_with("/*M!")) =>
+            {
+                i += if b[i + 2] == b'!' { 3 } else { 4 };
+            }
             b'/' if b.get(i + 1) == Some(&b'*') => {
                 i = match query[i + 2..].find("*/") {
                     Some(end) => i + 2 + end + 2,
@@ -208,6 +221,15 @@ mod tests {
             placeholders(r"SELECT 'it\'s ?', ? # ?", Dialect::MySql).question,
             1
         );
+        // MySQL: `--` needs a space after it to be a comment, and `/*! */`
+        // is code (the cases the MariaDB server itself counts so).
+        assert_eq!(placeholders("SELECT 5--? AS a", Dialect::MySql).question, 1);
+        assert_eq!(placeholders("SELECT 5 -- ?", Dialect::MySql).question, 0);
+        assert_eq!(
+            placeholders("SELECT ? /*!99999 , ? */", Dialect::MySql).question,
+            2
+        );
+        assert_eq!(placeholders("SELECT ? /* ? */", Dialect::MySql).question, 1);
         assert!(placeholders("SELECT * FROM t WHERE a = :a", Dialect::Sqlite).named);
         assert!(!placeholders("SELECT a::int FROM t", Dialect::Sqlite).named);
         assert!(placeholders("SELECT ?1", Dialect::Sqlite).named);

@@ -1015,6 +1015,14 @@ fn sql_err(e: sqlx::Error) -> ConnectorError {
                     " (a SQLite connector opens an existing file; add ?mode=rwc to the connection_string to create it)",
                 );
             }
+            // PostgreSQL counting the params against the placeholders: the
+            // task's own mistake, as MariaDB's count before the query is
+            // (`placeholder_mismatch`), so the same kind of failure on both
+            // (audit 118: a 502 here, a 500 there).
+            if code == "08P01" && d.message().starts_with("bind message supplies") {
+                msg.push_str("; give one value per placeholder ($1, $2, …)");
+                return ConnectorError::new(Other, msg);
+            }
             // 57014 query_canceled (statement_timeout); MariaDB 1969
             // max_statement_time; MySQL 3024 max_execution_time.
             if code == "57014" || matches!(mysql_number, Some(1969 | 3024)) {
@@ -1490,10 +1498,17 @@ mod tests {
             assert!(!e.retryable);
             assert!(e.message.contains("duplicate key"), "{}", e.message);
             // Too few parameters for the placeholders: the server's protocol
-            // violation (08P01) is the query's fault, not retried.
+            // violation (08P01) is the task's fault, not retried, and a task
+            // failure as MariaDB's count before the query is.
             let e = pool.read("SELECT $1::int AS a", &[]).await.unwrap_err();
-            assert_eq!(e.kind, ConnectorErrorKind::Upstream);
+            assert_eq!(e.kind, ConnectorErrorKind::Other);
             assert!(!e.retryable, "{e:?}");
+            assert!(
+                e.message.starts_with("database error: bind message supplies 0 parameters")
+                    && e.message.ends_with("give one value per placeholder ($1, $2, …)"),
+                "{}",
+                e.message
+            );
             // The same statement with null, then numbers: each binds as what
             // it is (a statement cached from the null call read 1 as 5e-324).
             for (id, v) in [(100, Json::Null), (101, json!(1)), (102, json!(2.5))] {
