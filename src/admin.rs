@@ -839,7 +839,7 @@ async fn reference_warnings(
     if kind == Kind::Workflow {
         return Ok(connector_warnings(app, def));
     }
-    let mut out = Vec::new();
+    let mut out = route_takeovers(app, def);
     if !app.config.kafka.enabled && def.get("protocol").and_then(Json::as_str) == Some("kafka") {
         out.push(Diagnostic {
             field: "protocol".into(),
@@ -860,6 +860,88 @@ async fn reference_warnings(
         Err(e) => return Err(e.into()),
     }
     Ok(out)
+}
+
+/// Served channels whose route and methods a channel's would share (the
+/// same segments, parameters by position): one of them never sees those
+/// requests, which the answer to the other's create does not otherwise
+/// show (audit 118).
+fn route_takeovers(app: &App, def: &Json) -> Vec<Diagnostic> {
+    let Some(pattern) = def.get("route_pattern").and_then(Json::as_str) else {
+        return Vec::new();
+    };
+    if def
+        .get("protocol")
+        .and_then(Json::as_str)
+        .is_some_and(|p| p != "rest")
+    {
+        return Vec::new();
+    }
+    let shape = |p: &str| -> Vec<String> {
+        p.split('/')
+            .filter(|s| !s.is_empty())
+            .map(|s| {
+                if s.starts_with('{') && s.ends_with('}') {
+                    "{}".to_owned()
+                } else {
+                    s.to_owned()
+                }
+            })
+            .collect()
+    };
+    let mine = shape(pattern);
+    let text = |k: &str| def.get(k).and_then(Json::as_str);
+    let methods: Vec<String> = def
+        .get("methods")
+        .and_then(Json::as_array)
+        .map(|m| {
+            m.iter()
+                .filter_map(Json::as_str)
+                .map(str::to_ascii_uppercase)
+                .collect()
+        })
+        .unwrap_or_default();
+    let snapshot = app.engine.load();
+    let mut others: Vec<&crate::engine::Channel> = snapshot
+        .channels
+        .values()
+        .map(|c| &**c)
+        .filter(|c| {
+            Some(c.name.as_str()) != text("name") && Some(c.id.as_str()) != text("channel_id")
+        })
+        .collect();
+    others.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut out = Vec::new();
+    for other in others {
+        let Some(theirs) = other
+            .def
+            .route_pattern
+            .as_deref()
+            .filter(|_| other.def.protocol() == sluice_compiler::def::Protocol::Rest)
+        else {
+            continue;
+        };
+        let shared: Vec<&str> = other
+            .def
+            .methods
+            .iter()
+            .map(|m| m.as_str())
+            .filter(|m| methods.iter().any(|x| x == m))
+            .collect();
+        if shape(theirs) != mine || shared.is_empty() {
+            continue;
+        }
+        out.push(Diagnostic {
+            field: "route_pattern".into(),
+            message: format!(
+                "channel '{}' already serves {} {theirs}: each such request goes to one of \
+                 the two, by priority, then the channel id first in order",
+                other.name,
+                shared.join(", ")
+            ),
+        });
+    }
+    out
 }
 
 /// Warnings about the connectors a workflow's tasks name: one that does

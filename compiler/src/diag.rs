@@ -57,19 +57,34 @@ impl RuleRoot {
         }
     }
 
-    /// The path most likely meant by a stray read.
-    fn suggest(self, path: &str) -> String {
+    /// The path most likely meant by a stray read, or `None` when what it
+    /// names cannot be read here at all.
+    fn suggest(self, path: &str) -> Option<String> {
         let (first, rest) = path.split_once('.').unwrap_or((path, ""));
+        let second = rest.split('.').next().unwrap_or_default();
+        // What a request's metadata holds (shared decisions).
+        const METADATA: &[&str] = &[
+            "headers",
+            "query",
+            "path",
+            "method",
+            "channel",
+            "request_id",
+        ];
         match self {
-            RuleRoot::Workflow if matches!(first, "headers" | "query" | "path") => {
-                format!("metadata.{path}")
+            RuleRoot::Workflow if METADATA.contains(&first) => Some(format!("metadata.{path}")),
+            RuleRoot::Workflow => Some(format!("data.{path}")),
+            // A channel's rules see the request's parts, not a context.
+            _ if first == "metadata" && matches!(second, "headers" | "query" | "path") => {
+                Some(rest.to_owned())
             }
-            RuleRoot::Workflow => format!("data.{path}"),
-            _ if first == "metadata" && !rest.is_empty() => rest.to_owned(),
-            _ if first == "payload" => {
-                format!("data{}", path.strip_prefix("payload").unwrap_or(""))
-            }
-            _ => format!("data.{path}"),
+            _ if matches!(first, "metadata" | "temp_data") => None,
+            _ if first == "payload" => Some(format!(
+                "data{}",
+                path.strip_prefix("payload").unwrap_or("")
+            )),
+            RuleRoot::ChannelValidation if matches!(first, "client_ip" | "channel") => None,
+            _ => Some(format!("data.{path}")),
         }
     }
 }
@@ -123,12 +138,15 @@ pub fn stray_reads(
             RuleRoot::ChannelValidation => "what validation_logic reads",
             RuleRoot::ChannelKey => "what key_logic reads",
         };
+        let hint = match root.suggest(&path) {
+            Some(meant) => format!("did you mean '{meant}'?"),
+            None => "it cannot be read here".to_owned(),
+        };
         out.push(Diagnostic::new(
             field,
             format!(
-                "reads '{path}', which is always missing: '{first}' is not in {what} ({}); did you mean '{}'?",
-                roots.join(", "),
-                root.suggest(&path)
+                "reads '{path}', which is always missing: '{first}' is not in {what} ({}); {hint}",
+                roots.join(", ")
             ),
         ));
     }

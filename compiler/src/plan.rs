@@ -844,7 +844,13 @@ impl Cx {
         Some(match data_result {
             Ok(plan) => {
                 if let FunctionPlan::Validation { rules } = &plan {
-                    for (i, (logic, _)) in rules.iter().enumerate() {
+                    // Only a string: a constant `false` under a condition is
+                    // how a gated task fails with its message (audit 119).
+                    for (i, (logic, _)) in rules
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, (l, _))| l.constant().is_some_and(Json::is_string))
+                    {
                         crate::diag::constant_rule(
                             logic,
                             &join(field, &format!("rules[{i}].logic")),
@@ -984,7 +990,8 @@ impl Cx {
             } else {
                 "static fields are not expanded".to_owned()
             };
-            let braces = matches!(key.as_str(), "path" | "key");
+            // Not `key`: `{user1000}` is a Redis Cluster hash tag.
+            let braces = key == "path";
             template_warnings(value, &join(field, key), braces, &fix, &mut self.warnings);
         }
         let connector: Box<str> = str_field(input, "connector").unwrap_or_default().into();
@@ -1147,7 +1154,11 @@ impl Cx {
 
 /// A warning for each string in `value` (at `field`, nested members and
 /// items included) that reads like a template another tool would expand:
-/// `{{x}}`, `${x}`, and with `braces` a route-style `{name}`.
+/// `{{x}}` or `${x}` around a name or a dotted path, and with `braces` (a
+/// `path`) a route-style `{name}` before any query string. Nested text
+/// (a `body`, a `data`, a `filter`) counts only when the template names
+/// the data context (`{{payload.sku}}`): an upstream may expand its own
+/// (`Hi {{name}}` to a mail API).
 fn template_warnings(
     value: &Json,
     field: &str,
@@ -1155,8 +1166,19 @@ fn template_warnings(
     fix: &str,
     out: &mut Vec<Diagnostic>,
 ) {
+    walk_templates(value, field, braces, false, fix, out);
+}
+
+fn walk_templates(
+    value: &Json,
+    field: &str,
+    braces: bool,
+    nested: bool,
+    fix: &str,
+    out: &mut Vec<Diagnostic>,
+) {
     match value {
-        Json::String(text) if looks_like_template(text, braces) => out.push(Diagnostic {
+        Json::String(text) if looks_like_template(text, braces, nested) => out.push(Diagnostic {
             field: field.into(),
             message: format!(
                 "'{text}' looks like a template, but it is used as written (the same for every request); {fix}"
@@ -1164,29 +1186,47 @@ fn template_warnings(
         }),
         Json::Array(items) => {
             for (i, item) in items.iter().enumerate() {
-                template_warnings(item, &format!("{field}[{i}]"), false, fix, out);
+                walk_templates(item, &format!("{field}[{i}]"), false, true, fix, out);
             }
         }
         Json::Object(members) => {
             for (k, v) in members {
-                template_warnings(v, &join(field, k), false, fix, out);
+                walk_templates(v, &join(field, k), false, true, fix, out);
             }
         }
         _ => {}
     }
 }
 
-fn looks_like_template(text: &str, braces: bool) -> bool {
-    let closed_after = |open: &str| {
-        text.find(open)
-            .is_some_and(|at| text[at + open.len()..].contains('}'))
+fn looks_like_template(text: &str, braces: bool, nested: bool) -> bool {
+    // What a template tool puts between its markers: a name or a dotted
+    // path (`{{1,2},{3,4}}`, a PostgreSQL array, is none).
+    let name_like = |inner: &str| {
+        let inner = inner.trim();
+        !inner.is_empty()
+            && inner
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_.-[]".contains(c))
+            && (!nested
+                || ["data.", "payload.", "metadata.", "temp_data."]
+                    .iter()
+                    .any(|root| inner.starts_with(root)))
     };
-    if closed_after("{{") || closed_after("${") {
+    let marked = |open: &str, close: &str| {
+        text.match_indices(open).any(|(at, _)| {
+            text[at + open.len()..]
+                .split_once(close)
+                .is_some_and(|(inner, _)| name_like(inner))
+        })
+    };
+    if marked("{{", "}}") || marked("${", "}") {
         return true;
     }
-    // `/prices/{sku}`: a name in braces, as route patterns write parameters.
+    // `/prices/{sku}`: a name in braces, as route patterns write parameters
+    // (in the path itself, not a query string: `?query={me{name}}`).
+    let path = text.split('?').next().unwrap_or_default();
     braces
-        && text.split('{').skip(1).any(|rest| {
+        && path.split('{').skip(1).any(|rest| {
             rest.split_once('}').is_some_and(|(name, _)| {
                 !name.is_empty()
                     && name
@@ -1637,7 +1677,8 @@ mod tests {
                 {"logic": {"!!": [{"var": "payload.id"}]}, "message": "id"},
                 {"logic": {"!!": [{"var": "email"}]}, "message": "e"}]}}},
             {"id": "h", "name": "h", "function": {"name": "http_call", "input": {
-                "connector": "api", "body_logic": {"cat": [{"var": "customer.id"}, {"var": "metadata.path.id"}]}}}}]});
+                "connector": "api", "body_logic": {"cat": [{"var": "customer.id"}, {"var": "metadata.path.id"}]}}}},
+            {"id": "l", "name": "l", "function": {"name": "log", "input": {"message": {"var": "method"}}}}]});
         let compiled = compile_workflow(&def).unwrap();
         let warned: Vec<(&str, &str)> = compiled
             .warnings
@@ -1651,6 +1692,7 @@ mod tests {
                 "tasks[0].function.input.mappings[1].logic",
                 "tasks[1].function.input.rules[2].logic",
                 "tasks[2].function.input.body_logic",
+                "tasks[3].function.input.message",
             ],
             "{warned:?}"
         );
@@ -1669,6 +1711,11 @@ mod tests {
             warned[3].1.starts_with("reads 'customer.id',"),
             "{}",
             warned[3].1
+        );
+        assert!(
+            warned[4].1.ends_with("did you mean 'metadata.method'?"),
+            "{}",
+            warned[4].1
         );
     }
 
@@ -1701,7 +1748,8 @@ mod tests {
         assert_eq!(compile_workflow(&def).unwrap().warnings.len(), 1);
     }
 
-    /// A `validation` rule that is a constant fails (or passes) every run.
+    /// A `validation` rule that is a string is text, not an expression: it
+    /// fails every run.
     #[test]
     fn constant_validation_rules_are_warned_of() {
         let def = json!({"workflow_id": "w", "name": "w", "tasks": [
@@ -1716,11 +1764,9 @@ mod tests {
             .iter()
             .map(|w| format!("{}: {}", w.field, w.message))
             .collect();
-        assert_eq!(warned.len(), 2, "{warned:?}");
-        assert_eq!(
-            warned[1],
-            "tasks[0].function.input.rules[3].logic: is a constant (false), so every request is refused"
-        );
+        // A constant `false` is how a task gated by its condition fails
+        // with its message: not warned of in a workflow.
+        assert_eq!(warned.len(), 1, "{warned:?}");
         assert!(
             warned[0].starts_with(
                 "tasks[0].function.input.rules[0].logic: is a constant (\"data.qty > 0\"), so every request is refused (a string"
@@ -1771,6 +1817,19 @@ mod tests {
             "{}",
             warned[2].1
         );
+        // Legitimate static text (audit 119): Redis Cluster hash tags, a
+        // PostgreSQL array literal, a GraphQL query string, an upstream's
+        // own template.
+        let def = json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "c", "name": "c", "function": {"name": "cache_read",
+                "input": {"connector": "r", "key": "{user1000}.following"}}},
+            {"id": "d", "name": "d", "function": {"name": "db_read", "input": {"connector": "db",
+                "query": "SELECT * FROM t WHERE m = '{{1,2},{3,4}}'::int[]"}}},
+            {"id": "h", "name": "h", "function": {"name": "http_call", "input": {
+                "connector": "api", "path": "/graphql?query={me{name}}",
+                "body": {"subject": "Hi {{name}}"}}}}]});
+        let compiled = compile_workflow(&def).unwrap();
+        assert!(compiled.warnings.is_empty(), "{:?}", compiled.warnings);
     }
 
     /// A data function's misspelt field, a mapping's or rule's, and a

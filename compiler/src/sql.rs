@@ -34,6 +34,9 @@ pub struct Placeholders {
     pub numbered: usize,
     /// SQLite's other forms (`?NNN`, `:name`, `@name`, `$name`).
     pub named: bool,
+    /// A `$n` below the highest that the query does not use (PostgreSQL
+    /// cannot tell that parameter's type), the first one.
+    pub gap: Option<usize>,
 }
 
 /// Scans `query` as `dialect` reads it.
@@ -42,10 +45,28 @@ pub fn placeholders(query: &str, dialect: Dialect) -> Placeholders {
     let mut out = Placeholders::default();
     let mut i = 0;
     let ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
+    let mut used: Vec<bool> = Vec::new();
     while i < b.len() {
         let c = b[i];
         match c {
+            // PostgreSQL's `E'…'` takes backslash escapes (an `E` that ends
+            // a longer name is not one).
+            b'\''
+                if dialect == Dialect::Postgres
+                    && i > 0
+                    && matches!(b[i - 1], b'E' | b'e')
+                    && (i < 2 || !ident(b[i - 2])) =>
+            {
+                i = skip_quoted(b, i, true)
+            }
             b'\'' | b'"' | b'`' => i = skip_quoted(b, i, dialect == Dialect::MySql && c == b'\''),
+            // SQLite also quotes names in brackets (`[a?]`).
+            b'[' if dialect == Dialect::Sqlite => {
+                i = b[i..]
+                    .iter()
+                    .position(|&c| c == b']')
+                    .map_or(b.len(), |n| i + n + 1)
+            }
             // MySQL takes `--` as a comment only before a space or a
             // control byte (`5--?` is five minus minus a value).
             b'-' if b.get(i + 1) == Some(&b'-')
@@ -81,6 +102,14 @@ pub fn placeholders(query: &str, dialect: Dialect) -> Placeholders {
                 if digits > 0 {
                     let n: usize = query[i + 1..i + 1 + digits].parse().unwrap_or(usize::MAX);
                     out.numbered = out.numbered.max(n);
+                    // Bounded: a placeholder number past 65535 is no
+                    // PostgreSQL parameter anyway.
+                    if n <= 65_535 {
+                        if used.len() < n {
+                            used.resize(n, false);
+                        }
+                        used[n - 1] = true;
+                    }
                     i += 1 + digits;
                 } else if dialect == Dialect::Postgres {
                     // A dollar-quoted string: `$$…$$` or `$tag$…$tag$`.
@@ -113,6 +142,7 @@ pub fn placeholders(query: &str, dialect: Dialect) -> Placeholders {
             _ => i += 1,
         }
     }
+    out.gap = used.iter().position(|u| !u).map(|n| n + 1);
     out
 }
 
@@ -171,6 +201,12 @@ pub fn placeholder_problem(query: &str, params: usize, dialect: Dialect) -> Opti
             p.numbered,
             values(params)
         )),
+        Dialect::Postgres if p.gap.is_some() => Some(format!(
+            "the query does not use ${}: PostgreSQL needs every placeholder from $1 to ${} \
+             (it cannot tell an unused one's type)",
+            p.gap.unwrap_or_default(),
+            p.numbered
+        )),
         Dialect::MySql | Dialect::Sqlite if p.numbered > 0 && p.question == 0 => {
             if dialect == Dialect::MySql {
                 Some(format!(
@@ -209,7 +245,8 @@ mod tests {
             Placeholders {
                 question: 1,
                 numbered: 2,
-                named: false
+                named: false,
+                gap: None
             }
         );
         // Dollar quoting, and MySQL's backslash escapes and `#` comments.
@@ -230,6 +267,27 @@ mod tests {
             2
         );
         assert_eq!(placeholders("SELECT ? /* ? */", Dialect::MySql).question, 1);
+        // PostgreSQL's escape strings, SQLite's bracketed names.
+        assert_eq!(
+            placeholders(r"SELECT E'it\'s ?', e'a\'b', $1", Dialect::Postgres).question,
+            0
+        );
+        assert_eq!(
+            placeholders(r"SELECT NAME'x\', ?", Dialect::Postgres).question,
+            1
+        );
+        assert_eq!(
+            placeholders("SELECT [a?] FROM t WHERE id = ?", Dialect::Sqlite).question,
+            1
+        );
+        assert_eq!(
+            placeholders("SELECT $1, $3", Dialect::Postgres).gap,
+            Some(2)
+        );
+        assert_eq!(
+            placeholders("SELECT $2, $1, $2", Dialect::Postgres).gap,
+            None
+        );
         assert!(placeholders("SELECT * FROM t WHERE a = :a", Dialect::Sqlite).named);
         assert!(!placeholders("SELECT a::int FROM t", Dialect::Sqlite).named);
         assert!(placeholders("SELECT ?1", Dialect::Sqlite).named);
@@ -251,6 +309,12 @@ mod tests {
         assert_eq!(
             placeholder_problem("SELECT * FROM t WHERE a = $1 AND b = $2", 3, Postgres).as_deref(),
             Some("the query's placeholders go up to $2, but params gives 3 values")
+        );
+        assert_eq!(
+            placeholder_problem("SELECT $1, $3", 3, Postgres).as_deref(),
+            Some(
+                "the query does not use $2: PostgreSQL needs every placeholder from $1 to $3 (it cannot tell an unused one's type)"
+            )
         );
         // jsonb's `?` operator with no params is not a placeholder problem.
         assert_eq!(

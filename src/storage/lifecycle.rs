@@ -805,10 +805,21 @@ impl Store {
                     .rev()
                     .find(|r| matches!(r.status, Status::Active | Status::Paused))
                     .unwrap_or(latest);
+                // A draft starts from the active version: with none, one
+                // must serve first (audit 119: the advice led to a 409).
+                let base = format!("/api/v1/admin/{}s/{id}", kind.label());
+                let how = match shown.status {
+                    Status::Active => format!("POST {base}/versions starts one"),
+                    Status::Paused => format!(
+                        "resume it (PATCH {base}/status with {{\"status\": \"active\"}}), then POST {base}/versions starts one"
+                    ),
+                    _ => format!(
+                        "activate a version (PATCH {base}/status with {{\"status\": \"active\"}}), then POST {base}/versions starts one"
+                    ),
+                };
                 return Err(conflict(format!(
-                    "only a draft can be updated, and {label} '{id}' has none (version {} is {}); \
-                     POST /api/v1/admin/{label}s/{id}/versions starts one",
-                    shown.version, shown.status, label = kind.label()
+                    "only a draft can be updated, and {} '{id}' has none (version {} is {}); {how}",
+                    kind.label(), shown.version, shown.status
                 )));
             }
             if kind == Kind::Channel {

@@ -508,7 +508,8 @@ async fn update_only_drafts(s: Store, _: PathBuf) {
         s.update_draft(Kind::Workflow, "u", &wf("Three", &[]), admin("update"))
             .await,
         "only a draft can be updated, and workflow 'u' has none (version 1 is archived); \
-         POST /api/v1/admin/workflows/u/versions starts one",
+         activate a version (PATCH /api/v1/admin/workflows/u/status with {\"status\": \"active\"}), \
+         then POST /api/v1/admin/workflows/u/versions starts one",
     );
     assert_not_found(
         s.update_draft(Kind::Workflow, "zz", &wf("x", &[]), admin("update"))

@@ -3057,3 +3057,67 @@ async fn refused_definitions_name_their_misspelt_fields() {
         r.text
     );
 }
+
+/// A channel whose route and methods a served channel already has is
+/// warned of, naming it (audit 118: three channels on `POST /x` were
+/// created and activated without a word).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_another_channel_serves_is_warned_of() {
+    let s = start(Db::Sqlite).await;
+    s.admin("POST", "/workflows", Some(workflow("w")))
+        .await
+        .ok(201);
+    let route = |id: &str, pattern: &str, methods: Json| {
+        json!({"channel_id": id, "name": id, "channel_type": "sync", "protocol": "rest",
+               "route_pattern": pattern, "methods": methods, "workflow_id": "w"})
+    };
+    s.admin(
+        "POST",
+        "/channels",
+        Some(route("first", "/dup/{id}", json!(["POST", "PUT"]))),
+    )
+    .await
+    .ok(201);
+    s.admin(
+        "PATCH",
+        "/channels/first/status",
+        Some(json!({"status": "active"})),
+    )
+    .await
+    .ok(200);
+    let r = s
+        .admin(
+            "POST",
+            "/channels",
+            Some(route("second", "/dup/{key}", json!(["POST"]))),
+        )
+        .await;
+    r.ok(201);
+    assert_eq!(
+        r.body["warnings"],
+        json!([{"field": "route_pattern", "message":
+            "channel 'first' already serves POST /dup/{id}: each such request goes to one of the two, by priority, then the channel id first in order"}]),
+        "{}",
+        r.text
+    );
+    // Another method, another shape, or the channel's own next version:
+    // nothing to say.
+    for (id, pattern, methods) in [
+        ("third", "/dup/{id}", json!(["GET"])),
+        ("fourth", "/dup/{id}/x", json!(["POST"])),
+    ] {
+        let r = s
+            .admin("POST", "/channels", Some(route(id, pattern, methods)))
+            .await;
+        r.ok(201);
+        assert!(r.body.get("warnings").is_none(), "{id}: {}", r.text);
+    }
+    s.admin("POST", "/channels/first/versions", None)
+        .await
+        .ok(201);
+    let mut next = route("first", "/dup/{id}", json!(["POST"]));
+    next.as_object_mut().unwrap().remove("channel_id");
+    let r = s.admin("PUT", "/channels/first", Some(next)).await;
+    r.ok(200);
+    assert!(r.body.get("warnings").is_none(), "{}", r.text);
+}

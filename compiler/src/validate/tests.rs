@@ -1100,6 +1100,20 @@ fn channel_rule_reads_outside_their_roots_are_warned_of() {
         "config_json": {"rate_limit": {"requests_per_second": 5,
             "key_logic": {"cat": [{"var": "metadata.headers.x-tenant"}, {"var": "client_ip"}]}}}});
     assert!(validate_channel(&c).is_empty());
+    // What a channel's rules cannot read at all is said so, not "meant".
+    let other = json!({"channel_id": "c", "name": "c", "workflow_id": "w", "protocol": "http",
+        "validation_logic": {"and": [{"var": "metadata.method"}, {"var": "temp_data.x"}, {"var": "client_ip"}]}});
+    let messages: Vec<String> = channel_warnings(&other)
+        .into_iter()
+        .map(|d| d.message)
+        .collect();
+    assert_eq!(messages.len(), 3, "{messages:?}");
+    assert!(
+        messages
+            .iter()
+            .all(|m| m.ends_with("; it cannot be read here")),
+        "{messages:?}"
+    );
     let warned: Vec<(String, String)> = channel_warnings(&c)
         .into_iter()
         .map(|d| (d.field, d.message))
