@@ -20,7 +20,7 @@ use crate::storage::{AgainstActive, Audit, Kind, ListQuery, Status, StorageError
 use http::Method;
 use serde_json::{Value as Json, json};
 use sluice_compiler::diag::Diagnostic;
-use sluice_compiler::plan::{compile_new_workflow, compile_workflow};
+use sluice_compiler::plan::{compile_new_workflow, compile_stored_workflow};
 use sluice_compiler::validate;
 use sluice_runtime::connectors::CallScope;
 use sluice_runtime::exec::{self, Input, Meta, Options, PayloadFrom};
@@ -342,12 +342,10 @@ fn checked(
             Ok(compiled) => (Vec::new(), compiled.warnings),
             Err(problems) => (problems, Vec::new()),
         },
-        Kind::Channel => {
-            let warnings = validate::channel_warnings(&def);
-            let mut problems = validate::validate_channel(&def);
-            sluice_compiler::diag::with_misspellings(&mut problems, &warnings);
-            (problems, warnings)
-        }
+        Kind::Channel => (
+            validate::validate_channel(&def),
+            validate::channel_warnings(&def),
+        ),
     };
     if let Some(mismatch) = mismatch {
         // The id field's own problem is the mismatch (the engine schema's
@@ -355,6 +353,11 @@ fn checked(
         // the path).
         problems.retain(|p| p.field != mismatch.field);
         problems.insert(0, mismatch);
+    }
+    // A channel's misspelt fields among its problems, as a workflow's are
+    // (after the mismatch, which may be the only one).
+    if kind == Kind::Channel {
+        sluice_compiler::diag::with_misspellings(&mut problems, &warnings);
     }
     match id {
         Some(id) if problems.is_empty() => Ok((id, def, warnings)),
@@ -764,7 +767,7 @@ async fn rollout(app: &App, req: &Req, id: &str, who: Principal) -> ApiResult {
 fn activatable(kind: Kind, record: &crate::storage::Record) -> Result<(), StorageError> {
     let def = record.to_json(kind);
     let problems = match kind {
-        Kind::Workflow => match compile_workflow(&def) {
+        Kind::Workflow => match compile_stored_workflow(&def) {
             Ok(_) => return Ok(()),
             Err(problems) => problems,
         },
@@ -1247,7 +1250,7 @@ async fn dry_run(app: &App, req: &Req, id: &str) -> ApiResult {
     // A version that is not one used to run the latest instead.
     let version = version_param(req)?;
     let record = app.store.get(Kind::Workflow, id, version).await?;
-    let compiled = compile_workflow(&record.to_json(Kind::Workflow))
+    let compiled = compile_stored_workflow(&record.to_json(Kind::Workflow))
         .map_err(|p| ApiError::invalid("workflow", p))?;
     let payload = body.get("data").cloned().unwrap_or(Json::Null);
     let meta_json = body.get("metadata").cloned().unwrap_or(Json::Null);

@@ -10,7 +10,7 @@ use crate::storage::{ActiveRow, Kind, Record, Stamp, Status, StorageError, Store
 use sluice_compiler::def::ChannelDef;
 use sluice_compiler::diag::Diagnostic;
 use sluice_compiler::logic::{self, Logic};
-use sluice_compiler::plan::{Plan, Rollout, compile_workflow};
+use sluice_compiler::plan::{Plan, Rollout, compile_stored_workflow};
 use std::collections::HashMap;
 
 /// Maps read on the request path (channel names, route literals): foldhash,
@@ -774,7 +774,7 @@ pub fn assemble(
                         serde_json::json!({"bucket_start": range.start, "bucket_end": range.end}),
                     );
                 }
-                match compile_workflow(&def) {
+                match compile_stored_workflow(&def) {
                     Ok(mut compiled) => {
                         compiled_count += 1;
                         compiled.plan.source_id = stored.stamp.identity().into();

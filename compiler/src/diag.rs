@@ -97,6 +97,7 @@ impl RuleRoot {
 pub fn constant_rule(
     logic: &crate::logic::Logic,
     field: &str,
+    each: &str,
     passes: impl Fn(&serde_json::Value) -> bool,
     out: &mut Vec<Diagnostic>,
 ) {
@@ -105,10 +106,10 @@ pub fn constant_rule(
     let Some(value) = logic.constant().filter(|v| v.is_string() || !passes(v)) else {
         return;
     };
-    let outcome = if passes(value) {
-        "every request passes"
-    } else {
-        "every request is refused"
+    let outcome = match (passes(value), each) {
+        (true, _) => format!("every {each} passes"),
+        (false, "run") => "every run fails it".to_owned(),
+        (false, _) => format!("every {each} is refused"),
     };
     let hint = if value.is_string() {
         " (a string is a constant, not an expression: write JSONLogic such as {\">\": [{\"var\": \"data.qty\"}, 0]})"

@@ -406,16 +406,28 @@ pub struct Compiled {
 /// Validates and compiles a workflow definition. Errors are every problem
 /// found, each with its field path.
 pub fn compile_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
-    compile_checked(def, validate::validate_workflow(def))
+    compile_checked(def, validate::validate_workflow(def), true)
+}
+
+/// [`compile_workflow`] for the engine, which keeps no warnings: the
+/// analyses that only produce warnings (reads outside the context,
+/// templates in static inputs, constant rules) are skipped, so a reload
+/// of many workflows does not pay for them.
+pub fn compile_stored_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
+    compile_checked(def, validate::validate_workflow(def), false)
 }
 
 /// [`compile_workflow`] for a definition being created or changed: also the
 /// rules a stored definition may predate ([`validate::validate_new_workflow`]).
 pub fn compile_new_workflow(def: &Json) -> Result<Compiled, Vec<Diagnostic>> {
-    compile_checked(def, validate::validate_new_workflow(def))
+    compile_checked(def, validate::validate_new_workflow(def), true)
 }
 
-fn compile_checked(def: &Json, validated: Vec<Diagnostic>) -> Result<Compiled, Vec<Diagnostic>> {
+fn compile_checked(
+    def: &Json,
+    validated: Vec<Diagnostic>,
+    analyse: bool,
+) -> Result<Compiled, Vec<Diagnostic>> {
     let mut errors = validated;
     let Some(obj) = def.as_object() else {
         return Err(errors);
@@ -425,6 +437,7 @@ fn compile_checked(def: &Json, validated: Vec<Diagnostic>) -> Result<Compiled, V
         warnings: Vec::new(),
         task_count: 0,
         needs_io: false,
+        analyse,
     };
     cx.unknown_keys(obj, WORKFLOW_KEYS, "");
     let condition = cx.condition(obj.get("condition"), "condition");
@@ -580,6 +593,9 @@ struct Cx {
     warnings: Vec<Diagnostic>,
     task_count: usize,
     needs_io: bool,
+    /// Whether to run the analyses that only produce warnings (see
+    /// [`compile_stored_workflow`]).
+    analyse: bool,
 }
 
 /// An input problem in a data function: a warning now, a failure at run time.
@@ -658,7 +674,9 @@ impl Cx {
     fn logic(&mut self, rule: &Json, field: &str) -> Option<Logic> {
         match logic::compile(rule) {
             Ok(l) => {
-                crate::diag::stray_reads(&l, field, RuleRoot::Workflow, &mut self.warnings);
+                if self.analyse {
+                    crate::diag::stray_reads(&l, field, RuleRoot::Workflow, &mut self.warnings);
+                }
                 Some(l)
             }
             Err(e) => {
@@ -842,6 +860,7 @@ impl Cx {
             _ => return self.io_function(function, input, field),
         };
         Some(match data_result {
+            Ok(plan) if !self.analyse => plan,
             Ok(plan) => {
                 if let FunctionPlan::Validation { rules } = &plan {
                     // Only a string: a constant `false` under a condition is
@@ -854,7 +873,8 @@ impl Cx {
                         crate::diag::constant_rule(
                             logic,
                             &join(field, &format!("rules[{i}].logic")),
-                            |v| *v == Json::Bool(true),
+                            "run",
+                            |_| false,
                             &mut self.warnings,
                         );
                     }
@@ -978,21 +998,39 @@ impl Cx {
         // Static text written as a template (`a:{{payload.sku}}`) is used as
         // written: a cache key shared by every request, a literal path
         // (audit 118). The `_logic` twin computes it.
-        for (key, value) in input {
+        for (key, value) in input.iter().filter(|_| self.analyse) {
             if key == "connector" || key.ends_with("_logic") {
                 continue;
             }
-            let twin = format!("{key}_logic");
-            let fix = if known.contains(&twin.as_str()) {
-                format!(
-                    "compute it with {twin}, e.g. {{\"cat\": [\"text\", {{\"var\": \"data.x\"}}]}}"
-                )
-            } else {
-                "static fields are not expanded".to_owned()
-            };
             // Not `key`: `{user1000}` is a Redis Cluster hash tag.
             let braces = key == "path";
-            template_warnings(value, &join(field, key), braces, &fix, &mut self.warnings);
+            let found = template_texts(value, braces);
+            if found.is_empty() {
+                continue;
+            }
+            let twin = format!("{key}_logic");
+            let fix = match key.as_str() {
+                _ if known.contains(&twin.as_str()) && value.is_string() => format!(
+                    "compute it with {twin}, e.g. {{\"cat\": [\"text\", {{\"var\": \"data.x\"}}]}}"
+                ),
+                _ if known.contains(&twin.as_str()) => {
+                    format!(
+                        "compute it with {twin}, e.g. {{\"var\": \"data.x\"}} where a value varies"
+                    )
+                }
+                "query" => "bind values with placeholders and params".to_owned(),
+                "params" => "a param is JSONLogic: write {\"var\": \"data.x\"}".to_owned(),
+                _ => "static fields are not expanded".to_owned(),
+            };
+            for (at, text) in found {
+                self.warnings.push(Diagnostic {
+                    field: join(field, &format!("{key}{at}")),
+                    message: format!(
+                        "'{}' looks like a template, but it is used as written (the same for every request); {fix}",
+                        shorten(text)
+                    ),
+                });
+            }
         }
         let connector: Box<str> = str_field(input, "connector").unwrap_or_default().into();
         let output = |key: &str| WritePath::parse(str_field(input, key).unwrap_or("data"));
@@ -1152,75 +1190,90 @@ impl Cx {
     }
 }
 
-/// A warning for each string in `value` (at `field`, nested members and
-/// items included) that reads like a template another tool would expand:
+/// The strings in `value` (each with its place under the field, `""`,
+/// `.a.b`, `[0]`) that read like a template another tool would expand:
 /// `{{x}}` or `${x}` around a name or a dotted path, and with `braces` (a
 /// `path`) a route-style `{name}` before any query string. Nested text
-/// (a `body`, a `data`, a `filter`) counts only when the template names
+/// (in a `body`, a `data`, a `filter`) counts only when the template names
 /// the data context (`{{payload.sku}}`): an upstream may expand its own
 /// (`Hi {{name}}` to a mail API).
-fn template_warnings(
-    value: &Json,
-    field: &str,
-    braces: bool,
-    fix: &str,
-    out: &mut Vec<Diagnostic>,
-) {
-    walk_templates(value, field, braces, false, fix, out);
+fn template_texts(value: &Json, braces: bool) -> Vec<(String, &str)> {
+    let mut out = Vec::new();
+    walk_templates(value, String::new(), braces, false, &mut out);
+    out
 }
 
-fn walk_templates(
-    value: &Json,
-    field: &str,
+fn walk_templates<'j>(
+    value: &'j Json,
+    at: String,
     braces: bool,
     nested: bool,
-    fix: &str,
-    out: &mut Vec<Diagnostic>,
+    out: &mut Vec<(String, &'j str)>,
 ) {
     match value {
-        Json::String(text) if looks_like_template(text, braces, nested) => out.push(Diagnostic {
-            field: field.into(),
-            message: format!(
-                "'{text}' looks like a template, but it is used as written (the same for every request); {fix}"
-            ),
-        }),
+        Json::String(text) if looks_like_template(text, braces, nested) => out.push((at, text)),
         Json::Array(items) => {
             for (i, item) in items.iter().enumerate() {
-                walk_templates(item, &format!("{field}[{i}]"), false, true, fix, out);
+                walk_templates(item, format!("{at}[{i}]"), false, true, out);
             }
         }
         Json::Object(members) => {
             for (k, v) in members {
-                walk_templates(v, &join(field, k), false, true, fix, out);
+                walk_templates(v, format!("{at}.{k}"), false, true, out);
             }
         }
         _ => {}
     }
 }
 
+/// At most 80 characters of `text` (a warning quotes it).
+fn shorten(text: &str) -> String {
+    match text.char_indices().nth(80) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_owned(),
+    }
+}
+
+/// One pass over `text` (its size is bounded only by the admin body
+/// limit): after each `{{` or `${`, the characters a name can hold, then
+/// the closing marker.
 fn looks_like_template(text: &str, braces: bool, nested: bool) -> bool {
-    // What a template tool puts between its markers: a name or a dotted
-    // path (`{{1,2},{3,4}}`, a PostgreSQL array, is none).
-    let name_like = |inner: &str| {
+    let b = text.as_bytes();
+    let name_byte = |c: u8| c.is_ascii_alphanumeric() || b"_.-[] ".contains(&c);
+    let names_context = |inner: &str| {
         let inner = inner.trim();
-        !inner.is_empty()
-            && inner
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "_.-[]".contains(c))
+        // A name starts with a letter or `_` (`{{1}}` in a PostgreSQL
+        // array literal is none).
+        inner
+            .bytes()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == b'_')
             && (!nested
                 || ["data.", "payload.", "metadata.", "temp_data."]
                     .iter()
                     .any(|root| inner.starts_with(root)))
     };
-    let marked = |open: &str, close: &str| {
-        text.match_indices(open).any(|(at, _)| {
-            text[at + open.len()..]
-                .split_once(close)
-                .is_some_and(|(inner, _)| name_like(inner))
-        })
-    };
-    if marked("{{", "}}") || marked("${", "}") {
-        return true;
+    let mut i = 0;
+    while i + 1 < b.len() {
+        let close: &[u8] = match (b[i], b[i + 1]) {
+            (b'{', b'{') => b"}}",
+            (b'$', b'{') => b"}",
+            _ => {
+                i += 1;
+                continue;
+            }
+        };
+        let start = i + 2;
+        let mut end = start;
+        while end < b.len() && name_byte(b[end]) {
+            end += 1;
+        }
+        // Markers and names are ASCII: `start..end` are char boundaries.
+        if b[end..].starts_with(close) && names_context(&text[start..end]) {
+            return true;
+        }
+        // `{{{x}}}`: the next position may open the template.
+        i += 1;
     }
     // `/prices/{sku}`: a name in braces, as route patterns write parameters
     // (in the path itself, not a query string: `?query={me{name}}`).
@@ -1769,7 +1822,7 @@ mod tests {
         assert_eq!(warned.len(), 1, "{warned:?}");
         assert!(
             warned[0].starts_with(
-                "tasks[0].function.input.rules[0].logic: is a constant (\"data.qty > 0\"), so every request is refused (a string"
+                "tasks[0].function.input.rules[0].logic: is a constant (\"data.qty > 0\"), so every run fails it (a string"
             ),
             "{warned:?}"
         );
@@ -1830,6 +1883,25 @@ mod tests {
                 "body": {"subject": "Hi {{name}}"}}}}]});
         let compiled = compile_workflow(&def).unwrap();
         assert!(compiled.warnings.is_empty(), "{:?}", compiled.warnings);
+        // One pass (review: a run of `{` was quadratic), triple mustache,
+        // non-ASCII text.
+        assert!(!looks_like_template(&"{".repeat(1 << 20), true, false));
+        assert!(!looks_like_template(&"${".repeat(1 << 19), true, false));
+        assert!(looks_like_template("{{{payload.sku}}}", false, true));
+        assert!(!looks_like_template("é{{é}}${é", true, false));
+        assert!(looks_like_template("é{{ name }}", false, false));
+        // The engine's compile skips these analyses.
+        assert!(compile_stored_workflow(&def).unwrap().warnings.is_empty());
+        let templated = json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "c", "name": "c", "function": {"name": "cache_read",
+                "input": {"connector": "r", "key": "k:{{payload.sku}}"}}}]});
+        assert_eq!(compile_workflow(&templated).unwrap().warnings.len(), 1);
+        assert!(
+            compile_stored_workflow(&templated)
+                .unwrap()
+                .warnings
+                .is_empty()
+        );
     }
 
     /// A data function's misspelt field, a mapping's or rule's, and a

@@ -34,9 +34,6 @@ pub struct Placeholders {
     pub numbered: usize,
     /// SQLite's other forms (`?NNN`, `:name`, `@name`, `$name`).
     pub named: bool,
-    /// A `$n` below the highest that the query does not use (PostgreSQL
-    /// cannot tell that parameter's type), the first one.
-    pub gap: Option<usize>,
 }
 
 /// Scans `query` as `dialect` reads it.
@@ -44,8 +41,8 @@ pub fn placeholders(query: &str, dialect: Dialect) -> Placeholders {
     let b = query.as_bytes();
     let mut out = Placeholders::default();
     let mut i = 0;
-    let ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
-    let mut used: Vec<bool> = Vec::new();
+    // Non-ASCII letters (their UTF-8 bytes) are name characters too.
+    let ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80;
     while i < b.len() {
         let c = b[i];
         match c {
@@ -59,7 +56,10 @@ pub fn placeholders(query: &str, dialect: Dialect) -> Placeholders {
             {
                 i = skip_quoted(b, i, true)
             }
-            b'\'' | b'"' | b'`' => i = skip_quoted(b, i, dialect == Dialect::MySql && c == b'\''),
+            // MySQL reads backslash escapes in both kinds of quoted text.
+            b'\'' | b'"' | b'`' => i = skip_quoted(b, i, dialect == Dialect::MySql && c != b'`'),
+            // `$`, `:` and `@` inside a name (`amount$1`) mark nothing.
+            b'$' | b':' | b'@' if i > 0 && ident(b[i - 1]) => i += 1,
             // SQLite also quotes names in brackets (`[a?]`).
             b'[' if dialect == Dialect::Sqlite => {
                 i = b[i..]
@@ -82,11 +82,23 @@ pub fn placeholders(query: &str, dialect: Dialect) -> Placeholders {
             {
                 i += if b[i + 2] == b'!' { 3 } else { 4 };
             }
+            // PostgreSQL's block comments nest; the others' end at the
+            // first `*/`.
             b'/' if b.get(i + 1) == Some(&b'*') => {
-                i = match query[i + 2..].find("*/") {
-                    Some(end) => i + 2 + end + 2,
-                    None => b.len(),
-                };
+                let nests = dialect == Dialect::Postgres;
+                let (mut depth, mut j) = (1, i + 2);
+                while j < b.len() && depth > 0 {
+                    if b[j] == b'*' && b.get(j + 1) == Some(&b'/') {
+                        depth -= 1;
+                        j += 2;
+                    } else if nests && b[j] == b'/' && b.get(j + 1) == Some(&b'*') {
+                        depth += 1;
+                        j += 2;
+                    } else {
+                        j += 1;
+                    }
+                }
+                i = j;
             }
             b'?' => {
                 let digits = b[i + 1..].iter().take_while(|d| d.is_ascii_digit()).count();
@@ -101,14 +113,11 @@ pub fn placeholders(query: &str, dialect: Dialect) -> Placeholders {
                 let digits = b[i + 1..].iter().take_while(|d| d.is_ascii_digit()).count();
                 if digits > 0 {
                     let n: usize = query[i + 1..i + 1 + digits].parse().unwrap_or(usize::MAX);
-                    out.numbered = out.numbered.max(n);
-                    // Bounded: a placeholder number past 65535 is no
-                    // PostgreSQL parameter anyway.
-                    if n <= 65_535 {
-                        if used.len() < n {
-                            used.resize(n, false);
-                        }
-                        used[n - 1] = true;
+                    if n == 0 {
+                        // No PostgreSQL parameter; a SQLite named one.
+                        out.named |= dialect == Dialect::Sqlite;
+                    } else {
+                        out.numbered = out.numbered.max(n);
                     }
                     i += 1 + digits;
                 } else if dialect == Dialect::Postgres {
@@ -142,7 +151,6 @@ pub fn placeholders(query: &str, dialect: Dialect) -> Placeholders {
             _ => i += 1,
         }
     }
-    out.gap = used.iter().position(|u| !u).map(|n| n + 1);
     out
 }
 
@@ -201,12 +209,6 @@ pub fn placeholder_problem(query: &str, params: usize, dialect: Dialect) -> Opti
             p.numbered,
             values(params)
         )),
-        Dialect::Postgres if p.gap.is_some() => Some(format!(
-            "the query does not use ${}: PostgreSQL needs every placeholder from $1 to ${} \
-             (it cannot tell an unused one's type)",
-            p.gap.unwrap_or_default(),
-            p.numbered
-        )),
         Dialect::MySql | Dialect::Sqlite if p.numbered > 0 && p.question == 0 => {
             if dialect == Dialect::MySql {
                 Some(format!(
@@ -245,8 +247,7 @@ mod tests {
             Placeholders {
                 question: 1,
                 numbered: 2,
-                named: false,
-                gap: None
+                named: false
             }
         );
         // Dollar quoting, and MySQL's backslash escapes and `#` comments.
@@ -280,14 +281,34 @@ mod tests {
             placeholders("SELECT [a?] FROM t WHERE id = ?", Dialect::Sqlite).question,
             1
         );
+        // Review: `$0`, names holding `$`, non-ASCII names, nested and
+        // MySQL double-quoted text.
+        assert_eq!(placeholders("SELECT $0", Dialect::Postgres).numbered, 0);
+        assert!(placeholders("SELECT $0, $00", Dialect::Sqlite).named);
         assert_eq!(
-            placeholders("SELECT $1, $3", Dialect::Postgres).gap,
-            Some(2)
+            placeholders("SELECT amount$1 FROM t", Dialect::MySql).numbered,
+            0
+        );
+        assert!(placeholders("SELECT * FROM t WHERE a = $é", Dialect::Sqlite).named);
+        assert!(placeholders("SELECT * FROM t WHERE a = :é", Dialect::Sqlite).named);
+        assert_eq!(
+            placeholders("SELECT $é$ $2 $é$, $1", Dialect::Postgres).numbered,
+            1
         );
         assert_eq!(
-            placeholders("SELECT $2, $1, $2", Dialect::Postgres).gap,
-            None
+            placeholders("SELECT /* a /* b */ $9 */ $1", Dialect::Postgres).numbered,
+            1
         );
+        assert_eq!(
+            placeholders(r#"SELECT "a\"b", ?"#, Dialect::MySql).question,
+            1
+        );
+        for q in ["$", "?", "E'", "/*!", "--", "[", "$é", "'é", "/*", "$0"] {
+            for d in [Dialect::Postgres, Dialect::MySql, Dialect::Sqlite] {
+                placeholders(q, d);
+                placeholder_problem(q, 1, d);
+            }
+        }
         assert!(placeholders("SELECT * FROM t WHERE a = :a", Dialect::Sqlite).named);
         assert!(!placeholders("SELECT a::int FROM t", Dialect::Sqlite).named);
         assert!(placeholders("SELECT ?1", Dialect::Sqlite).named);
@@ -310,12 +331,8 @@ mod tests {
             placeholder_problem("SELECT * FROM t WHERE a = $1 AND b = $2", 3, Postgres).as_deref(),
             Some("the query's placeholders go up to $2, but params gives 3 values")
         );
-        assert_eq!(
-            placeholder_problem("SELECT $1, $3", 3, Postgres).as_deref(),
-            Some(
-                "the query does not use $2: PostgreSQL needs every placeholder from $1 to $3 (it cannot tell an unused one's type)"
-            )
-        );
+        // An unused `$2` binds: its value's type is sent (bind_pg).
+        assert_eq!(placeholder_problem("SELECT $1, $3", 3, Postgres), None);
         // jsonb's `?` operator with no params is not a placeholder problem.
         assert_eq!(
             placeholder_problem("SELECT doc ? 'k' FROM t", 0, Postgres),

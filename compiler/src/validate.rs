@@ -1034,7 +1034,13 @@ pub fn channel_warnings(def: &Json) -> Vec<Diagnostic> {
         {
             crate::diag::stray_reads(&logic, &field, root, &mut out);
             if root == RuleRoot::ChannelValidation {
-                crate::diag::constant_rule(&logic, &field, crate::logic::truthy_json, &mut out);
+                crate::diag::constant_rule(
+                    &logic,
+                    &field,
+                    "request",
+                    crate::logic::truthy_json,
+                    &mut out,
+                );
             }
         }
     }

@@ -1019,6 +1019,8 @@ fn sql_err(e: sqlx::Error) -> ConnectorError {
             // task's own mistake, as MariaDB's count before the query is
             // (`placeholder_mismatch`), so the same kind of failure on both
             // (audit 118: a 502 here, a 500 there).
+            // (The server's message text: with a non-English `lc_messages`
+            // this stays the 502 below.)
             if code == "08P01" && d.message().starts_with("bind message supplies") {
                 msg.push_str("; give one value per placeholder ($1, $2, …)");
                 return ConnectorError::new(Other, msg);
