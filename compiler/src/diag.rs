@@ -62,7 +62,8 @@ impl RuleRoot {
     fn suggest(self, path: &str) -> Option<String> {
         let (first, rest) = path.split_once('.').unwrap_or((path, ""));
         let second = rest.split('.').next().unwrap_or_default();
-        // What a request's metadata holds (shared decisions).
+        // What a request's metadata holds (shared decisions), and a Kafka
+        // message's (`src/kafka.rs`).
         const METADATA: &[&str] = &[
             "headers",
             "query",
@@ -70,6 +71,10 @@ impl RuleRoot {
             "method",
             "channel",
             "request_id",
+            "topic",
+            "partition",
+            "offset",
+            "key",
         ];
         match self {
             RuleRoot::Workflow if METADATA.contains(&first) => Some(format!("metadata.{path}")),

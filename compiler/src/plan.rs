@@ -1731,7 +1731,7 @@ mod tests {
                 {"logic": {"!!": [{"var": "email"}]}, "message": "e"}]}}},
             {"id": "h", "name": "h", "function": {"name": "http_call", "input": {
                 "connector": "api", "body_logic": {"cat": [{"var": "customer.id"}, {"var": "metadata.path.id"}]}}}},
-            {"id": "l", "name": "l", "function": {"name": "log", "input": {"message": {"var": "method"}}}}]});
+            {"id": "l", "name": "l", "function": {"name": "log", "input": {"message": {"cat": [{"var": "method"}, {"var": "topic"}]}}}}]});
         let compiled = compile_workflow(&def).unwrap();
         let warned: Vec<(&str, &str)> = compiled
             .warnings
@@ -1745,6 +1745,7 @@ mod tests {
                 "tasks[0].function.input.mappings[1].logic",
                 "tasks[1].function.input.rules[2].logic",
                 "tasks[2].function.input.body_logic",
+                "tasks[3].function.input.message",
                 "tasks[3].function.input.message",
             ],
             "{warned:?}"
@@ -1769,6 +1770,12 @@ mod tests {
             warned[4].1.ends_with("did you mean 'metadata.method'?"),
             "{}",
             warned[4].1
+        );
+        // A Kafka message's metadata too.
+        assert!(
+            warned[5].1.ends_with("did you mean 'metadata.topic'?"),
+            "{}",
+            warned[5].1
         );
     }
 
