@@ -721,14 +721,7 @@ pub fn dry_run_answer(e: &Execution) -> Json {
 
 /// The members of a request's metadata the runtime's `Meta` has fields
 /// for: the three maps, then the three strings.
-pub(crate) const METADATA_FIELDS: [&str; 6] = [
-    "headers",
-    "query",
-    "path",
-    "method",
-    "channel",
-    "request_id",
-];
+pub(crate) const METADATA_FIELDS: [&str; 6] = sluice_compiler::def::REQUEST_METADATA;
 
 /// What a dry run's (or a test case's) `metadata` may hold: what a
 /// request's does (shared decisions), the three maps and `method`,

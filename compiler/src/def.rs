@@ -31,6 +31,19 @@ fn one() -> u64 {
     1
 }
 
+/// The members of a request's metadata (shared decisions): the three maps,
+/// then the three strings. One list for the service (what a dry run's
+/// metadata may hold, what the runtime's `Meta` has fields for) and the
+/// compiler (what a stray read most likely meant).
+pub const REQUEST_METADATA: [&str; 6] = [
+    "headers",
+    "query",
+    "path",
+    "method",
+    "channel",
+    "request_id",
+];
+
 /// The identifier rule of [`crate::validate::is_identifier`], for the JSON Schema.
 pub const ID_PATTERN: &str = "^[A-Za-z0-9][A-Za-z0-9._-]*$";
 

@@ -62,22 +62,12 @@ impl RuleRoot {
     fn suggest(self, path: &str) -> Option<String> {
         let (first, rest) = path.split_once('.').unwrap_or((path, ""));
         let second = rest.split('.').next().unwrap_or_default();
-        // What a request's metadata holds (shared decisions), and a Kafka
-        // message's (`src/kafka.rs`).
-        const METADATA: &[&str] = &[
-            "headers",
-            "query",
-            "path",
-            "method",
-            "channel",
-            "request_id",
-            "topic",
-            "partition",
-            "offset",
-            "key",
-        ];
+        // What a request's metadata holds, and a Kafka message's
+        // (`src/kafka.rs`).
+        let in_metadata = crate::def::REQUEST_METADATA.contains(&first)
+            || matches!(first, "topic" | "partition" | "offset" | "key");
         match self {
-            RuleRoot::Workflow if METADATA.contains(&first) => Some(format!("metadata.{path}")),
+            RuleRoot::Workflow if in_metadata => Some(format!("metadata.{path}")),
             RuleRoot::Workflow => Some(format!("data.{path}")),
             // A channel's rules see the request's parts, not a context.
             _ if first == "metadata" && matches!(second, "headers" | "query" | "path") => {
