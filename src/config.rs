@@ -368,6 +368,9 @@ pub struct ConfigError(pub String);
 
 const ENV_PREFIX: &str = "SERVICE_";
 
+/// The most Kafka messages a consumer may hold fetched and unfinished.
+pub const KAFKA_MAX_IN_FLIGHT: usize = 1_000_000;
+
 impl Config {
     /// Loads defaults, then the file, then the process environment.
     pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
@@ -736,6 +739,7 @@ impl Config {
                 .map(str::trim)
                 .find(|b| !is_host_port(b))
             {
+                let bad = sluice_compiler::validate::broker_shown(bad);
                 return fail(
                     "kafka.brokers",
                     &format!("broker '{bad}' must be host:port (brokers separated by commas)"),
@@ -774,8 +778,13 @@ impl Config {
         if self.server.max_in_flight == 0 {
             return fail("server.max_in_flight", "must be at least 1");
         }
-        if self.kafka.max_in_flight == 0 {
-            return fail("kafka.max_in_flight", "must be at least 1");
+        // Permits of a semaphore, each a fetched message held in memory
+        // (tokio refuses more than usize::MAX >> 3 permits with a panic).
+        if self.kafka.max_in_flight == 0 || self.kafka.max_in_flight > KAFKA_MAX_IN_FLIGHT {
+            return fail(
+                "kafka.max_in_flight",
+                &format!("must be between 1 and {KAFKA_MAX_IN_FLIGHT}"),
+            );
         }
         if self.kafka.commit_interval_ms == 0 {
             return fail("kafka.commit_interval_ms", "must be at least 1");
@@ -1448,6 +1457,11 @@ mod tests {
                 "invalid value for 'kafka.brokers': broker 'h:0' must be host:port (brokers separated by commas)",
             ),
             (
+                "SERVICE_KAFKA__BROKERS",
+                "SASL_SSL://svc:Pa55w0rd@kafka-1:9092",
+                "invalid value for 'kafka.brokers': broker 'SASL_SSL://******@kafka-1:9092' must be host:port (brokers separated by commas)",
+            ),
+            (
                 "SERVICE_KAFKA__TOPICS",
                 "[{topic = \"\", channel = \"kz\"}]",
                 "invalid value for 'kafka.topics[0].topic': must be a Kafka topic name",
@@ -1758,6 +1772,17 @@ mod tests {
             .unwrap_err()
             .0;
         assert_eq!(e, "invalid value for 'queue.workers': must be at most 1024");
+        let e = load(
+            None,
+            &[("SERVICE_KAFKA__MAX_IN_FLIGHT", "2305843009213693952")],
+        )
+        .unwrap_err()
+        .0;
+        assert_eq!(
+            e,
+            "invalid value for 'kafka.max_in_flight': must be between 1 and 1000000"
+        );
+        assert!(load(None, &[("SERVICE_KAFKA__MAX_IN_FLIGHT", "1000000")]).is_ok());
         let e = load(
             None,
             &[(

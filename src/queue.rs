@@ -463,8 +463,13 @@ pub(crate) async fn execute_guarded(
             // An error text may quote a secret of the payload (an upstream
             // echoing what a task sent it): masked before it is stored or
             // logged. (The stored headers are masked already.)
+            // The stored query holds what only the query rule calls secret
+            // (`?sig=…`, `?code=…`), as the run needs it: masked here as a
+            // sync request's failure is (audit 122).
+            let meta: Json = serde_json::from_str(&c.metadata).unwrap_or(Json::Null);
+            let query = crate::data::metadata_pairs(&meta, "query");
             let secrets =
-                crate::data::request_secrets(std::iter::empty(), &[], c.payload.as_bytes());
+                crate::data::request_secrets(std::iter::empty(), &query, c.payload.as_bytes());
             if !secrets.is_empty()
                 && let Some(errors) = outcome.errors.as_array_mut()
             {

@@ -13,10 +13,7 @@ pub fn init(logging: &Logging) {
         LogLevel::Warn => "warn",
         LogLevel::Error => "error",
     };
-    // Library crates log at warn unless asked; ours at the configured level.
-    let filter = EnvFilter::new(format!(
-        "warn,sluice={level},sluice_runtime={level},sluice::workflow={level}"
-    ));
+    let filter = EnvFilter::new(filter_directives(level));
     // Colours only for a terminal: `sluice serve > log` gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let builder = tracing_subscriber::fmt()
@@ -49,6 +46,16 @@ pub fn init(logging: &Logging) {
             builder.fmt_fields(fields).try_init()
         }
     };
+}
+
+/// Library crates log at warn unless asked; ours at the configured level.
+/// sqlx's PostgreSQL options module only at error: it logs an unknown URL
+/// parameter with its value (`sslpassword=…`) and a malformed pgpass line
+/// whole, password included.
+fn filter_directives(level: &str) -> String {
+    format!(
+        "warn,sqlx_postgres::options=error,sluice={level},sluice_runtime={level},sluice::workflow={level}"
+    )
 }
 
 /// `text` with its control characters (tab aside) and the Unicode line and

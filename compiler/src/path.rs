@@ -63,6 +63,13 @@ pub enum PathError {
     KeyIntoArray { key: String, at: String },
     #[error("array index {index} at '{at}' is over the limit of {MAX_WRITE_INDEX}")]
     IndexTooLarge { index: String, at: String },
+    /// Padding arrays up to their indexes would take the execution's data
+    /// past its limit (each index segment pads its own array).
+    #[error(
+        "array index {index} at '{at}' would take the execution's data over {} MiB",
+        crate::logic::MAX_ARENA_BYTES >> 20
+    )]
+    TooLarge { index: usize, at: String },
 }
 
 impl Path {
@@ -295,6 +302,7 @@ fn set_segments<'a, 's>(
                 out[index] = new_child;
                 return Ok(Value::Array(out));
             }
+            check_room(index, arena, path, depth)?;
             let out = arena.alloc_slice_fill_with(index + 1, |i| {
                 if i == index {
                     new_child
@@ -331,6 +339,7 @@ fn set_segments<'a, 's>(
                 check_index(index, path, depth)?;
                 let new_child =
                     set_segments(Value::Null, rest, value, arena, path, depth + 1, key)?;
+                check_room(index, arena, path, depth)?;
                 let out = arena.alloc_slice_fill_with(index + 1, |i| {
                     if i == index { new_child } else { Value::Null }
                 });
@@ -459,6 +468,20 @@ fn check_index(index: usize, path: &Path, depth: usize) -> Result<(), PathError>
         return Err(PathError::IndexTooLarge {
             // The segment's own digits (an index beyond `usize` is saturated).
             index: path.segments[depth].key.to_string(),
+            at: path.prefix_string(depth + 1),
+        });
+    }
+    Ok(())
+}
+
+/// Whether the arena has room for an array padded up to `index`: a write
+/// with many index segments (`x.100000.100000…`) pads one array per
+/// segment, and the context's limit is checked only before the write.
+fn check_room(index: usize, arena: &Bump, path: &Path, depth: usize) -> Result<(), PathError> {
+    let bytes = (index + 1) * std::mem::size_of::<Value>();
+    if arena.allocated_bytes().saturating_add(bytes) > crate::logic::MAX_ARENA_BYTES {
+        return Err(PathError::TooLarge {
+            index,
             at: path.prefix_string(depth + 1),
         });
     }
@@ -717,5 +740,33 @@ mod tests {
             "array index 99999999999999999999 at 'b.99999999999999999999' is over the limit of 100000"
         );
         assert_eq!(Path::parse("a.99999999999999999999").get(v), None);
+    }
+
+    #[test]
+    fn padding_stops_at_the_execution_limit() {
+        // Each segment pads an array of 100,001 values (2.4 MB): 512 of
+        // them would take 1.2 GB, 64 of them 154 MB. The write stops
+        // before the limit.
+        let arena = Bump::new();
+        let text = format!("x{}", ".100000".repeat(64));
+        let err = Path::parse(&text)
+            .set(Value::Null, Value::Int(1), &arena)
+            .unwrap_err();
+        assert!(
+            matches!(err, PathError::TooLarge { index: 100_000, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("over 128 MiB"), "{err}");
+        // Chunks double, so the arena may reserve up to twice the limit.
+        assert!(arena.allocated_bytes() <= 2 * crate::logic::MAX_ARENA_BYTES);
+        // One padded array is within the limit.
+        let arena = Bump::new();
+        let v = Path::parse("x.100000")
+            .set(Value::Null, Value::Int(1), &arena)
+            .unwrap();
+        assert_eq!(
+            v.get("x").and_then(|x| x.as_array()).map(|a| a.len()),
+            Some(100_001)
+        );
     }
 }

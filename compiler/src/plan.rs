@@ -1079,7 +1079,7 @@ impl Cx {
                     timeout_ms: input
                         .get("timeout_ms")
                         .and_then(Json::as_f64)
-                        .map_or(30_000, |t| t as u64),
+                        .map_or(30_000, whole_ms),
                 })
             }
             Function::DbRead | Function::DbWrite => {
@@ -1161,10 +1161,7 @@ impl Cx {
                     channel: channel.unwrap_or(Source::Static(Json::Null)),
                     data,
                     response_path: output("response_path"),
-                    timeout_ms: input
-                        .get("timeout_ms")
-                        .and_then(Json::as_f64)
-                        .map(|t| t as u64),
+                    timeout_ms: input.get("timeout_ms").and_then(Json::as_f64).map(whole_ms),
                 })
             }
             _ => return None,
@@ -1543,6 +1540,12 @@ pub fn batches(mappings: &[(WritePath, Logic)]) -> Vec<std::ops::Range<usize>> {
 /// A positive number of seconds as whole milliseconds, rounded up (so the
 /// smallest TTL is 1 ms, never "expire at once"); capped at about 31,700
 /// years so the conversion cannot overflow.
+/// A task's `timeout_ms` (validated greater than 0) in whole milliseconds,
+/// rounded up: `0.5` is 1 ms, not a deadline that has already passed.
+fn whole_ms(ms: f64) -> u64 {
+    ms.ceil() as u64
+}
+
 fn ttl(secs: f64) -> std::time::Duration {
     let ms = (secs * 1000.0).ceil().clamp(1.0, 1e15);
     std::time::Duration::from_millis(ms as u64)
@@ -1649,6 +1652,33 @@ mod tests {
             .map(|(p, l)| (WritePath::parse(p), logic::compile(l).unwrap()))
             .collect();
         batches(&compiled)
+    }
+
+    /// A fractional `timeout_ms` rounds up: `0.5` passed validation
+    /// ("greater than 0") and was cut to a 0 ms deadline (every call a 504).
+    #[test]
+    fn fractional_timeouts_round_up() {
+        let def = json!({"workflow_id": "w", "name": "w", "tasks": [
+            {"id": "a", "name": "a", "function": {"name": "channel_call",
+             "input": {"channel": "c", "timeout_ms": 0.5}}},
+            {"id": "b", "name": "b", "function": {"name": "http_call",
+             "input": {"connector": "h", "timeout_ms": 2.25}}}]});
+        let compiled = compile_workflow(&def).unwrap();
+        let timeouts: Vec<Option<u64>> = compiled
+            .plan
+            .body
+            .steps
+            .iter()
+            .map(|step| match step {
+                Step::Task(t) => match &t.function {
+                    FunctionPlan::ChannelCall(c) => c.timeout_ms,
+                    FunctionPlan::HttpCall(h) => Some(h.timeout_ms),
+                    _ => None,
+                },
+                Step::Group(_) => None,
+            })
+            .collect();
+        assert_eq!(timeouts, [Some(1), Some(3)]);
     }
 
     /// `log.level` names a level; a value that is not text at all says its

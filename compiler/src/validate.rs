@@ -1914,7 +1914,13 @@ fn check_kafka_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
             } else {
                 ""
             };
-            c.push(&at, format!("broker '{b}' must be host:port{scheme}"));
+            let sasl = if b.contains('@') {
+                " (credentials go in sasl)"
+            } else {
+                ""
+            };
+            let b = broker_shown(b);
+            c.push(&at, format!("broker '{b}' must be host:port{scheme}{sasl}"));
         }
     }
     c.nonempty_string(cfg, "client_id", at, false);
@@ -1923,6 +1929,19 @@ fn check_kafka_connector(c: &mut Ctx, cfg: &Map<String, Json>, at: &FieldPath) {
         c.one_of(sasl, "mechanism", &at, true, SaslConfig::MECHANISMS);
         c.nonempty_string(sasl, "username", &at, true);
         c.nonempty_string(sasl, "password", &at, true);
+    }
+}
+
+/// A broker address as an error message may quote it: whatever stands
+/// before an `@` (`SASL_SSL://svc:Pa55w0rd@kafka-1:9092`) is credentials,
+/// shown as `******`.
+pub fn broker_shown(b: &str) -> std::borrow::Cow<'_, str> {
+    match b.rfind('@') {
+        Some(at) => {
+            let start = b.find("://").map_or(0, |i| i + 3).min(at);
+            format!("{}{MASK}{}", &b[..start], &b[at..]).into()
+        }
+        None => b.into(),
     }
 }
 
@@ -1936,6 +1955,8 @@ pub fn is_host_port(s: &str) -> bool {
             !host.is_empty()
                 && !host.contains(char::is_whitespace)
                 && !host.contains('/')
+                // Nor credentials (`user:pw@host`): they go in `sasl`.
+                && !host.contains('@')
                 && port.parse::<u16>().is_ok_and(|p| p > 0)
         }
         None => false,
@@ -1969,8 +1990,22 @@ fn check_http_url(c: &mut Ctx, url: &str, at: &FieldPath) {
     let ok = url::Url::parse(url).is_ok_and(|u| {
         matches!(u.scheme(), "http" | "https") && u.host_str().is_some_and(|h| !h.is_empty())
     });
+    // Written as it is meant: the parser also takes `https:host`,
+    // `https:///host` and backslashes for slashes, forms nothing else
+    // reads alike (the masking of answers looked for `://` and showed
+    // such a URL's password).
+    let plain = url
+        .split_once("://")
+        .is_some_and(|(_, rest)| !rest.starts_with('/'));
     if !ok {
         c.push(at, "must be an http:// or https:// URL with a host");
+    } else if !plain {
+        c.push(
+            at,
+            "must be written scheme://host… (http://host or https://host, two slashes)",
+        );
+    } else if url.contains('\\') {
+        c.push(at, "must not contain a backslash (write it as %5C)");
     } else if url.contains(char::is_whitespace) {
         c.push(at, "must not contain whitespace (write a space as %20)");
     } else if url.contains('#') {
@@ -2310,33 +2345,44 @@ pub fn masked_leftovers(v: &Json) -> Vec<Diagnostic> {
     out
 }
 
-/// The password of `scheme://user:password@host...`, if any.
-fn url_password(text: &str) -> Option<&str> {
+/// Where the credential of `scheme://user:password@host...` is in `text`:
+/// the password; for an HTTP URL without one, the user, which is how
+/// APIs take a key as Basic auth (`https://sk_live_…@api.example.com`,
+/// `https://TOKEN:@host`). A database's or Redis's user alone is a name,
+/// not a credential, and stays shown.
+fn url_secret_range(text: &str) -> Option<std::ops::Range<usize>> {
     let start = text.find("://")? + 3;
     let rest = &text[start..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority_end = rest.find(['/', '?', '#', '\\']).unwrap_or(rest.len());
     let at = rest[..authority_end].rfind('@')?;
-    let colon = rest[..at].find(':')?;
-    Some(&rest[colon + 1..at])
+    let range = match rest[..at].find(':') {
+        Some(colon) if colon + 1 < at => colon + 1..at,
+        user_only => {
+            let scheme = &text[..start - 3];
+            if !(scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https")) {
+                return None;
+            }
+            0..user_only.unwrap_or(at)
+        }
+    };
+    (!range.is_empty()).then(|| start + range.start..start + range.end)
+}
+
+/// The credential of `scheme://user:password@host...`, if any (see
+/// [`url_secret_range`]).
+fn url_password(text: &str) -> Option<&str> {
+    url_secret_range(text).map(|r| &text[r])
 }
 
 /// `scheme://user:password@host...` with the password masked (a Redis or
-/// HTTP URL may carry credentials in any field); `None` when there is none.
+/// HTTP URL may carry credentials in any field; an HTTP URL's user when
+/// it has no password); `None` when there is none.
 pub fn mask_url_password(text: &str) -> Option<String> {
-    let start = text.find("://")? + 3;
-    let rest = &text[start..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let at = rest[..authority_end].rfind('@')?;
-    let colon = rest[..at].find(':')?;
-    if colon + 1 == at || &rest[colon + 1..at] == MASK {
+    let r = url_secret_range(text)?;
+    if &text[r.clone()] == MASK {
         return None;
     }
-    Some(format!(
-        "{}{}{MASK}{}",
-        &text[..start],
-        &rest[..=colon],
-        &rest[at..]
-    ))
+    Some(format!("{}{MASK}{}", &text[..r.start], &text[r.end..]))
 }
 
 /// The values of a URL's query parameters whose names say credential by
@@ -2354,9 +2400,12 @@ fn url_query_secrets(text: &str) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let mut at = q;
     for pair in text[q..end].split('&') {
+        // The name as the server reads it: `api%5Fkey` is `api_key`.
         if let Some((name, value)) = pair.split_once('=')
             && !value.is_empty()
-            && is_secret_query_param(name)
+            && url::form_urlencoded::parse(name.as_bytes())
+                .next()
+                .is_some_and(|(decoded, _)| is_secret_query_param(&decoded))
         {
             let start = at + name.len() + 1;
             out.push(start..start + value.len());

@@ -182,6 +182,46 @@ impl<'a> Value<'a> {
         }
     }
 
+    /// The bytes this value holds counted as a tree: a [`Value`] per
+    /// element plus the text of its strings and keys, when that is at most
+    /// `max`; `None` when more (the walk stops there). Values share what
+    /// they are made of (`[x, x]` holds `x` twice in one slot's room), so
+    /// this can be far more than the arena holds; what walks a value
+    /// (writing it out, comparing, stringifying) costs this, and places
+    /// that put existing values into new ones charge it (an execution's
+    /// writes, a rule's arrays) so that nothing can double its size at
+    /// every step for the price of a few slots.
+    pub fn tree_size_within(&self, max: usize) -> Option<usize> {
+        fn walk(v: &Value<'_>, left: &mut usize) -> bool {
+            let own = size_of::<Value>()
+                + match *v {
+                    Value::Str(s) => s.len(),
+                    _ => 0,
+                };
+            let Some(rest) = left.checked_sub(own) else {
+                return false;
+            };
+            *left = rest;
+            match *v {
+                Value::Array(items) => items.iter().all(|item| walk(item, left)),
+                Value::Object(members) => {
+                    members
+                        .iter()
+                        .all(|(k, item)| match left.checked_sub(k.len()) {
+                            Some(rest) => {
+                                *left = rest;
+                                walk(item, left)
+                            }
+                            None => false,
+                        })
+                }
+                _ => true,
+            }
+        }
+        let mut left = max;
+        walk(self, &mut left).then(|| max - left)
+    }
+
     /// Whether containers nest more than `limit` levels in this value (a
     /// scalar has depth 0, `[]` and `[1]` depth 1). It stops descending at
     /// `limit`, so it never recurses deeper than that itself.

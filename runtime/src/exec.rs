@@ -616,7 +616,17 @@ struct Machine<'a> {
     depth_bound: usize,
     /// A connector's answer is being stored (see `check_nesting`).
     answer_write: bool,
+    /// What the execution's writes have stored, counted as trees (see
+    /// `check_nesting` and [`MAX_WRITTEN_BYTES`]).
+    written: usize,
 }
+
+/// The most an execution's writes may store, each value counted as a tree
+/// ([`Value::tree_size_within`]): a text's bytes, a container's elements
+/// and their text. Values share what they are made of, so without this a
+/// few writes of `data` into itself (each doubling what the answer writes
+/// out) would make an answer of petabytes from an arena of kilobytes.
+pub const MAX_WRITTEN_BYTES: usize = 256 << 20;
 
 /// The deepest the execution context may nest. Every value in it passed
 /// [`check_nesting`] when it was written (a request body nests at most
@@ -663,6 +673,7 @@ impl<'a> Machine<'a> {
             bucket,
             depth_bound: INPUT_NESTING,
             answer_write: false,
+            written: 0,
         }
     }
 
@@ -723,6 +734,17 @@ impl<'a> Machine<'a> {
         }
         // The area itself and each segment of the path are a level above it.
         let levels = 1 + target.path.segments().len();
+        let size = match *value {
+            Value::Str(s) => s.len(),
+            Value::Array(_) | Value::Object(_) => value
+                .tree_size_within(MAX_WRITTEN_BYTES - self.written)
+                .unwrap_or(usize::MAX),
+            _ => 0,
+        };
+        if size > MAX_WRITTEN_BYTES - self.written {
+            return Err(written_too_much(target));
+        }
+        self.written += size;
         if !matches!(value, Value::Array(_) | Value::Object(_)) {
             // A scalar nests as deep as its path: that bounds the context too.
             if levels > MAX_NESTING {
@@ -1377,15 +1399,18 @@ impl<'a> Machine<'a> {
     /// (`validate::is_secret_header`), and of an `Authorization`-style
     /// value the credential after its scheme, longest first; none shorter
     /// than 4 bytes (masking those would garble a log line, not protect it).
+    /// The values of the query parameters whose names say credential
+    /// (`validate::is_secret_query_param`: `?api_key=`, `?sig=`) too.
     fn secret_header_values(&self) -> Vec<&'a str> {
         let Value::Object(meta) = self.ctx.metadata else {
             return Vec::new();
         };
-        let Some((_, Value::Object(headers))) = meta.iter().find(|(k, _)| *k == "headers") else {
-            return Vec::new();
+        let area = |name: &str| match meta.iter().find(|(k, _)| *k == name) {
+            Some((_, Value::Object(members))) => *members,
+            _ => &[],
         };
         let mut out = Vec::new();
-        for (name, value) in headers.iter() {
+        for (name, value) in area("headers") {
             if let Value::Str(v) = value
                 && sluice_compiler::validate::is_secret_header(name)
             {
@@ -1393,6 +1418,13 @@ impl<'a> Machine<'a> {
                 if let Some((_, credential)) = v.split_once(' ') {
                     out.push(credential.trim());
                 }
+            }
+        }
+        for (name, value) in area("query") {
+            if let Value::Str(v) = value
+                && sluice_compiler::validate::is_secret_query_param(name)
+            {
+                out.push(*v);
             }
         }
         out.retain(|v| v.len() >= 4);
@@ -1651,6 +1683,17 @@ fn check_room(target: &WritePath, arena: &Bump) -> Result<(), TaskError> {
         return Err(too_large(target));
     }
     Ok(())
+}
+
+#[cold]
+#[inline(never)]
+fn written_too_much(target: &WritePath) -> TaskError {
+    TaskError::task(format!(
+        "cannot write '{}': the execution's writes would store more than {} MiB \
+         (each value counted whole, as its JSON would be written out)",
+        target.text,
+        MAX_WRITTEN_BYTES >> 20
+    ))
 }
 
 #[cold]

@@ -9,10 +9,10 @@
 //! gives the string `"1"`, so a round trip cannot change data.
 
 use bumpalo::Bump;
-use bumpalo::collections::Vec as BumpVec;
 use quick_xml::Reader;
 use quick_xml::events::Event;
 use sluice_compiler::Value;
+use std::collections::HashMap;
 
 /// Nesting deeper than this is refused rather than risking the stack.
 const MAX_XML_DEPTH: usize = 256;
@@ -40,7 +40,7 @@ pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
             Event::Start(ref start) | Event::Empty(ref start) => {
                 let is_empty = matches!(event, Event::Empty(_));
                 let name = arena.alloc_str(&String::from_utf8_lossy(start.name().as_ref()));
-                let mut element = Element::new(name, arena);
+                let mut element = Element::new(name);
                 for attr in start.attributes() {
                     let attr = attr.map_err(|e| format!("invalid XML attribute: {e}"))?;
                     let key = format!("@{}", String::from_utf8_lossy(attr.key.as_ref()));
@@ -60,9 +60,10 @@ pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
                     if let Some(c) = value.chars().find(|&c| forbidden(c)) {
                         return Err(forbidden_reference(c));
                     }
-                    element
-                        .members
-                        .push((arena.alloc_str(&key), Value::Str(arena.alloc_str(&value))));
+                    element.members.push((
+                        arena.alloc_str(&key),
+                        Member::One(Value::Str(arena.alloc_str(&value))),
+                    ));
                     element.has_structure = true;
                 }
                 if stack.len() >= MAX_XML_DEPTH {
@@ -70,7 +71,7 @@ pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
                 }
                 if is_empty {
                     let value = element.finish(arena);
-                    attach(&mut stack, &mut root, name, value, arena)?;
+                    attach(&mut stack, &mut root, name, value)?;
                 } else {
                     stack.push(element);
                 }
@@ -79,7 +80,7 @@ pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
                 let element = stack.pop().ok_or("unbalanced XML end tag")?;
                 let name = element.name;
                 let value = element.finish(arena);
-                attach(&mut stack, &mut root, name, value, arena)?;
+                attach(&mut stack, &mut root, name, value)?;
             }
             Event::Text(t) => {
                 let raw = t.decode().map_err(|e| format!("invalid XML text: {e}"))?;
@@ -124,24 +125,78 @@ pub fn parse<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, String> {
     Ok(Value::Object(arena.alloc_slice_copy(&[(name, value)])))
 }
 
+/// An element being read: its members are gathered here and copied into
+/// the arena once, when it ends, so a child repeated n times costs O(n)
+/// (growing an arena array on every repeat kept each old copy: O(n²) bytes).
 struct Element<'a> {
     name: &'a str,
-    members: BumpVec<'a, (&'a str, Value<'a>)>,
+    members: Vec<(&'a str, Member<'a>)>,
+    /// Where each child name is in `members`, once there are more than
+    /// [`INDEX_FROM`] (a scan is cheaper for the usual handful).
+    index: Option<HashMap<&'a str, usize>>,
     text: String,
     has_structure: bool,
 }
 
+/// A member so far: one child (or attribute), or a repeated child's items.
+enum Member<'a> {
+    One(Value<'a>),
+    Many(Vec<Value<'a>>),
+}
+
+/// Members from which an element looks child names up in a map.
+const INDEX_FROM: usize = 16;
+
 impl<'a> Element<'a> {
-    fn new(name: &'a str, arena: &'a Bump) -> Self {
+    fn new(name: &'a str) -> Self {
         Element {
             name,
-            members: BumpVec::new_in(arena),
+            members: Vec::new(),
+            index: None,
             text: String::new(),
             has_structure: false,
         }
     }
 
-    fn finish(mut self, arena: &'a Bump) -> Value<'a> {
+    /// Adds a child element: a repeated name turns its member into an
+    /// array, in document order.
+    fn add_child(&mut self, name: &'a str, value: Value<'a>) {
+        self.has_structure = true;
+        let at = match &mut self.index {
+            Some(index) => index.get(name).copied(),
+            None => self.members.iter().position(|(k, _)| *k == name),
+        };
+        match at {
+            Some(at) => {
+                let slot = &mut self.members[at].1;
+                match slot {
+                    Member::Many(items) => items.push(value),
+                    Member::One(first) => {
+                        let first = *first;
+                        *slot = Member::Many(vec![first, value]);
+                    }
+                }
+            }
+            None => {
+                if let Some(index) = &mut self.index {
+                    index.insert(name, self.members.len());
+                }
+                self.members.push((name, Member::One(value)));
+                if self.index.is_none() && self.members.len() > INDEX_FROM {
+                    // Attributes (`@name`) never share a child's name.
+                    let index = self
+                        .members
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (k, _))| (*k, i))
+                        .collect();
+                    self.index = Some(index);
+                }
+            }
+        }
+    }
+
+    fn finish(self, arena: &'a Bump) -> Value<'a> {
         // XML's whitespace only (a no-break space is data).
         let text = self
             .text
@@ -153,11 +208,17 @@ impl<'a> Element<'a> {
                 Value::Str(arena.alloc_str(text))
             };
         }
-        if !text.is_empty() {
-            self.members
-                .push(("#text", Value::Str(arena.alloc_str(text))));
-        }
-        Value::Object(self.members.into_bump_slice())
+        let text = (!text.is_empty()).then(|| ("#text", Value::Str(arena.alloc_str(text))));
+        let mut out = bumpalo::collections::Vec::with_capacity_in(
+            self.members.len() + usize::from(text.is_some()),
+            arena,
+        );
+        out.extend(self.members.into_iter().map(|(k, m)| match m {
+            Member::One(v) => (k, v),
+            Member::Many(items) => (k, Value::Array(arena.alloc_slice_copy(&items))),
+        }));
+        out.extend(text);
+        Value::Object(out.into_bump_slice())
     }
 }
 
@@ -166,7 +227,6 @@ fn attach<'a>(
     root: &mut Option<(&'a str, Value<'a>)>,
     name: &'a str,
     value: Value<'a>,
-    arena: &'a Bump,
 ) -> Result<(), String> {
     let Some(parent) = stack.last_mut() else {
         if root.is_some() {
@@ -175,22 +235,7 @@ fn attach<'a>(
         *root = Some((name, value));
         return Ok(());
     };
-    parent.has_structure = true;
-    match parent.members.iter_mut().find(|(k, _)| *k == name) {
-        Some((_, existing)) => {
-            // A repeated child: the member becomes (or grows) an array.
-            let mut items = BumpVec::new_in(arena);
-            // Children are never arrays themselves (XML has none), so an array
-            // here was made by an earlier repeat of this child.
-            match *existing {
-                Value::Array(prev) => items.extend_from_slice(prev),
-                other => items.push(other),
-            }
-            items.push(value);
-            *existing = Value::Array(items.into_bump_slice());
-        }
-        None => parent.members.push((name, value)),
-    }
+    parent.add_child(name, value);
     Ok(())
 }
 
@@ -375,6 +420,41 @@ mod tests {
             got,
             json!({"order": {"@id": "7", "item": ["a & b", "c"], "note": null, "total": "9.5"}})
         );
+    }
+
+    #[test]
+    fn repeated_children_cost_memory_in_proportion() {
+        // Each repeat used to copy the array so far into the arena: 5,000
+        // repeats took about 300 MB.
+        let n = 5_000;
+        let text = format!("<r>{}</r>", "<a>x</a>".repeat(n));
+        let arena = Bump::new();
+        let v = parse(&text, &arena).unwrap();
+        assert!(
+            arena.allocated_bytes() < 64 * n,
+            "{}",
+            arena.allocated_bytes()
+        );
+        let items = v.get("r").and_then(|r| r.get("a")).unwrap();
+        assert_eq!(items.as_array().map(|a| a.len()), Some(n));
+    }
+
+    #[test]
+    fn many_child_names_keep_document_order_and_group_repeats() {
+        // Past 16 members the names are looked up in a map.
+        let mut text = String::from("<r k=\"v\">");
+        for i in 0..40 {
+            text.push_str(&format!("<c{i}>{i}</c{i}>"));
+        }
+        text.push_str("<c3>again</c3><c39>last</c39><c3>third</c3></r>");
+        let got = parse_json(&text);
+        let r = got["r"].as_object().unwrap();
+        let names: Vec<&str> = r.keys().map(String::as_str).collect();
+        assert_eq!(names.len(), 41);
+        assert_eq!((names[0], names[1], names[40]), ("@k", "c0", "c39"));
+        assert_eq!(r["c3"], json!(["3", "again", "third"]));
+        assert_eq!(r["c39"], json!(["39", "last"]));
+        assert_eq!(r["c20"], json!("20"));
     }
 
     #[test]

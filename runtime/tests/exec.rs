@@ -54,13 +54,24 @@ fn run_with(
     services: &Services,
     options: &Options,
 ) -> Run {
+    run_with_query(plans, body, headers, &[("page", "2")], services, options)
+}
+
+fn run_with_query(
+    plans: &[&Plan],
+    body: Json,
+    headers: &[(&str, &str)],
+    query: &[(&str, &str)],
+    services: &Services,
+    options: &Options,
+) -> Run {
     let body = body.to_string();
     let input = Input {
         body: body.as_bytes(),
         payload_from: PayloadFrom::DataMember,
         meta: Meta {
             headers,
-            query: &[("page", "2")],
+            query,
             path: &[("id", "42")],
             method: "POST",
             channel: "orders",
@@ -1339,6 +1350,12 @@ fn log_fields_are_masked() {
         "log",
         json!({"message": {"cat": ["auth is ", {"var": "metadata.headers.authorization"}]}, "level": "warn"})
     )])));
+    let q = plan(wf(json!([task(
+        "l",
+        "log",
+        json!({"message": {"cat": ["sig is ", {"var": "metadata.query.sig"}]}, "level": "warn",
+               "fields": {"q": {"var": "metadata.query.api_key"}}})
+    )])));
     tracing::subscriber::with_default(subscriber, || {
         run_with(
             &[&p],
@@ -1358,15 +1375,83 @@ fn log_fields_are_masked() {
             &Services::default(),
             &Options::default(),
         );
+        // A credential in the query (audit 122: logged as it was).
+        run_with_query(
+            &[&q],
+            json!({}),
+            &[],
+            &[("sig", "S1gnatur3"), ("api_key", "qk-123456")],
+            &Services::default(),
+            &Options::default(),
+        );
     });
     let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
     assert!(text.contains("visible"), "{text}");
     assert!(text.contains("kept"), "{text}");
     assert!(text.contains("******"), "{text}");
     assert!(text.contains("auth is ******"), "{text}");
-    for secret in ["s3cr3t", "k3y", "pw-123", "hunter2", "c00kie-value"] {
+    assert!(text.contains("sig is ******"), "{text}");
+    for secret in [
+        "s3cr3t",
+        "k3y",
+        "pw-123",
+        "hunter2",
+        "c00kie-value",
+        "S1gnatur3",
+        "qk-123456",
+    ] {
         assert!(!text.contains(secret), "{secret} leaked: {text}");
     }
+}
+
+/// Values share what they are made of, so writes could build an answer of
+/// petabytes in a few kilobytes of arena (audit 121): each mapping an array
+/// of 16 reads of the one before, or `data` written into itself again and
+/// again. Both end with a task error, quickly.
+#[test]
+fn values_made_of_copies_of_themselves_stay_bounded() {
+    let mut mappings = vec![json!({"path": "a0", "logic": "xxxxxxxxxxxxxxxx"})];
+    for i in 1..=12 {
+        let prev = json!({"var": format!("data.a{}", i - 1)});
+        mappings.push(json!({"path": format!("a{i}"), "logic": vec![prev; 16]}));
+    }
+    let p = plan(wf(json!([task(
+        "bomb",
+        "map",
+        json!({ "mappings": mappings })
+    )])));
+    let f = failure(&p, json!({}), &Services::default());
+    assert_eq!(f.task_id, "bomb");
+    assert!(f.message.contains("allocation budget"), "{}", f.message);
+
+    let mappings: Vec<Json> = (0..40)
+        .map(|i| json!({"path": format!("b{i}"), "logic": {"var": "data"}}))
+        .collect();
+    let p = plan(wf(json!([task(
+        "double",
+        "map",
+        json!({ "mappings": mappings })
+    )])));
+    let f = failure(&p, json!({}), &Services::default());
+    assert!(
+        f.message.contains("would store more than 256 MiB"),
+        "{}",
+        f.message
+    );
+    // A few copies are fine: the answer holds them whole.
+    let mappings: Vec<Json> = (0..3)
+        .map(|i| json!({"path": format!("b{i}"), "logic": {"var": "data"}}))
+        .collect();
+    let p = plan(wf(json!([task(
+        "copy",
+        "map",
+        json!({ "mappings": mappings })
+    )])));
+    let r = run(&p, json!({}));
+    assert_eq!(
+        r.data(),
+        json!({"b0": {}, "b1": {"b0": {}}, "b2": {"b0": {}, "b1": {"b0": {}}}})
+    );
 }
 
 /// A loop that wraps a value in one more array per pass stops with a task

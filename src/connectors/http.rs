@@ -149,6 +149,13 @@ impl HttpConn {
             secrets.push(base64(&format!("{user}:{decoded}")));
             secrets.push(password.to_owned());
             secrets.push(decoded.into_owned());
+        } else if !url.username().is_empty() {
+            // A user alone is an API key sent as Basic auth
+            // (`https://sk_live_…@api.example.com`), masked like a password.
+            let user = crate::server::decode(url.username());
+            secrets.push(base64(&format!("{user}:")));
+            secrets.push(url.username().to_owned());
+            secrets.push(user.into_owned());
         }
         // Secret query values as sent (percent-encoded) and decoded.
         for pair in url.query().unwrap_or_default().split('&') {

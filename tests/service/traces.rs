@@ -818,3 +818,28 @@ async fn a_panicking_run_fails_its_trace_and_spares_the_workers() {
     let trace = poll(&s, &id, |t| t["status"] == "completed").await;
     assert_eq!(trace["data"]["greeting"], "hello ok", "{trace}");
 }
+
+/// A failed run's stored errors mask what the query rule calls secret
+/// (`?sig=…`, kept in the stored query because the run reads it), as a
+/// sync request's failure is masked (audit 122: an upstream's error naming
+/// the task's path showed the signature in the trace).
+#[tokio::test]
+async fn stored_errors_mask_secret_query_values() {
+    let s = server(Db::Sqlite, 0).await;
+    let wf = json!({"workflow_id": "sig", "name": "sig", "tasks": [
+    {"id": "check", "name": "check", "function": {"name": "map", "input": {"mappings": [
+        {"path": "x", "logic": {"throw": {"cat": ["bad signature ", {"var": "metadata.query.sig"}]}}}
+    ]}}}]});
+    s.deploy(wf, rest_channel("sigs", "sig", "async")).await;
+    let id = submit(
+        &s,
+        "/api/v1/data/sigs/1?sig=AbCdEf123456",
+        json!({"data": {}}),
+        &[],
+    )
+    .await;
+    let t = poll(&s, &id, |t| t["status"] == "failed").await;
+    let text = t.to_string();
+    assert!(!text.contains("AbCdEf123456"), "{text}");
+    assert!(text.contains("bad signature ******"), "{text}");
+}

@@ -517,6 +517,51 @@ impl<'a> Ev<'a, '_> {
         Ok(())
     }
 
+    /// Charges what the elements of a new array hold beyond their slots,
+    /// counted as trees (see [`Value::tree_size_within`]): the text of its
+    /// strings, and every container but the largest. Elements are shared,
+    /// not copied, so without this `[x, x]` cost two slots while writing
+    /// out `x` twice, and a rule (or a `reduce`) doing so at every step
+    /// built in kilobytes a value that takes years to write out. The
+    /// largest container goes free: what it holds is bounded by what the
+    /// arena and earlier charges paid for, so whatever a rule builds stays
+    /// within those, and wrapping a value (`[acc]`) costs nothing more.
+    fn charge_held(&self, items: &[Value<'a>]) -> Result<(), Fail> {
+        let (mut text, mut containers) = (0usize, 0usize);
+        for v in items {
+            match *v {
+                Value::Str(s) => text += s.len(),
+                Value::Array(_) | Value::Object(_) => containers += 1,
+                _ => {}
+            }
+        }
+        if text > 0 {
+            self.charge(text)?;
+        }
+        if containers < 2 {
+            return Ok(());
+        }
+        let room = self.room();
+        let (mut sum, mut largest, mut beyond) = (0usize, 0usize, 0usize);
+        for v in items {
+            if matches!(v, Value::Array(_) | Value::Object(_)) {
+                match v.tree_size_within(room) {
+                    Some(n) => {
+                        sum += n;
+                        largest = largest.max(n);
+                    }
+                    None => beyond += 1,
+                }
+            }
+        }
+        match beyond {
+            0 => self.charge(sum - largest),
+            // The one beyond the room is the largest.
+            1 => self.charge(sum),
+            _ => Err(self.fail(EvalError::InvalidArguments(BUDGET_EXCEEDED))),
+        }
+    }
+
     /// The dispatcher. Thin on purpose: every arm with work of its own
     /// calls out, so this frame saves no registers and the calls become
     /// jumps (a node costs its own work, not a second prologue).
@@ -867,6 +912,7 @@ impl<'a> Ev<'a, '_> {
                     }
                 }
                 self.charge(out.len() * size_of::<Value>())?;
+                self.charge_held(&out)?;
                 Ok(Value::Array(out.into_bump_slice()))
             }
             Op::In => {
@@ -951,6 +997,7 @@ impl<'a> Ev<'a, '_> {
                     }
                     Args::Values(values) => out.copy_from_slice(values),
                 }
+                self.charge_held(out)?;
                 Ok(Value::Array(out))
             }
             Op::Var => self.var_dynamic(args, scope),
@@ -970,6 +1017,7 @@ impl<'a> Ev<'a, '_> {
         for (slot, &id) in out.iter_mut().zip(ids) {
             *slot = self.operand(id, scope)?;
         }
+        self.charge_held(out)?;
         Ok(Value::Array(out))
     }
 
@@ -1364,6 +1412,7 @@ impl<'a> Ev<'a, '_> {
                 for (i, (slot, item)) in out.iter_mut().zip(items).enumerate() {
                     *slot = value(i, item, &NULL)?;
                 }
+                self.charge_held(out)?;
                 Ok(Value::Array(out))
             }
             Op::Filter => {

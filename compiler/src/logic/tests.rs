@@ -535,6 +535,39 @@ fn every_allocation_counts_against_the_budget() {
     assert!(err.contains("allocation budget"), "{err}");
 }
 
+/// Values share what they are made of: `[x, x]` holds `x` twice in two
+/// slots. Charged only for the slots, a rule (or a constant folded at
+/// compile time) built a value of 10^10 elements, or 2^60 through a
+/// `reduce`, in a few kilobytes, and writing it out never ended.
+#[test]
+fn values_made_of_copies_of_themselves_are_charged_whole() {
+    // Folded at compile time: `map` over ten items of a constant body, ten
+    // times over (audit 121). Compiling is quick and folds nothing; the
+    // evaluation fails on its budget.
+    let mut rule = json!([0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    for _ in 0..10 {
+        rule = json!({"map": [[0, 0, 0, 0, 0, 0, 0, 0, 0, 0], rule]});
+    }
+    let logic = compile(&rule).unwrap();
+    assert!(logic.constant().is_none());
+    let err = eval_json(rule, json!(null)).unwrap_err();
+    assert!(err.contains("allocation budget"), "{err}");
+    // A reduce whose accumulator is two copies of itself; merge alike.
+    for body in [
+        json!([{"var": "accumulator"}, {"var": "accumulator"}]),
+        json!({"merge": [[{"var": "accumulator"}], [{"var": "accumulator"}]]}),
+    ] {
+        let rule = json!({"reduce": [{"var": "xs"}, body, [1]]});
+        let err = eval_json(rule, json!({"xs": (0..60).collect::<Vec<_>>()})).unwrap_err();
+        assert!(err.contains("allocation budget"), "{err}");
+    }
+    // Within the budget the same rules work, and count what they hold.
+    let rule = json!({"reduce": [{"var": "xs"},
+        [{"var": "accumulator"}, {"var": "accumulator"}], [1]]});
+    let got = ok(rule, json!({"xs": [1, 2, 3]}));
+    assert_eq!(got.to_string().matches('1').count(), 8);
+}
+
 /// A reduce that wraps its accumulator once per element nests as deep as
 /// its array is long; past 4,096 levels it fails instead of building a
 /// value whose walks (stringifying, equality, writing) overflow the stack.

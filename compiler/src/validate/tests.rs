@@ -1960,6 +1960,21 @@ fn other_connector_rules() {
             "broker 'kafka://127.0.0.1:9092' must be host:port, without a scheme",
         )],
     );
+    // Credentials in one are not quoted back (audit 122).
+    check_cfg(
+        "kafka",
+        json!({"brokers": ["SASL_SSL://svc:Pa55w0rd@kafka-1:9092", "u:pw@k:1"]}),
+        &[
+            (
+                "config.brokers[0]",
+                "broker 'SASL_SSL://******@kafka-1:9092' must be host:port, without a scheme (credentials go in sasl)",
+            ),
+            (
+                "config.brokers[1]",
+                "broker '******@k:1' must be host:port (credentials go in sasl)",
+            ),
+        ],
+    );
     check_cfg(
         "kafka",
         json!({"brokers": "a:1,,b:x"}),
@@ -2488,6 +2503,61 @@ fn server_urls_are_checked_at_create() {
         ("cache", json!({"backend": "redis", "url": "rediss://h"})),
     ] {
         check(validate_connector(&connector(ty, config.clone())), &[]);
+    }
+}
+
+/// An HTTP URL's user alone is a key sent as Basic auth (Stripe's
+/// `https://sk_live_…@api.stripe.com`), masked like a password; a
+/// database's user alone is a name. A query name is read decoded
+/// (`api%5Fkey` is `api_key`). Forms the URL parser takes but nothing
+/// else reads alike (`https:///u:p@host`, backslashes) are refused, so the
+/// masking never meets them (audit 122).
+#[test]
+fn url_users_encoded_names_and_odd_forms() {
+    for (url, want) in [
+        (
+            "https://sk_live_abc123:@api.stripe.com/v1",
+            Some("https://******:@api.stripe.com/v1"),
+        ),
+        (
+            "https://ghp_Token123@api.github.com",
+            Some("https://******@api.github.com"),
+        ),
+        (
+            "HTTP://key@h.example.com/x@y",
+            Some("HTTP://******@h.example.com/x@y"),
+        ),
+        (
+            "https://u:p@h.example.com",
+            Some("https://u:******@h.example.com"),
+        ),
+        ("postgres://sluice@db/sluice", None),
+        ("redis://default@cache:6379", None),
+        ("https://******@api.github.com", None),
+        (
+            "https://api.example.com/v1?api%5Fkey=S3cret&page=2",
+            Some("https://api.example.com/v1?api%5Fkey=******&page=2"),
+        ),
+    ] {
+        assert_eq!(mask_url_credentials(url).as_deref(), want, "{url}");
+    }
+    let left = json!({"config": {"url": "https://******@api.github.com/v2"}});
+    assert_eq!(masked_leftovers(&left).len(), 1);
+    for url in [
+        "https:///svc:S3cretPw@api.example.com/v1",
+        "https:svc:S3cretPw@api.example.com/v1",
+        "https:\\\\svc:S3cretPw@api.example.com/v1",
+        "https://api.example.com\\v1",
+    ] {
+        let def = json!({"name": "crm", "connector_type": "http", "config": {"url": url}});
+        let errors = validate_connector(&def);
+        assert_eq!(errors.len(), 1, "{url}: {errors:?}");
+        assert_eq!(errors[0].field, "config.url", "{url}");
+        assert!(
+            errors[0].message.contains("two slashes") || errors[0].message.contains("backslash"),
+            "{url}: {}",
+            errors[0].message
+        );
     }
 }
 
