@@ -1200,25 +1200,20 @@ fn import_answer(
     }))
 }
 
+/// Every workflow the filters match, read by one statement: pages of the
+/// list (sorted by each id's newest version, which a change moves) could
+/// skip a workflow changed while they were read and show another twice
+/// (audit 124), and the export is a backup.
 async fn export(app: &App, req: &Req) -> ApiResult {
-    let mut out = Vec::new();
-    let mut offset = 0;
-    loop {
-        let q = ListQuery {
-            status: status_filter(req)?,
-            tag: req.query("tag").map(str::to_owned),
-            limit: 1000,
-            offset,
-            ..ListQuery::default()
-        };
-        let (records, total) = app.store.list(Kind::Workflow, &q).await?;
-        let n = records.len() as i64;
-        out.extend(records.iter().map(|r| r.to_json(Kind::Workflow)));
-        offset += n;
-        if n == 0 || offset >= total {
-            break;
-        }
-    }
+    let q = ListQuery {
+        status: status_filter(req)?,
+        tag: req.query("tag").map(str::to_owned),
+        limit: i64::MAX,
+        offset: 0,
+        ..ListQuery::default()
+    };
+    let (records, _) = app.store.list(Kind::Workflow, &q).await?;
+    let out: Vec<Json> = records.iter().map(|r| r.to_json(Kind::Workflow)).collect();
     api::ok(&out)
 }
 
@@ -1404,10 +1399,17 @@ async fn update_connector(app: &App, req: &Req, name: &str, who: Principal) -> A
     let mut def = req.json()?;
     // A definition read back from the API carries `******` for its secrets;
     // sending it back (after editing something else) keeps the stored ones.
+    // What a secret was put back from must still be stored when the update
+    // is written (checked in its transaction).
+    let mut expected = None;
     match app.store.get_connector(name).await {
         Ok(record) => {
             let shown = masked(record.definition.clone());
+            let sent = def.clone();
             restore_masked(&mut def, &record.definition, &shown);
+            if def != sent {
+                expected = Some(record.definition);
+            }
         }
         Err(crate::storage::StorageError::NotFound(_)) => {}
         Err(e) => return Err(e.into()),
@@ -1417,7 +1419,7 @@ async fn update_connector(app: &App, req: &Req, name: &str, who: Principal) -> A
     no_masks(&def)?;
     let record = app
         .store
-        .update_connector(name, &def, audit(who, "update"))
+        .update_connector(name, &def, audit(who, "update"), expected.as_ref())
         .await?;
     // A changed connector (a fixed URL, new credentials) starts with closed
     // breakers: the failures they counted were the old definition's.

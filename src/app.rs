@@ -143,14 +143,15 @@ impl App {
     /// nothing left to do (audit 106: SQLite kept serving the old number
     /// while storage moved on, and PostgreSQL and MariaDB reloaded a
     /// second time as if another replica had changed something). Returns
-    /// the registry's size; a failed registry reload leaves the previous
-    /// one serving.
+    /// the registry's size; a registry that does not load is a storage
+    /// error (the previous registry and engine keep serving).
     pub async fn connectors_changed(&self) -> Result<usize, crate::storage::StorageError> {
         let _changing = self.change_gate.read().await;
         self.store.bump_engine_generation_or_later().await;
-        // `reload` reloads the registry (and logs a failure; the previous
-        // engine and registry keep serving). Definitions that do not build
-        // are the engine's problem, not the connectors'.
+        // `reload` reloads the registry first (a failure is a storage
+        // error; the previous engine and registry keep serving).
+        // Definitions that do not build are the engine's problem, not the
+        // connectors'.
         match self.reload(None).await {
             Err(ReloadError::Storage(e)) => Err(e),
             _ => Ok(self.connectors.loaded()),
@@ -213,8 +214,15 @@ impl App {
         // 111: a replica whose own change overtook another replica's
         // connector change never loaded that connector, while its
         // generation said it was current).
+        // A registry that did not load fails the reload: the generation
+        // stays where it was, so the next check (or change) loads it again,
+        // instead of reporting a generation whose connectors this replica
+        // does not hold (audit 124: a rotated password or a deleted
+        // connector stayed in use while the generation said current).
         if let Err(e) = self.connectors.reload(&self.store).await {
-            tracing::warn!(error = %e, "could not reload the connectors; the previous ones keep serving");
+            failed();
+            tracing::warn!(error = %e, "could not reload the connectors; the previous engine and connectors keep serving");
+            return Err(ReloadError::Storage(e));
         }
         let built = self
             .reloader

@@ -724,8 +724,9 @@ async fn retention_loop(app: Arc<App>) {
     }
 }
 
-/// One retention pass: deletes traces created more than
-/// `queue.trace_retention_hours` ago (0 keeps traces forever). Returns how many went.
+/// One retention pass: deletes finished traces created more than
+/// `queue.trace_retention_hours` ago (0 keeps traces forever); work still to
+/// run stays. Returns how many went.
 pub async fn delete_expired(
     store: &Store,
     config: &config::Queue,
@@ -738,7 +739,9 @@ pub async fn delete_expired(
         .unwrap_or_default();
     let keep = Duration::from_secs(config.trace_retention_hours.saturating_mul(3600));
     let cutoff = i64::try_from(now.saturating_sub(keep).as_micros()).unwrap_or(i64::MAX);
-    let n = store.delete_traces_before(cutoff).await?;
+    let n = store
+        .delete_traces_before(cutoff, config.dlq_retry_enabled)
+        .await?;
     if n > 0 {
         tracing::info!(deleted = n, "old traces deleted");
     }

@@ -55,16 +55,20 @@ pub fn stop(app: &App) {
     }
 }
 
-/// Reloads if storage is ahead of what this replica serves.
+/// Reloads if storage holds another generation than this replica serves:
+/// a later one (another replica's change), or an earlier one, which only a
+/// restored database has (audit 124: replicas serving generation 50 kept
+/// serving what a restored dump at 30 no longer held, and ignored every
+/// change until the number passed 50 again).
 pub async fn catch_up(app: &App) {
     match app.store.engine_generation().await {
-        Ok(stored) if stored.max(1) as u64 > app.generation() => {
+        Ok(stored) if stored.max(1) as u64 != app.generation() => {
             // This replica's own change notifies it too, before its own
             // reload is done: wait for that reload, then judge (audit 83:
             // each change reloaded twice on PostgreSQL, counted twice in
             // `engine_reloads_total`).
             app.wait_for_own_changes().await;
-            if stored.max(1) as u64 <= app.generation() {
+            if stored.max(1) as u64 == app.generation() {
                 app.behind.store(false, Ordering::Release);
                 return;
             }

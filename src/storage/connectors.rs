@@ -121,11 +121,16 @@ impl Store {
 
     /// Replaces a connector's definition. The name is the identity: a body naming
     /// another connector is a 400 (a body without `name` gets the path's name).
+    /// `expected`: the stored definition the new one was made from (its
+    /// masked secrets put back from it); when the row holds another by
+    /// now, the update is a conflict rather than putting back secrets a
+    /// concurrent update replaced (audit 124: a rotated password reverted).
     pub async fn update_connector(
         &self,
         name: &str,
         def: &Json,
         audit: Audit,
+        expected: Option<&Json>,
     ) -> Result<Record, StorageError> {
         let mut def = def.clone();
         if let Json::Object(m) = &mut def {
@@ -150,6 +155,17 @@ impl Store {
             }
             dispatch!(self, pool => {
                 let mut tx = pool.begin_write().await?;
+                if let Some(expected) = expected {
+                    let Some(row) = fetch_optional!(&mut *tx, &s.connector_get_locked, name)? else {
+                        return Err(not_found(name));
+                    };
+                    if connector_from_row(&row)?.definition != *expected {
+                        return Err(StorageError::Conflict(format!(
+                            "connector '{name}' was changed by another request while this \
+                             update was made; read it again and send the update anew"
+                        )));
+                    }
+                }
                 if execute!(&mut *tx, &s.connector_update, &ty, &text, now, name)? == 0 {
                     return Err(not_found(name));
                 }

@@ -181,6 +181,9 @@ pub(crate) struct Sql {
     pub lock_channel_names: Option<String>,
     pub connector_insert: String,
     pub connector_get: String,
+    /// `connector_get` locking the row (PostgreSQL/MariaDB; SQLite's write
+    /// transactions lock the database).
+    pub connector_get_locked: String,
     pub connector_page: String,
     pub connector_count: String,
     pub connector_all: String,
@@ -209,6 +212,9 @@ impl Sql {
                 "INSERT INTO connectors (name, connector_type, definition, created_at, updated_at) VALUES (?, ?, {json}, ?, ?)",
             ),
             connector_get: f(&format!("SELECT {conn} FROM connectors WHERE name = ?")),
+            connector_get_locked: f(&format!(
+                "SELECT {conn} FROM connectors WHERE name = ?{{for_update}}"
+            )),
             connector_page: f(&format!(
                 "SELECT {conn} FROM connectors ORDER BY created_at DESC, name DESC LIMIT ? OFFSET ?"
             )),

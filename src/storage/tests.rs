@@ -1013,20 +1013,42 @@ async fn connectors_crud(s: Store, _: PathBuf) {
     let mut new = def.clone();
     new["config"]["url"] = json!("https://example.org");
     let u = s
-        .update_connector("api", &new, admin("update"))
+        .update_connector("api", &new, admin("update"), None)
         .await
         .unwrap();
     assert_eq!(u.definition, new);
     assert_eq!(s.get_connector("api").await.unwrap().definition, new);
+    // An update made from a definition that is no longer stored (its
+    // masked secrets put back from it) is a conflict, not a revert.
+    let mut later = new.clone();
+    later["config"]["timeout_ms"] = json!(5);
+    assert!(matches!(
+        s.update_connector("api", &later, admin("update"), Some(&def))
+            .await,
+        Err(StorageError::Conflict(_))
+    ));
+    assert_eq!(s.get_connector("api").await.unwrap().definition, new);
+    s.update_connector("api", &later, admin("update"), Some(&new))
+        .await
+        .unwrap();
+    s.update_connector("api", &new, admin("update"), Some(&later))
+        .await
+        .unwrap();
     let mut renamed = new.clone();
     renamed["name"] = json!("other");
     assert!(matches!(
-        s.update_connector("api", &renamed, admin("update")).await,
+        s.update_connector("api", &renamed, admin("update"), None)
+            .await,
         Err(StorageError::BadRequest(_))
     ));
     assert_not_found(
-        s.update_connector("zz", &json!({"connector_type": "http"}), admin("update"))
-            .await,
+        s.update_connector(
+            "zz",
+            &json!({"connector_type": "http"}),
+            admin("update"),
+            Some(&json!({})),
+        )
+        .await,
         "Connector with id 'zz' not found",
     );
 

@@ -235,8 +235,13 @@ pub(crate) struct TraceSql {
     get: String,
     page: String,
     count: String,
+    /// Finished traces created before a cutoff, and their dead letters:
+    /// with dead-letter retries on, a failed trace whose retry is still
+    /// waiting is not finished (`_waiting`: retries off, it is).
     delete_older: String,
     dlq_delete_older: String,
+    delete_older_waiting: String,
+    dlq_delete_older_waiting: String,
 }
 
 impl TraceSql {
@@ -307,10 +312,20 @@ impl TraceSql {
                 "SELECT {TRACE} FROM traces {filter} ORDER BY created_at DESC, trace_id DESC LIMIT ? OFFSET ?"
             )),
             count: f(&format!("SELECT COUNT(*) FROM traces {filter}")),
-            delete_older: f("DELETE FROM traces WHERE created_at < ?"),
-            dlq_delete_older: f(
-                "DELETE FROM trace_dlq WHERE trace_id IN (SELECT trace_id FROM traces WHERE created_at < ?)",
+            delete_older: f(
+                "DELETE FROM traces WHERE created_at < ? AND (status = 'completed' OR \
+                 (status = 'failed' AND NOT EXISTS (SELECT 1 FROM trace_dlq d \
+                 WHERE d.trace_id = traces.trace_id AND d.state = 'waiting')))",
             ),
+            dlq_delete_older: f(
+                "DELETE FROM trace_dlq WHERE state <> 'waiting' AND trace_id IN \
+                 (SELECT trace_id FROM traces WHERE created_at < ? AND status = 'failed')",
+            ),
+            delete_older_waiting: f(
+                "DELETE FROM traces WHERE created_at < ? AND status IN ('completed', 'failed')",
+            ),
+            dlq_delete_older_waiting: f("DELETE FROM trace_dlq WHERE trace_id IN \
+                 (SELECT trace_id FROM traces WHERE created_at < ? AND status = 'failed')"),
         }
     }
 }
@@ -664,17 +679,30 @@ impl Store {
         })
     }
 
-    /// Deletes traces created before `cutoff` (microseconds), with their dead
-    /// letters; returns how many traces went.
-    pub async fn delete_traces_before(&self, cutoff: i64) -> Result<u64, StorageError> {
+    /// Deletes finished traces created before `cutoff` (microseconds), with
+    /// their dead letters; returns how many traces went. A trace still to
+    /// run (pending, running, or failed with a dead-letter retry waiting
+    /// while `retries` are on) stays, however old: the service answered
+    /// 202 for it (audit 123: a restart after a long outage deleted
+    /// accepted work before it ran).
+    pub async fn delete_traces_before(
+        &self,
+        cutoff: i64,
+        retries: bool,
+    ) -> Result<u64, StorageError> {
         let s = &self.sql().traces;
+        let (dlq, traces) = if retries {
+            (&s.dlq_delete_older, &s.delete_older)
+        } else {
+            (&s.dlq_delete_older_waiting, &s.delete_older_waiting)
+        };
         retry(|| async {
             dispatch!(self, pool => {
                 let mut tx = pool.begin_write().await?;
                 // Explicit rather than relying on ON DELETE CASCADE alone, which
                 // SQLite applies only while foreign keys are switched on.
-                execute!(&mut *tx, &s.dlq_delete_older, cutoff)?;
-                let n = execute!(&mut *tx, &s.delete_older, cutoff)?;
+                execute!(&mut *tx, dlq, cutoff)?;
+                let n = execute!(&mut *tx, traces, cutoff)?;
                 tx.commit().await.map_err(super::db_err)?;
                 Ok(n)
             })

@@ -3121,3 +3121,41 @@ async fn a_route_another_channel_serves_is_warned_of() {
     r.ok(200);
     assert!(r.body.get("warnings").is_none(), "{}", r.text);
 }
+
+/// A connector registry that does not load fails the reload: the answer
+/// says so and the served generation stays, so the next reload loads it
+/// (audit 124: the failure was logged, the answer was 200 and the
+/// generation moved on, while the replica kept the old connectors).
+#[tokio::test]
+async fn a_connector_registry_that_does_not_load_fails_the_reload() {
+    use sqlx::Connection as _;
+    let s = start(Db::Sqlite).await;
+    s.admin(
+        "POST",
+        "/connectors",
+        Some(json!({"name": "api", "connector_type": "http",
+            "config": {"url": "https://api.example.com"}})),
+    )
+    .await
+    .ok(201);
+    let before = s.get("/api/v1/admin/engine/status").await.ok(200)["generation"].clone();
+    let mut db = sqlx::SqliteConnection::connect(&s.app.config.storage.url)
+        .await
+        .unwrap();
+    sqlx::query("ALTER TABLE connectors RENAME TO connectors_away")
+        .execute(&mut db)
+        .await
+        .unwrap();
+    let r = s.admin("POST", "/connectors/reload", None).await;
+    assert!(r.status >= 500, "{} {}", r.status, r.text);
+    let after = s.get("/api/v1/admin/engine/status").await.ok(200)["generation"].clone();
+    assert_eq!(before, after);
+    sqlx::query("ALTER TABLE connectors_away RENAME TO connectors")
+        .execute(&mut db)
+        .await
+        .unwrap();
+    let r = s.admin("POST", "/connectors/reload", None).await;
+    assert_eq!(r.ok(200)["connectors"], 1, "{}", r.text);
+    let now = s.get("/api/v1/admin/engine/status").await.ok(200)["generation"].clone();
+    assert!(now.as_i64() > before.as_i64(), "{before} {now}");
+}

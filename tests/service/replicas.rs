@@ -1067,3 +1067,73 @@ async fn breakers_are_forgotten_on_every_replica() {
     caught_up(c.clone(), a.base.clone(), b.base.clone()).await;
     assert_eq!(breakers_on_b(c.clone(), b.base.clone()).await, json!([]));
 }
+
+/// A restored database holds an earlier generation than the fleet serves:
+/// a running replica reloads to what it holds, and later changes reach it
+/// (audit 124: it kept serving the definitions the dump no longer held and
+/// ignored every change until the number passed the old one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_reloads_what_a_restored_database_holds() {
+    use sqlx::Connection;
+    crate::support::install_crypto();
+    let url = fresh_database(Db::MySql).await;
+    let r = replica(&url).await;
+    let c = reqwest::Client::new();
+    admin(&c, &r.base, "POST", "/workflows", json!({"workflow_id": "gone", "name": "gone",
+        "tasks": [{"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [{"path": "x", "logic": 1}]}}}]})).await;
+    admin(
+        &c,
+        &r.base,
+        "PATCH",
+        "/workflows/gone/status",
+        json!({"status": "active"}),
+    )
+    .await;
+    let served = generation(&c, &r.base).await;
+    assert!(served > 1, "{served}");
+    // The "restore": the rows the dump did not have, and its generation.
+    let mut db = sqlx::MySqlConnection::connect(&url).await.unwrap();
+    sqlx::query("DELETE FROM workflows WHERE id = 'gone'")
+        .execute(&mut db)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE engine_generation SET generation = 1")
+        .execute(&mut db)
+        .await
+        .unwrap();
+    let status = |c: reqwest::Client, base: String| async move {
+        let r: Json = c
+            .get(format!("{base}/api/v1/admin/engine/status"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        r["data"].clone()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let s = status(c.clone(), r.base.clone()).await;
+        if s["generation"] == 1 {
+            assert_eq!(s["active_workflows"], 0, "{s}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never reloaded: {s}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // A change from there reaches it as any change does.
+    admin(&c, &r.base, "POST", "/workflows", json!({"workflow_id": "next", "name": "next",
+        "tasks": [{"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [{"path": "x", "logic": 1}]}}}]})).await;
+    admin(
+        &c,
+        &r.base,
+        "PATCH",
+        "/workflows/next/status",
+        json!({"status": "active"}),
+    )
+    .await;
+    let s = status(c.clone(), r.base.clone()).await;
+    assert_eq!(s["active_workflows"], 1, "{s}");
+    assert!(s["generation"].as_i64().unwrap() > 1, "{s}");
+}

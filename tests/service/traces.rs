@@ -429,20 +429,29 @@ async fn retention_deletes_traces_past_their_hours() {
             .as_micros() as i64
             - h * 3_600_000_000
     };
-    // Older than the default 72 hours (whatever state the sweep leaves it in).
-    s.app
-        .store
-        .insert_pending(&NewTrace {
-            trace_id: "ancient".into(),
-            channel: "gone".into(),
-            mode: "async".into(),
-            bucket: None,
-            payload: "null".into(),
-            metadata: "{}".into(),
-            created_at: hours_ago(73),
-        })
-        .await
-        .unwrap();
+    // Older than the default 72 hours: one the worker completes, and one
+    // for a channel that is gone, which fails with a retry waiting. Only
+    // the finished one goes: accepted work stays until it has run (audit
+    // 123: a restart after a long outage deleted it unrun).
+    for (id, channel) in [("ancient", "greet"), ("stranded", "gone")] {
+        s.app
+            .store
+            .insert_pending(&NewTrace {
+                trace_id: id.into(),
+                channel: channel.into(),
+                mode: "async".into(),
+                bucket: None,
+                payload: r#"{"name": "old"}"#.into(),
+                metadata: r#"{"path": {"item": "async"}}"#.into(),
+                created_at: hours_ago(73),
+            })
+            .await
+            .unwrap();
+    }
+    s.app.queue.notify("ancient".into());
+    s.app.queue.notify("stranded".into());
+    poll(&s, "ancient", |t| t["status"] == "completed").await;
+    poll(&s, "stranded", |t| t["status"] == "failed").await;
     let deleted = sluice::queue::delete_expired(&s.app.store, &s.app.config.queue)
         .await
         .unwrap();
@@ -450,6 +459,12 @@ async fn retention_deletes_traces_past_their_hours() {
     s.get("/api/v1/data/traces/ancient")
         .await
         .error(404, "NOT_FOUND");
+    let stranded = s.get("/api/v1/data/traces/stranded").await;
+    assert!(
+        stranded.ok(200)["next_retry_at"].is_string(),
+        "{}",
+        stranded.text
+    );
     s.get(&format!("/api/v1/data/traces/{fresh}")).await.ok(200);
 }
 

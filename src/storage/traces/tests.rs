@@ -382,32 +382,50 @@ async fn expired_lease_is_reclaimed_and_fences_the_old_run(s: Store) {
 async fn retention_deletes_old_traces_and_their_dead_letters(s: Store) {
     let now = now_micros();
     let hour = 3_600_000_000;
-    s.insert_pending(&new_trace("old", "c", now - 2 * hour))
+    let policy = RetryPolicy {
+        max_retries: 5,
+        base_delay_secs: 1,
+    };
+    for id in ["failed", "done", "pending", "running"] {
+        s.insert_pending(&new_trace(id, "c", now - 2 * hour))
+            .await
+            .unwrap();
+    }
+    s.insert_pending(&new_trace("new", "c", now)).await.unwrap();
+    let c = s.claim_trace("failed", LEASE).await.unwrap().unwrap();
+    s.fail_trace(&outcome(&c, None, json!([])), policy)
         .await
         .unwrap();
-    s.insert_pending(&new_trace("new", "c", now)).await.unwrap();
-    let c = s.claim_trace("old", LEASE).await.unwrap().unwrap();
-    s.fail_trace(
-        &outcome(&c, None, json!([])),
-        RetryPolicy {
-            max_retries: 5,
-            base_delay_secs: 1,
-        },
-    )
-    .await
-    .unwrap();
-    assert!(s.dlq_entry("old").await.unwrap().is_some());
-    assert_eq!(s.delete_traces_before(now - hour).await.unwrap(), 1);
+    let c = s.claim_trace("done", LEASE).await.unwrap().unwrap();
+    s.complete_trace(&outcome(&c, Some(json!({})), json!([])))
+        .await
+        .unwrap();
+    s.claim_trace("running", LEASE).await.unwrap().unwrap();
+    assert!(s.dlq_entry("failed").await.unwrap().is_some());
+    // Only the finished trace goes: the failed one's retry is waiting, and
+    // pending and running work was accepted (audit 123).
+    assert_eq!(s.delete_traces_before(now - hour, true).await.unwrap(), 1);
     assert!(matches!(
-        s.get_trace("old").await,
+        s.get_trace("done").await,
         Err(StorageError::NotFound(_))
     ));
-    assert!(s.dlq_entry("old").await.unwrap().is_none());
+    for id in ["failed", "pending", "running", "new"] {
+        assert!(s.get_trace(id).await.is_ok(), "{id}");
+    }
+    assert!(s.dlq_entry("failed").await.unwrap().is_some());
+    // With retries off, a waiting dead letter is final: the trace goes too.
+    assert_eq!(s.delete_traces_before(now - hour, false).await.unwrap(), 1);
+    assert!(matches!(
+        s.get_trace("failed").await,
+        Err(StorageError::NotFound(_))
+    ));
+    assert!(s.dlq_entry("failed").await.unwrap().is_none());
     assert_eq!(
-        s.get_trace("new").await.unwrap().status,
+        s.get_trace("pending").await.unwrap().status,
         TraceStatus::Pending
     );
-    assert_eq!(s.delete_traces_before(now - hour).await.unwrap(), 0);
+    assert_eq!(s.delete_traces_before(now - hour, true).await.unwrap(), 0);
+    assert_eq!(s.delete_traces_before(now - hour, false).await.unwrap(), 0);
 }
 
 #[test]
