@@ -466,13 +466,13 @@ pub(crate) async fn execute_guarded(
             // The stored query holds what only the query rule calls secret
             // (`?sig=…`, `?code=…`), as the run needs it: masked here as a
             // sync request's failure is (audit 122).
-            let meta: Json = serde_json::from_str(&c.metadata).unwrap_or(Json::Null);
-            let query = crate::data::metadata_pairs(&meta, "query");
-            let secrets =
-                crate::data::request_secrets(std::iter::empty(), &query, c.payload.as_bytes());
-            if !secrets.is_empty()
-                && let Some(errors) = outcome.errors.as_array_mut()
+            if let Some(errors) = outcome.errors.as_array_mut()
+                && !errors.is_empty()
             {
+                let meta: Json = serde_json::from_str(&c.metadata).unwrap_or(Json::Null);
+                let query = crate::data::metadata_pairs(&meta, "query");
+                let secrets =
+                    crate::data::request_secrets(std::iter::empty(), &query, c.payload.as_bytes());
                 for e in errors {
                     if let Some(Json::String(m)) = e.get_mut("message") {
                         *m = crate::connectors::mask_values(m, &secrets);

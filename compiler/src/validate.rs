@@ -1994,9 +1994,10 @@ fn check_http_url(c: &mut Ctx, url: &str, at: &FieldPath) {
     // `https:///host` and backslashes for slashes, forms nothing else
     // reads alike (the masking of answers looked for `://` and showed
     // such a URL's password).
-    let plain = url
-        .split_once("://")
-        .is_some_and(|(_, rest)| !rest.starts_with('/'));
+    let plain = url.split_once(':').is_some_and(|(_, rest)| {
+        rest.strip_prefix("//")
+            .is_some_and(|host| !host.starts_with(['/', '\\']))
+    });
     if !ok {
         c.push(at, "must be an http:// or https:// URL with a host");
     } else if !plain {

@@ -805,6 +805,9 @@ impl<'a> Machine<'a> {
         let Some((first, _)) = run.first() else {
             return Ok(());
         };
+        // What the checks charge is charged again by the writes one by one
+        // should the run fall back to them.
+        let written = self.written;
         for ((path, logic), value) in run.iter().zip(values) {
             self.check_nesting(path, value, logic.may_outgrow_its_data())?;
         }
@@ -817,6 +820,7 @@ impl<'a> Machine<'a> {
                 Ok(())
             }
             None => {
+                self.written = written;
                 for ((path, logic), value) in run.iter().zip(values) {
                     self.write(path, *value, arena, logic.may_outgrow_its_data())?;
                 }
@@ -1690,7 +1694,7 @@ fn check_room(target: &WritePath, arena: &Bump) -> Result<(), TaskError> {
 fn written_too_much(target: &WritePath) -> TaskError {
     TaskError::task(format!(
         "cannot write '{}': the execution's writes would store more than {} MiB \
-         (each value counted whole, as its JSON would be written out)",
+         (each value counted whole, a part it holds twice counted twice)",
         target.text,
         MAX_WRITTEN_BYTES >> 20
     ))

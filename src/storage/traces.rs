@@ -313,19 +313,19 @@ impl TraceSql {
             )),
             count: f(&format!("SELECT COUNT(*) FROM traces {filter}")),
             delete_older: f(
-                "DELETE FROM traces WHERE created_at < ? AND (status = 'completed' OR \
+                "DELETE FROM traces WHERE COALESCE(completed_at, created_at) < ? AND (status = 'completed' OR \
                  (status = 'failed' AND NOT EXISTS (SELECT 1 FROM trace_dlq d \
                  WHERE d.trace_id = traces.trace_id AND d.state = 'waiting')))",
             ),
             dlq_delete_older: f(
                 "DELETE FROM trace_dlq WHERE state <> 'waiting' AND trace_id IN \
-                 (SELECT trace_id FROM traces WHERE created_at < ? AND status = 'failed')",
+                 (SELECT trace_id FROM traces WHERE COALESCE(completed_at, created_at) < ? AND status = 'failed')",
             ),
             delete_older_waiting: f(
-                "DELETE FROM traces WHERE created_at < ? AND status IN ('completed', 'failed')",
+                "DELETE FROM traces WHERE COALESCE(completed_at, created_at) < ? AND status IN ('completed', 'failed')",
             ),
             dlq_delete_older_waiting: f("DELETE FROM trace_dlq WHERE trace_id IN \
-                 (SELECT trace_id FROM traces WHERE created_at < ? AND status = 'failed')"),
+                 (SELECT trace_id FROM traces WHERE COALESCE(completed_at, created_at) < ? AND status = 'failed')"),
         }
     }
 }
@@ -679,7 +679,7 @@ impl Store {
         })
     }
 
-    /// Deletes finished traces created before `cutoff` (microseconds), with
+    /// Deletes traces finished before `cutoff` (microseconds), with
     /// their dead letters; returns how many traces went. A trace still to
     /// run (pending, running, or failed with a dead-letter retry waiting
     /// while `retries` are on) stays, however old: the service answered

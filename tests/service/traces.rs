@@ -452,6 +452,23 @@ async fn retention_deletes_traces_past_their_hours() {
     s.app.queue.notify("stranded".into());
     poll(&s, "ancient", |t| t["status"] == "completed").await;
     poll(&s, "stranded", |t| t["status"] == "failed").await;
+    // Retention counts from a run's end: "ancient" just finished, and keeps
+    // its result until it has been kept as long as any other.
+    let deleted = sluice::queue::delete_expired(&s.app.store, &s.app.config.queue)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 0);
+    {
+        use sqlx::Connection as _;
+        let mut db = sqlx::SqliteConnection::connect(&s.app.config.storage.url)
+            .await
+            .unwrap();
+        sqlx::query("UPDATE traces SET completed_at = ? WHERE trace_id = 'ancient'")
+            .bind(hours_ago(73))
+            .execute(&mut db)
+            .await
+            .unwrap();
+    }
     let deleted = sluice::queue::delete_expired(&s.app.store, &s.app.config.queue)
         .await
         .unwrap();

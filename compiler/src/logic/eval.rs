@@ -14,7 +14,8 @@ use crate::path::Segment;
 use crate::value::{Value, key_eq};
 use bumpalo::Bump;
 use bumpalo::collections::{String as BString, Vec as BVec};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 
 /// Evaluation result. The error's details wait in `Ev::error`: a zero-sized
 /// error keeps `R` as small as `Value` (niche-packed), which measurably cuts
@@ -56,8 +57,16 @@ pub(super) fn run_raw<'a>(
             MAX_EVAL_ALLOC.min(MAX_ARENA_BYTES.saturating_sub(arena.allocated_bytes())),
         ),
         error,
+        sizes: RefCell::new(None),
+        poisoned: Cell::new(false),
     };
-    ev.eval(root, &Scope::root(data))
+    let r = ev.eval(root, &Scope::root(data));
+    // A charge that failed where no error could be returned (a reduce
+    // pair read whole) fails the evaluation at its end.
+    if ev.poisoned.get() {
+        return Err(Fail);
+    }
+    r
 }
 
 #[cold]
@@ -341,9 +350,9 @@ fn first_step<'a>(c: Cursor<'a>, key: &str, index: Option<usize>) -> Option<Valu
 
 /// Walks a dotted path that was only known at evaluation time (pieces as
 /// `Segment::parse` reads them, without allocating).
-fn walk_dotted<'a>(c: Cursor<'a>, path: &str, arena: &'a Bump) -> Option<Value<'a>> {
+fn walk_dotted<'a>(ev: &Ev<'a, '_>, c: Cursor<'a>, path: &str) -> Option<Value<'a>> {
     if path.is_empty() {
-        return Some(whole(c, arena));
+        return Some(ev.whole(c));
     }
     // Escapes (`hello\.world`) and paths of dots alone are split as
     // `Path::parse` splits a constant path (rare: parsed here).
@@ -417,22 +426,6 @@ fn piece_ref<'a>(v: Value<'a>, key: &str, plain: bool) -> Option<&'a Value<'a>> 
 static NAN_ERROR: [(&str, Value<'static>); 1] = [("type", Value::Str("NaN"))];
 static INVALID_ERROR: [(&str, Value<'static>); 1] = [("type", Value::Str("Invalid Arguments"))];
 
-/// The whole value at a cursor (materializes reduce pairs and metadata).
-fn whole<'a>(c: Cursor<'a>, arena: &'a Bump) -> Value<'a> {
-    match c {
-        Cursor::Frame(Frame::Data(v)) => v,
-        Cursor::Frame(Frame::Reduce {
-            current,
-            accumulator,
-        }) => Value::Object(
-            arena.alloc_slice_copy(&[("current", current), ("accumulator", accumulator)]),
-        ),
-        Cursor::Meta(i) => {
-            Value::Object(arena.alloc_slice_copy(&[("index", Value::Int(i as i64))]))
-        }
-    }
-}
-
 /// An operator's arguments: unevaluated nodes, or the already-evaluated items
 /// of a spread (`{"max": {"var": "xs"}}`).
 #[derive(Clone, Copy)]
@@ -474,6 +467,12 @@ struct Ev<'a, 'e> {
     budget: Cell<usize>,
     /// The pending error while a `Fail` unwinds.
     error: &'e Cell<Option<EvalError<'a>>>,
+    /// Tree sizes of the containers measured so far (by address and
+    /// length), so a value shared by many is walked once; made on first use.
+    sizes: RefCell<Option<HashMap<(usize, usize), usize>>>,
+    /// A charge failed where its `Fail` could not be returned: the
+    /// evaluation fails when it ends.
+    poisoned: Cell<bool>,
 }
 
 impl<'a> Ev<'a, '_> {
@@ -517,41 +516,109 @@ impl<'a> Ev<'a, '_> {
         Ok(())
     }
 
-    /// Charges what the elements of a new array hold beyond their slots,
-    /// counted as trees (see [`Value::tree_size_within`]): the text of its
-    /// strings, and every container but the largest. Elements are shared,
-    /// not copied, so without this `[x, x]` cost two slots while writing
-    /// out `x` twice, and a rule (or a `reduce`) doing so at every step
-    /// built in kilobytes a value that takes years to write out. The
-    /// largest container goes free: what it holds is bounded by what the
-    /// arena and earlier charges paid for, so whatever a rule builds stays
-    /// within those, and wrapping a value (`[acc]`) costs nothing more.
-    fn charge_held(&self, items: &[Value<'a>]) -> Result<(), Fail> {
-        let (mut text, mut containers) = (0usize, 0usize);
-        for v in items {
-            match *v {
-                Value::Str(s) => text += s.len(),
-                Value::Array(_) | Value::Object(_) => containers += 1,
-                _ => {}
+    /// The whole value at a cursor (materializes reduce pairs and
+    /// metadata). A reduce pair holds the current item and the
+    /// accumulator, existing values, and is charged as an array of them
+    /// is (see [`Self::charge_held`]); a charge that fails poisons the
+    /// evaluation, which then fails.
+    fn whole(&self, c: Cursor<'a>) -> Value<'a> {
+        match c {
+            Cursor::Frame(Frame::Data(v)) => v,
+            Cursor::Frame(Frame::Reduce {
+                current,
+                accumulator,
+            }) => {
+                if self.charge(2 * size_of::<(&str, Value)>()).is_err()
+                    || self.charge_held(&[current, accumulator]).is_err()
+                {
+                    self.poisoned.set(true);
+                    return Value::Null;
+                }
+                Value::Object(
+                    self.arena
+                        .alloc_slice_copy(&[("current", current), ("accumulator", accumulator)]),
+                )
             }
+            Cursor::Meta(i) => Value::Object(
+                self.arena
+                    .alloc_slice_copy(&[("index", Value::Int(i as i64))]),
+            ),
         }
-        if text > 0 {
-            self.charge(text)?;
+    }
+
+    /// The size of `v` counted as a tree (see [`Value::tree_size_within`]),
+    /// when at most `max`. A container measured once in this evaluation is
+    /// not walked again, so values shared by many (a catalog placed in
+    /// every element of a `map`) cost their walk once.
+    fn tree_size(&self, v: &Value<'a>, max: usize) -> Option<usize> {
+        let key = match *v {
+            Value::Array(items) => (items.as_ptr() as usize, items.len()),
+            Value::Object(members) => (members.as_ptr() as usize, members.len()),
+            Value::Str(s) => {
+                return (size_of::<Value>() + s.len() <= max).then(|| size_of::<Value>() + s.len());
+            }
+            _ => return (size_of::<Value>() <= max).then_some(size_of::<Value>()),
+        };
+        if let Some(n) = self.sizes.borrow().as_ref().and_then(|m| m.get(&key)) {
+            return (*n <= max).then_some(*n);
         }
-        if containers < 2 {
+        let mut total = size_of::<Value>();
+        match *v {
+            Value::Array(items) => {
+                for item in items {
+                    total += self.tree_size(item, max.checked_sub(total)?)?;
+                }
+            }
+            Value::Object(members) => {
+                for (k, item) in members {
+                    total += k.len();
+                    total += self.tree_size(item, max.checked_sub(total)?)?;
+                }
+            }
+            _ => {}
+        }
+        if total > max {
+            return None;
+        }
+        self.sizes
+            .borrow_mut()
+            .get_or_insert_with(HashMap::new)
+            .insert(key, total);
+        Some(total)
+    }
+
+    /// Charges what the parts of a new container hold beyond their slots,
+    /// counted as trees (see [`Value::tree_size_within`]): every part but
+    /// the largest (a part is an element; for `merge` an argument, whose
+    /// elements it takes). Elements are shared, not copied, so without
+    /// this `[x, x]` cost two slots while writing out `x` twice, and a
+    /// rule (or a `reduce`) doing so at every step built in kilobytes a
+    /// value that takes years to write out. The largest part goes free:
+    /// what it holds was paid for when it was built (by the arena or an
+    /// earlier charge), so whatever a rule builds stays within those, and
+    /// wrapping or appending to a value (`[acc]`, `merge` of the
+    /// accumulator and one item) costs only what is added. Scalars and
+    /// strings alone take no walk.
+    fn charge_held(&self, parts: &[Value<'a>]) -> Result<(), Fail> {
+        let big = parts
+            .iter()
+            .filter(|v| matches!(v, Value::Array(_) | Value::Object(_) | Value::Str(_)))
+            .count();
+        if big < 2 {
             return Ok(());
         }
         let room = self.room();
         let (mut sum, mut largest, mut beyond) = (0usize, 0usize, 0usize);
-        for v in items {
-            if matches!(v, Value::Array(_) | Value::Object(_)) {
-                match v.tree_size_within(room) {
-                    Some(n) => {
-                        sum += n;
-                        largest = largest.max(n);
-                    }
-                    None => beyond += 1,
+        for v in parts {
+            if !matches!(v, Value::Array(_) | Value::Object(_) | Value::Str(_)) {
+                continue;
+            }
+            match self.tree_size(v, room) {
+                Some(n) => {
+                    sum += n;
+                    largest = largest.max(n);
                 }
+                None => beyond += 1,
             }
         }
         match beyond {
@@ -726,7 +793,7 @@ impl<'a> Ev<'a, '_> {
         match slot {
             Slot::Current => get_path(*scope.data, &path[1..]),
             Slot::Accumulator => get_path(*scope.acc, &path[1..]),
-            Slot::Whole => Some(whole(Cursor::Frame(scope.frame()), self.arena)),
+            Slot::Whole => Some(self.whole(Cursor::Frame(scope.frame()))),
             Slot::Other => None,
         }
     }
@@ -734,7 +801,7 @@ impl<'a> Ev<'a, '_> {
     #[inline]
     fn lookup(&self, cursor: Cursor<'a>, path: &[Segment]) -> Option<Value<'a>> {
         match path.split_first() {
-            None => Some(whole(cursor, self.arena)),
+            None => Some(self.whole(cursor)),
             Some((first, rest)) => get_path(first_step(cursor, &first.key, first.index)?, rest),
         }
     }
@@ -905,14 +972,17 @@ impl<'a> Ev<'a, '_> {
                     };
                 }
                 let mut out = BVec::new_in(self.arena);
+                let mut parts: smallvec::SmallVec<[Value<'a>; 4]> = smallvec::SmallVec::new();
                 for i in 0..n {
-                    match self.arg(args, i, scope)? {
+                    let part = self.arg(args, i, scope)?;
+                    match part {
                         Value::Array(items) => out.extend_from_slice(items),
                         other => out.push(other),
                     }
+                    parts.push(part);
                 }
                 self.charge(out.len() * size_of::<Value>())?;
-                self.charge_held(&out)?;
+                self.charge_held(&parts)?;
                 Ok(Value::Array(out.into_bump_slice()))
             }
             Op::In => {
@@ -1591,8 +1661,8 @@ impl<'a> Ev<'a, '_> {
     fn var_dynamic(&self, args: Args<'a>, scope: &Scope<'_, 'a>) -> R<'a> {
         let cursor = Cursor::Frame(scope.frame());
         let found = match self.arg(args, 0, scope)? {
-            Value::Null => Some(whole(cursor, self.arena)),
-            path => walk_dotted(cursor, key_text(path, self.arena), self.arena),
+            Value::Null => Some(self.whole(cursor)),
+            path => walk_dotted(self, cursor, key_text(path, self.arena)),
         };
         match found {
             Some(v) => Ok(v),
@@ -1648,7 +1718,7 @@ impl<'a> Ev<'a, '_> {
         }
         Ok(match op {
             Op::Exists => Value::Bool(true),
-            _ => at.unwrap_or_else(|| whole(cursor, self.arena)),
+            _ => at.unwrap_or_else(|| self.whole(cursor)),
         })
     }
 
@@ -1768,8 +1838,8 @@ impl<'a> Ev<'a, '_> {
                     first = false;
                 }
                 let found = match key {
-                    Value::Null => Some(whole(cursor, self.arena)),
-                    k => walk_dotted(cursor, key_text(*k, self.arena), self.arena),
+                    Value::Null => Some(self.whole(cursor)),
+                    k => walk_dotted(self, cursor, key_text(*k, self.arena)),
                 };
                 if Self::is_missing(found) {
                     out.get_or_insert_with(|| BVec::with_capacity_in(4, self.arena))
@@ -1835,8 +1905,8 @@ impl<'a> Ev<'a, '_> {
         let mut out = None;
         for (i, key) in keys.iter().enumerate() {
             let found = match key {
-                Value::Null => Some(whole(cursor, self.arena)),
-                k => walk_dotted(cursor, key_text(*k, self.arena), self.arena),
+                Value::Null => Some(self.whole(cursor)),
+                k => walk_dotted(self, cursor, key_text(*k, self.arena)),
             };
             if Self::is_missing(found) {
                 self.push_missing(&mut out, keys.len() - i, *key);

@@ -561,11 +561,51 @@ fn values_made_of_copies_of_themselves_are_charged_whole() {
         let err = eval_json(rule, json!({"xs": (0..60).collect::<Vec<_>>()})).unwrap_err();
         assert!(err.contains("allocation budget"), "{err}");
     }
+    // A reduce pair read whole (`{"var": ""}`) holds the current item and
+    // the accumulator: charged as an array of them (review 125: it doubled
+    // a value per step uncharged).
+    let pairs = json!({"reduce": [{"var": "xs"},
+        {"reduce": [{"var": "accumulator"}, [{"var": ""}], {"var": "accumulator"}]}, [0]]});
+    let err = eval_json(pairs, json!({"xs": (0..70).collect::<Vec<_>>()})).unwrap_err();
+    assert!(err.contains("allocation budget"), "{err}");
+    // A value placed in every element of a `map` is measured once per
+    // evaluation (review 125: a walk per element), and counted whole in
+    // the result: 500 copies of a catalog fit, 5,000 do not.
+    let catalog: Vec<Json> = (0..1000).map(|i| json!([i])).collect();
+    let rule = json!({"map": [{"var": "items"}, [{"var": ""}, {"val": [[2], "catalog"]}]]});
+    let got = eval_json(
+        rule.clone(),
+        json!({"items": vec![[0]; 500], "catalog": catalog}),
+    )
+    .unwrap();
+    assert_eq!(got.as_array().map(Vec::len), Some(500));
+    assert_eq!(got[499][1].as_array().map(Vec::len), Some(1000));
+    let catalog: Vec<Json> = (0..1000).map(|i| json!([i])).collect();
+    let err = eval_json(rule, json!({"items": vec![[0]; 5000], "catalog": catalog})).unwrap_err();
+    assert!(err.contains("allocation budget"), "{err}");
     // Within the budget the same rules work, and count what they hold.
     let rule = json!({"reduce": [{"var": "xs"},
         [{"var": "accumulator"}, {"var": "accumulator"}], [1]]});
     let got = ok(rule, json!({"xs": [1, 2, 3]}));
     assert_eq!(got.to_string().matches('1').count(), 8);
+}
+
+#[test]
+fn appending_to_an_accumulator_pays_for_what_is_added() {
+    // Appending to an accumulator pays for what is added, not again for
+    // what it holds: 700 objects of about 400 bytes each (the slots of
+    // the copies `merge` makes cost 6 MB; charging their trees at every
+    // step, 98 MB, passed the budget).
+    let item: Json = (0..12)
+        .map(|i| (format!("field{i}"), json!("value")))
+        .collect::<serde_json::Map<_, _>>()
+        .into();
+    let mut data = json!({"xs": vec![0; 700]});
+    data["item"] = item;
+    let rule = json!({"reduce": [{"var": "xs"},
+        {"merge": [{"var": "accumulator"}, [{"val": [[2], "item"]}]]}, []]});
+    let got = eval_json(rule, data).unwrap();
+    assert_eq!(got.as_array().map(Vec::len), Some(700));
 }
 
 /// A reduce that wraps its accumulator once per element nests as deep as

@@ -2548,6 +2548,8 @@ fn url_users_encoded_names_and_odd_forms() {
         "https:svc:S3cretPw@api.example.com/v1",
         "https:\\\\svc:S3cretPw@api.example.com/v1",
         "https://api.example.com\\v1",
+        // The first `:` is the scheme's, whatever follows (review 125).
+        "https:u:p@api.example.com/?r=http://x",
     ] {
         let def = json!({"name": "crm", "connector_type": "http", "config": {"url": url}});
         let errors = validate_connector(&def);

@@ -402,9 +402,14 @@ async fn retention_deletes_old_traces_and_their_dead_letters(s: Store) {
         .unwrap();
     s.claim_trace("running", LEASE).await.unwrap().unwrap();
     assert!(s.dlq_entry("failed").await.unwrap().is_some());
+    // Retention counts from the end of a run: the two finished ones ended
+    // just now (a trace run after a long outage keeps its result).
+    assert_eq!(s.delete_traces_before(now - hour, true).await.unwrap(), 0);
+    assert_eq!(s.delete_traces_before(now - hour, false).await.unwrap(), 0);
     // Only the finished trace goes: the failed one's retry is waiting, and
     // pending and running work was accepted (audit 123).
-    assert_eq!(s.delete_traces_before(now - hour, true).await.unwrap(), 1);
+    let later = now_micros() + hour;
+    assert_eq!(s.delete_traces_before(later, true).await.unwrap(), 1);
     assert!(matches!(
         s.get_trace("done").await,
         Err(StorageError::NotFound(_))
@@ -414,7 +419,7 @@ async fn retention_deletes_old_traces_and_their_dead_letters(s: Store) {
     }
     assert!(s.dlq_entry("failed").await.unwrap().is_some());
     // With retries off, a waiting dead letter is final: the trace goes too.
-    assert_eq!(s.delete_traces_before(now - hour, false).await.unwrap(), 1);
+    assert_eq!(s.delete_traces_before(later, false).await.unwrap(), 1);
     assert!(matches!(
         s.get_trace("failed").await,
         Err(StorageError::NotFound(_))
@@ -424,8 +429,8 @@ async fn retention_deletes_old_traces_and_their_dead_letters(s: Store) {
         s.get_trace("pending").await.unwrap().status,
         TraceStatus::Pending
     );
-    assert_eq!(s.delete_traces_before(now - hour, true).await.unwrap(), 0);
-    assert_eq!(s.delete_traces_before(now - hour, false).await.unwrap(), 0);
+    assert_eq!(s.delete_traces_before(later, true).await.unwrap(), 0);
+    assert_eq!(s.delete_traces_before(later, false).await.unwrap(), 0);
 }
 
 #[test]
