@@ -361,23 +361,40 @@ impl Drop for Arena {
 /// What `parse_json` (or, with `is_xml`, `parse_xml`) makes of its source:
 /// text is parsed, a missing or null source is null, and `parse_json` takes
 /// any other value as it is.
+/// What a parse task writes, and a bound on its size counted as a tree when
+/// known without walking it (see `Machine::check_nesting`): parsed JSON
+/// text, or the request's payload itself.
 fn parse_source<'a>(
     source: &ReadPath,
     is_xml: bool,
     root: Value<'a>,
+    context: &Context<'a>,
     arena: &'a Bump,
-) -> Result<Value<'a>, String> {
+) -> Result<(Value<'a>, Option<usize>), String> {
     match source.path.get(root) {
-        None | Some(Value::Null) => Ok(Value::Null),
-        Some(Value::Str(text)) if is_xml => xml::parse(text, arena),
-        Some(Value::Str(text)) => json::parse_str(text, arena)
+        None | Some(Value::Null) => Ok((Value::Null, Some(0))),
+        Some(Value::Str(text)) if is_xml => xml::parse(text, arena).map(|v| (v, None)),
+        Some(Value::Str(text)) => json::parse_str_sized(text, arena)
+            .map(|(v, size)| (v, Some(size)))
             .map_err(|e| format!("source '{}' is not valid JSON: {}", source.text, e.0)),
         Some(other) if is_xml => Err(format!(
             "source '{}' must be XML text, got {}",
             source.text,
             sluice_compiler::value::type_name(&other)
         )),
-        Some(other) => Ok(other),
+        Some(other) => Ok((
+            other,
+            same_container(&other, &context.payload).then_some(context.payload_size),
+        )),
+    }
+}
+
+/// Whether `a` and `b` are the same container (one slice), not equal ones.
+fn same_container(a: &Value<'_>, b: &Value<'_>) -> bool {
+    match (a, b) {
+        (Value::Array(x), Value::Array(y)) => std::ptr::eq(*x, *y),
+        (Value::Object(x), Value::Object(y)) => std::ptr::eq(*x, *y),
+        _ => false,
     }
 }
 
@@ -399,7 +416,7 @@ fn after_leading_parse<'a>(
         plan.leading_parse()?.function,
         FunctionPlan::ParseXml { .. }
     );
-    let value = parse_source(source, is_xml, context.root(arena), arena).ok()?;
+    let (value, _) = parse_source(source, is_xml, context.root(arena), context, arena).ok()?;
     let mut parsed = *context;
     let area = parsed.area_mut(target.area);
     *area = target.path.set_borrowed(*area, value, arena).ok()?;
@@ -467,15 +484,20 @@ struct Context<'a> {
     metadata: Value<'a>,
     temp_data: Value<'a>,
     payload: Value<'a>,
+    /// A bound on `payload`'s size counted as a tree (`json::parse_sized`).
+    payload_size: usize,
 }
 
 impl<'a> Context<'a> {
     fn new(input: &Input<'a>, arena: &'a Bump) -> Result<Context<'a>, InputError> {
         let body = trim_ascii(input.body);
+        let mut payload_size = 0;
         let payload = if body.is_empty() {
             Value::Null
         } else {
-            let parsed = json::parse(body, arena).map_err(|e| InputError::NotJson(e.0))?;
+            let (parsed, size) =
+                json::parse_sized(body, arena).map_err(|e| InputError::NotJson(e.0))?;
+            payload_size = size;
             match input.payload_from {
                 PayloadFrom::Whole => parsed,
                 PayloadFrom::DataMember => match parsed {
@@ -490,6 +512,7 @@ impl<'a> Context<'a> {
             metadata: metadata(&input.meta, arena),
             temp_data: Value::EMPTY_OBJECT,
             payload,
+            payload_size,
         })
     }
 
@@ -701,6 +724,7 @@ impl<'a> Machine<'a> {
         target: &WritePath,
         value: &Value<'_>,
         may_outgrow: bool,
+        known_size: Option<usize>,
     ) -> Result<(), TaskError> {
         // `data` is what a sync request answers, `{status, data: <object>,
         // errors}`: replaced whole by a task's own computation, it stays a
@@ -736,6 +760,7 @@ impl<'a> Machine<'a> {
         let levels = 1 + target.path.segments().len();
         let size = match *value {
             Value::Str(s) => s.len(),
+            _ if known_size.is_some() => known_size.unwrap_or_default(),
             Value::Array(_) | Value::Object(_) => value
                 .tree_size_within(MAX_WRITTEN_BYTES - self.written)
                 .unwrap_or(usize::MAX),
@@ -781,7 +806,20 @@ impl<'a> Machine<'a> {
         arena: &'a Bump,
         may_outgrow: bool,
     ) -> Result<(), TaskError> {
-        self.check_nesting(target, &value, may_outgrow)?;
+        self.write_sized(target, value, arena, may_outgrow, None)
+    }
+
+    /// [`Self::write`], with a bound on the value's size counted as a tree
+    /// when one is known without walking it (a parse task's result).
+    fn write_sized(
+        &mut self,
+        target: &'a WritePath,
+        value: Value<'a>,
+        arena: &'a Bump,
+        may_outgrow: bool,
+        known_size: Option<usize>,
+    ) -> Result<(), TaskError> {
+        self.check_nesting(target, &value, may_outgrow, known_size)?;
         check_room(target, arena)?;
         let area = self.ctx.area_mut(target.area);
         *area = target
@@ -809,7 +847,7 @@ impl<'a> Machine<'a> {
         // should the run fall back to them.
         let written = self.written;
         for ((path, logic), value) in run.iter().zip(values) {
-            self.check_nesting(path, value, logic.may_outgrow_its_data())?;
+            self.check_nesting(path, value, logic.may_outgrow_its_data(), None)?;
         }
         check_room(first, arena)?;
         let area = self.ctx.area_mut(first.area);
@@ -1247,8 +1285,10 @@ impl<'a> Machine<'a> {
             FunctionPlan::ParseJson { source, target }
             | FunctionPlan::ParseXml { source, target } => {
                 let is_xml = matches!(task.function, FunctionPlan::ParseXml { .. });
-                let value = parse_source(source, is_xml, self.root(arena), arena).map_err(fail)?;
-                self.write(target, value, arena, false)?;
+                let root = self.root(arena);
+                let (value, size) =
+                    parse_source(source, is_xml, root, &self.ctx, arena).map_err(fail)?;
+                self.write_sized(target, value, arena, false, size)?;
                 Ok(Step2::Done(Flow::Continue))
             }
             FunctionPlan::Map { mappings, runs } => {

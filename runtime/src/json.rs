@@ -29,6 +29,14 @@ thread_local! {
 /// parser unescapes strings in place); every string of the result borrows from
 /// that copy.
 pub fn parse<'a>(input: &[u8], arena: &'a Bump) -> Result<Value<'a>, JsonError> {
+    parse_sized(input, arena).map(|(v, _)| v)
+}
+
+/// [`parse`], with a bound on the result's size counted as a tree
+/// ([`Value::tree_size_within`]): a `Value` per node of the parser's tape
+/// (keys included) and the text's length, which holds every string and
+/// key. Known without walking the result.
+pub fn parse_sized<'a>(input: &[u8], arena: &'a Bump) -> Result<(Value<'a>, usize), JsonError> {
     let buf: &'a mut [u8] = arena.alloc_slice_copy(input);
     SCRATCH.with(|cell| {
         // Borrowed for this parse only (nothing in it parses again); the
@@ -44,7 +52,8 @@ pub fn parse<'a>(input: &[u8], arena: &'a Bump) -> Result<Value<'a>, JsonError> 
             .map_err(|e| explain(input, &e))
             .map(|()| {
                 let mut pos = 0;
-                build(&tape.0, &mut pos, arena)
+                let size = tape.0.len() * size_of::<Value>() + input.len();
+                (build(&tape.0, &mut pos, arena), size)
             });
         scratch.tape = tape.reset();
         result
@@ -81,6 +90,11 @@ fn explain(input: &[u8], simd: &simd_json::Error) -> JsonError {
 /// `parse_json` on a string source.
 pub fn parse_str<'a>(text: &str, arena: &'a Bump) -> Result<Value<'a>, JsonError> {
     parse(text.as_bytes(), arena)
+}
+
+/// [`parse_str`] with [`parse_sized`]'s bound.
+pub fn parse_str_sized<'a>(text: &str, arena: &'a Bump) -> Result<(Value<'a>, usize), JsonError> {
+    parse_sized(text.as_bytes(), arena)
 }
 
 fn build<'a>(nodes: &[Node<'a>], pos: &mut usize, arena: &'a Bump) -> Value<'a> {
