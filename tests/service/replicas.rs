@@ -87,7 +87,7 @@ async fn admin(c: &reqwest::Client, base: &str, method: &str, path: &str, body: 
     crate::support::admin_call(c, base, method, path, body).await
 }
 
-async fn generation(c: &reqwest::Client, base: &str) -> i64 {
+async fn engine_status(c: &reqwest::Client, base: &str) -> Json {
     let r: Json = c
         .get(format!("{base}/api/v1/admin/engine/status"))
         .send()
@@ -96,7 +96,11 @@ async fn generation(c: &reqwest::Client, base: &str) -> i64 {
         .json()
         .await
         .unwrap();
-    r["data"]["generation"].as_i64().unwrap()
+    r["data"].clone()
+}
+
+async fn generation(c: &reqwest::Client, base: &str) -> i64 {
+    engine_status(c, base).await["generation"].as_i64().unwrap()
 }
 
 async fn activation_reaches_every_replica(db: Db) {
@@ -1101,20 +1105,9 @@ async fn a_replica_reloads_what_a_restored_database_holds() {
         .execute(&mut db)
         .await
         .unwrap();
-    let status = |c: reqwest::Client, base: String| async move {
-        let r: Json = c
-            .get(format!("{base}/api/v1/admin/engine/status"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        r["data"].clone()
-    };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        let s = status(c.clone(), r.base.clone()).await;
+        let s = engine_status(&c, &r.base).await;
         if s["generation"] == 1 {
             assert_eq!(s["active_workflows"], 0, "{s}");
             break;
@@ -1133,7 +1126,7 @@ async fn a_replica_reloads_what_a_restored_database_holds() {
         json!({"status": "active"}),
     )
     .await;
-    let s = status(c.clone(), r.base.clone()).await;
+    let s = engine_status(&c, &r.base).await;
     assert_eq!(s["active_workflows"], 1, "{s}");
     assert!(s["generation"].as_i64().unwrap() > 1, "{s}");
 }
