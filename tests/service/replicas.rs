@@ -1072,6 +1072,22 @@ async fn breakers_are_forgotten_on_every_replica() {
     assert_eq!(breakers_on_b(c.clone(), b.base.clone()).await, json!([]));
 }
 
+/// Creates and activates workflow `id`, one mapping.
+async fn activate_mapping(c: &reqwest::Client, base: &str, id: &str) {
+    admin(
+        c,
+        base,
+        "POST",
+        "/workflows",
+        json!({"workflow_id": id, "name": id,
+        "tasks": [{"id": "m", "name": "m", "function": {"name": "map",
+            "input": {"mappings": [{"path": "x", "logic": 1}]}}}]}),
+    )
+    .await;
+    let path = format!("/workflows/{id}/status");
+    admin(c, base, "PATCH", &path, json!({"status": "active"})).await;
+}
+
 /// A restored database holds an earlier generation than the fleet serves:
 /// a running replica reloads to what it holds, and later changes reach it
 /// (audit 124: it kept serving the definitions the dump no longer held and
@@ -1083,16 +1099,7 @@ async fn a_replica_reloads_what_a_restored_database_holds() {
     let url = fresh_database(Db::MySql).await;
     let r = replica(&url).await;
     let c = reqwest::Client::new();
-    admin(&c, &r.base, "POST", "/workflows", json!({"workflow_id": "gone", "name": "gone",
-        "tasks": [{"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [{"path": "x", "logic": 1}]}}}]})).await;
-    admin(
-        &c,
-        &r.base,
-        "PATCH",
-        "/workflows/gone/status",
-        json!({"status": "active"}),
-    )
-    .await;
+    activate_mapping(&c, &r.base, "gone").await;
     let served = generation(&c, &r.base).await;
     assert!(served > 1, "{served}");
     // The "restore": the rows the dump did not have, and its generation.
@@ -1116,16 +1123,7 @@ async fn a_replica_reloads_what_a_restored_database_holds() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     // A change from there reaches it as any change does.
-    admin(&c, &r.base, "POST", "/workflows", json!({"workflow_id": "next", "name": "next",
-        "tasks": [{"id": "m", "name": "m", "function": {"name": "map", "input": {"mappings": [{"path": "x", "logic": 1}]}}}]})).await;
-    admin(
-        &c,
-        &r.base,
-        "PATCH",
-        "/workflows/next/status",
-        json!({"status": "active"}),
-    )
-    .await;
+    activate_mapping(&c, &r.base, "next").await;
     let s = engine_status(&c, &r.base).await;
     assert_eq!(s["active_workflows"], 1, "{s}");
     assert!(s["generation"].as_i64().unwrap() > 1, "{s}");
