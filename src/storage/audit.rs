@@ -7,8 +7,8 @@ use sqlx::Row;
 
 use super::lifecycle::insert_audit;
 use super::{
-    Audit, BeginWrite, StorageError, Store, dispatch, execute, fetch_all, fetch_one, now_micros,
-    parse_json, retry, rfc3339,
+    Audit, BeginWrite, StorageError, Store, dispatch, dispatch_write, execute, fetch_all,
+    fetch_one, now_micros, parse_json, retry, rfc3339,
 };
 
 impl Store {
@@ -21,7 +21,7 @@ impl Store {
         }
         retry(|| async {
             let now = now_micros();
-            dispatch!(self, pool => {
+            dispatch_write!(self, pool => {
                 let mut tx = pool.begin_write().await?;
                 insert_audit!(tx, s, audit, now)?;
                 tx.commit().await.map_err(super::db_err)?;

@@ -7,8 +7,8 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::lifecycle::insert_audit;
 use super::{
-    Audit, BeginWrite, Record, Status, StorageError, Store, dispatch, execute, fetch_all,
-    fetch_one, fetch_optional, now_micros, parse_json, retry, rfc3339, unique_as,
+    Audit, BeginWrite, Record, Status, StorageError, Store, dispatch, dispatch_write, execute,
+    fetch_all, fetch_one, fetch_optional, now_micros, parse_json, retry, rfc3339, unique_as,
 };
 
 fn not_found(name: &str) -> StorageError {
@@ -70,7 +70,7 @@ impl Store {
             if audit.action.is_empty() {
                 audit.action = "create".into();
             }
-            dispatch!(self, pool => {
+            dispatch_write!(self, pool => {
                 let mut tx = pool.begin_write().await?;
                 if fetch_optional!(&mut *tx, &s.connector_get, &name)?.is_some() {
                     return Err(StorageError::Conflict(format!("connector '{name}' already exists")));
@@ -153,7 +153,7 @@ impl Store {
             if audit.action.is_empty() {
                 audit.action = "update".into();
             }
-            dispatch!(self, pool => {
+            dispatch_write!(self, pool => {
                 let mut tx = pool.begin_write().await?;
                 if let Some(expected) = expected {
                     let Some(row) = fetch_optional!(&mut *tx, &s.connector_get_locked, name)? else {
@@ -186,7 +186,7 @@ impl Store {
             if audit.action.is_empty() {
                 audit.action = "delete".into();
             }
-            dispatch!(self, pool => {
+            dispatch_write!(self, pool => {
                 let mut tx = pool.begin_write().await?;
                 if execute!(&mut *tx, &s.connector_delete, name)? == 0 {
                     return Err(not_found(name));

@@ -5,7 +5,9 @@
 //! commit), so other replicas reload at once; MySQL/MariaDB replicas poll the
 //! row (`engine.sync_interval_ms`).
 
-use super::{BeginWrite, Pools, StorageError, Store, dispatch, execute, fetch_one, retry};
+use super::{
+    BeginWrite, Pools, StorageError, Store, dispatch, dispatch_write, execute, fetch_one, retry,
+};
 use sqlx::Row;
 
 /// The PostgreSQL channel replicas LISTEN on.
@@ -24,7 +26,7 @@ impl Store {
     /// other replicas are notified when the transaction commits.
     pub async fn bump_engine_generation(&self) -> Result<i64, StorageError> {
         retry(|| async {
-            dispatch!(self, pool => {
+            dispatch_write!(self, pool => {
                 let mut tx = pool.begin_write().await?;
                 execute!(&mut *tx, "UPDATE engine_generation SET generation = generation + 1 WHERE id = 1")?;
                 let row = fetch_one!(&mut *tx, "SELECT generation FROM engine_generation WHERE id = 1")?;

@@ -19,8 +19,8 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::{
     ActiveRow, AgainstActive, Audit, BeginWrite, Kind, ListQuery, Record, SERVER_MANAGED, Stamp,
-    Status, StorageError, Store, StoredRecord, dispatch, execute, fetch_all, fetch_one,
-    fetch_optional, now_micros, retry, rfc3339,
+    Status, StorageError, Store, StoredRecord, dispatch, dispatch_write, execute, fetch_all,
+    fetch_one, fetch_optional, now_micros, retry, rfc3339,
 };
 
 /// The lifecycle-relevant columns of one version, as locked inside a transaction.
@@ -691,7 +691,7 @@ impl Store {
         if audit.action.is_empty() {
             audit.action = "create".into();
         }
-        dispatch!(self, pool => {
+        dispatch_write!(self, pool => {
             let mut tx = pool.begin_write().await?;
             if kind == Kind::Channel {
                 check_channel_name!(tx, s, k, id, &p.name);
@@ -785,7 +785,7 @@ impl Store {
         let s = self.sql();
         let k = s.kind(kind);
         let now = now_micros();
-        dispatch!(self, pool => {
+        dispatch_write!(self, pool => {
             let mut tx = pool.begin_write().await?;
             if kind == Kind::Channel {
                 // Before the id lock: every name-changing transaction takes the
@@ -857,7 +857,7 @@ impl Store {
         let s = self.sql();
         let k = s.kind(kind);
         let now = now_micros();
-        dispatch!(self, pool => {
+        dispatch_write!(self, pool => {
             let mut tx = pool.begin_write().await?;
             let rows = load_state!(tx, k, id);
             if rows.is_empty() {
@@ -916,7 +916,7 @@ impl Store {
         let s = self.sql();
         let k = s.kind(kind);
         let now = now_micros();
-        dispatch!(self, pool => {
+        dispatch_write!(self, pool => {
             let mut tx = pool.begin_write().await?;
             let rows = load_state!(tx, k, id);
             if rows.is_empty() {
@@ -1034,7 +1034,7 @@ impl Store {
         let s = self.sql();
         let k = s.kind(kind);
         let now = now_micros();
-        dispatch!(self, pool => {
+        dispatch_write!(self, pool => {
             let mut tx = pool.begin_write().await?;
             // Taken first: on MariaDB the transaction's snapshot is fixed
             // by its first plain read, which must come after the lock for
@@ -1161,7 +1161,7 @@ impl Store {
     /// `migrate`; a no-op once every row has both.
     async fn backfill_channel_defaults(&self) -> Result<(), StorageError> {
         let k = self.sql().kind(Kind::Channel);
-        dispatch!(self, pool => {
+        dispatch_write!(self, pool => {
             let rows = fetch_all!(pool, &k.effective_missing)?;
             for row in &rows {
                 let get_s = |i: usize| row.try_get_unchecked::<String, usize>(i).map_err(super::db_err);
@@ -1180,7 +1180,7 @@ impl Store {
     pub(crate) async fn backfill_digests(&self) -> Result<(), StorageError> {
         for kind in [Kind::Workflow, Kind::Channel] {
             let k = self.sql().kind(kind);
-            dispatch!(self, pool => {
+            dispatch_write!(self, pool => {
                 let rows = fetch_all!(pool, &k.digest_missing)?;
                 for row in &rows {
                     let get_s = |i: usize| row.try_get_unchecked::<String, usize>(i).map_err(super::db_err);

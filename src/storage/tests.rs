@@ -2225,6 +2225,7 @@ async fn a_reload_without_its_own_connection_uses_the_shared_pool() {
             backend: Backend::Sqlite,
             sql: Sql::new(Backend::Sqlite),
             backup_lock: tokio::sync::Mutex::new(()),
+            write_gate: tokio::sync::Semaphore::new(1),
             url: Some(format!(
                 "sqlite://{}",
                 dir.join("missing/dir/s.db").display()

@@ -478,3 +478,44 @@ fn operation_labels_name_the_store_method() {
         "ping"
     );
 }
+
+/// The sweep's claim on SQLite reads the `(status, created_at)` index from
+/// its start. One query over `status = 'pending' OR (status = 'running' …)`
+/// sorted every pending trace on each claim (a temporary B-tree): 37 ms
+/// per claim with 27,000 pending, so a backlog drained at about 30 traces
+/// a second.
+#[tokio::test]
+async fn sqlite_claims_walk_the_claim_index() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let s = db.store.clone();
+    let crate::storage::Pools::Sqlite(pool) = &s.inner.pools else {
+        unreachable!("a SQLite test database")
+    };
+    let sql = &s.sql().traces;
+    for (statement, binds_now) in [(&sql.next_expired, true), (&sql.next_pending, false)] {
+        let explain = format!("EXPLAIN QUERY PLAN {statement}");
+        let mut query = sqlx::query(&explain);
+        if binds_now {
+            query = query.bind(now_micros());
+        }
+        let plan: Vec<String> = query
+            .fetch_all(pool)
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get::<String, _>(3))
+            .collect();
+        assert!(
+            plan.iter()
+                .any(|step| step.contains("USING INDEX traces_claim (status=?)")),
+            "{statement}: {plan:?}"
+        );
+        assert!(
+            !plan
+                .iter()
+                .any(|step| step.contains("MULTI-INDEX") || step == "USE TEMP B-TREE FOR ORDER BY"),
+            "{statement}: {plan:?}"
+        );
+    }
+    db.cleanup().await;
+}
