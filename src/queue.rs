@@ -59,6 +59,10 @@ pub struct Queue {
     /// `Drain` jobs queued or being worked (at most one per worker).
     draining: AtomicUsize,
     workers_count: usize,
+    /// Wakes the sweep before its interval when a hint was dropped: the
+    /// trace waits in storage, and a backlog should not wait up to
+    /// `SWEEP_INTERVAL` for idle workers.
+    dropped: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Queue {
@@ -84,6 +88,7 @@ impl Queue {
             running: Mutex::new(HashMap::new()),
             draining: AtomicUsize::new(0),
             workers_count: config.workers.max(1) as usize,
+            dropped: tokio::sync::Notify::new(),
         }
     }
 
@@ -92,6 +97,7 @@ impl Queue {
     pub fn notify(&self, trace_id: String) {
         if let Err(e) = self.tx.try_send(Job::Claim(trace_id)) {
             tracing::debug!(error = %e, "trace queue full; the sweep will pick the trace up");
+            self.dropped.notify_one();
         }
     }
 
@@ -670,10 +676,21 @@ async fn sweep_loop(app: Arc<App>) {
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let q = &app.queue;
     loop {
-        every.tick().await;
+        let woken = tokio::select! {
+            _ = every.tick() => false,
+            () = q.dropped.notified() => true,
+        };
         while q.draining.load(Ordering::Acquire) < q.workers_count {
             q.draining.fetch_add(1, Ordering::AcqRel);
-            if q.tx.try_send(Job::Drain).is_err() {
+            let sent = if woken {
+                // Hints were dropped: the channel is full of work, and the
+                // drains go behind it, so workers turn to storage as soon
+                // as they are through the hints.
+                q.tx.send(Job::Drain).await.is_ok()
+            } else {
+                q.tx.try_send(Job::Drain).is_ok()
+            };
+            if !sent {
                 // The channel is full of hints: the workers have work.
                 q.draining.fetch_sub(1, Ordering::AcqRel);
                 break;

@@ -550,6 +550,13 @@ struct Inner {
     backup_lock: tokio::sync::Mutex<()>,
     /// SQLite's writes, one at a time and in order (see [`dispatch_write!`]).
     write_gate: tokio::sync::Semaphore,
+    /// SQLite (a file): the one connection writes go through. A connection
+    /// whose last transaction saw an older database re-reads the pages it
+    /// caches; writes spread over the pool's connections each began that
+    /// way (a tenth of a busy writer's time in `pread`).
+    sqlite_writer: Option<sqlx::SqlitePool>,
+    /// SQLite: submissions waiting for the writer, stored together.
+    submissions: std::sync::Mutex<Vec<traces::QueuedInsert>>,
     /// The URL this store connected to, for [`Store::twin`]; `None` for an
     /// in-memory SQLite database (another connection would be another,
     /// empty database). Never logged: it may hold a password.
@@ -693,6 +700,7 @@ macro_rules! dispatch_write {
             $crate::storage::Pools::Sqlite($pool) => {
                 // The semaphore is never closed.
                 let _gate = $store.inner.write_gate.acquire().await;
+                let $pool = $store.inner.sqlite_writer.as_ref().unwrap_or($pool);
                 $body
             }
             $crate::storage::Pools::Postgres($pool) => $body,
@@ -947,6 +955,7 @@ impl Store {
             StorageError::Database(format!("cannot connect to {b} storage: {e}"))
         };
         let mut shareable = true;
+        let mut sqlite_writer = None;
         let (pools, backend) = match scheme.as_str() {
             "sqlite" => {
                 // `sqlite://` with no path: sqlx opens a private in-memory
@@ -992,9 +1001,19 @@ impl Store {
                     pool.max_connections(max)
                 };
                 let p = pool
-                    .connect_with(opts)
+                    .connect_with(opts.clone())
                     .await
                     .map_err(|e| connect_err("SQLite", e))?;
+                if !memory {
+                    sqlite_writer = Some(
+                        SqlitePoolOptions::new()
+                            .acquire_timeout(acquire)
+                            .max_connections(1)
+                            .connect_with(opts)
+                            .await
+                            .map_err(|e| connect_err("SQLite", e))?,
+                    );
+                }
                 (Pools::Sqlite(p), Backend::Sqlite)
             }
             "postgres" | "postgresql" => {
@@ -1046,6 +1065,8 @@ impl Store {
                 sql: Sql::new(backend),
                 backup_lock: tokio::sync::Mutex::new(()),
                 write_gate: tokio::sync::Semaphore::new(1),
+                sqlite_writer,
+                submissions: std::sync::Mutex::new(Vec::new()),
                 url: shareable.then(|| url.to_owned()),
                 json_depth,
                 max_packet,
@@ -1163,6 +1184,9 @@ impl Store {
 
     /// Closes the pool (waits for connections to be returned). For shutdown and tests.
     pub async fn close(&self) {
+        if let Some(writer) = &self.inner.sqlite_writer {
+            writer.close().await;
+        }
         dispatch!(self, pool => pool.close().await)
     }
 

@@ -2226,6 +2226,8 @@ async fn a_reload_without_its_own_connection_uses_the_shared_pool() {
             sql: Sql::new(Backend::Sqlite),
             backup_lock: tokio::sync::Mutex::new(()),
             write_gate: tokio::sync::Semaphore::new(1),
+            sqlite_writer: None,
+            submissions: std::sync::Mutex::new(Vec::new()),
             url: Some(format!(
                 "sqlite://{}",
                 dir.join("missing/dir/s.db").display()

@@ -26,6 +26,8 @@ backend_tests!(
     parallel_claimers_never_share_a_trace,
     failure_dead_letter_retry_and_exhaustion,
     expired_lease_is_reclaimed_and_fences_the_old_run,
+    sweep_takes_expired_runs_first_then_the_oldest_pending,
+    concurrent_submissions_are_each_stored_once_and_answered,
     retention_deletes_old_traces_and_their_dead_letters,
 );
 
@@ -325,6 +327,105 @@ async fn failure_dead_letter_retry_and_exhaustion(s: Store) {
     );
     let t = s.get_trace("h").await.unwrap();
     assert_eq!((t.status, t.attempts), (TraceStatus::Failed, 2));
+}
+
+/// Submissions stored together (SQLite groups those that wait for the
+/// writer): each is stored once and answered for itself, a duplicate id with
+/// a conflict while the rest of its group is stored.
+async fn concurrent_submissions_are_each_stored_once_and_answered(s: Store) {
+    let now = now_micros();
+    for i in 0..20 {
+        s.insert_pending(&new_trace(&format!("dup{i}"), "g", now))
+            .await
+            .unwrap();
+    }
+    // On SQLite the writer is held until every submission waits for it, so
+    // they are stored in groups of 64 with the duplicates among them.
+    let gate = match &s.inner.pools {
+        crate::storage::Pools::Sqlite(_) => Some(s.inner.write_gate.acquire().await.unwrap()),
+        _ => None,
+    };
+    let mut tasks = Vec::new();
+    for i in 0..220 {
+        let s = s.clone();
+        // Every eleventh repeats a stored id.
+        let id = if i % 11 == 0 {
+            format!("dup{}", i / 11)
+        } else {
+            format!("new{i}")
+        };
+        tasks.push(tokio::spawn(async move {
+            let r = s.insert_pending(&new_trace(&id, "g", now + 1)).await;
+            (id, r)
+        }));
+    }
+    if let Some(gate) = gate {
+        while queue(&s.inner.submissions).len() < 220 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        drop(gate);
+    }
+    let (mut stored, mut refused) = (0, 0);
+    for t in tasks {
+        let (id, r) = t.await.unwrap();
+        if id.starts_with("dup") {
+            assert!(matches!(r, Err(StorageError::Conflict(_))), "{id}: {r:?}");
+            refused += 1;
+        } else {
+            r.unwrap_or_else(|e| panic!("{id}: {e}"));
+            assert_eq!(s.get_trace(&id).await.unwrap().status, TraceStatus::Pending);
+            stored += 1;
+        }
+    }
+    assert_eq!((stored, refused), (200, 20));
+    let all = s
+        .list_traces(&TraceQuery {
+            channel: Some("g".into()),
+            ..TraceQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(all.1, 220);
+}
+
+async fn sweep_takes_expired_runs_first_then_the_oldest_pending(s: Store) {
+    let t0 = now_micros() - 1_000_000;
+    // Submitted out of order; `b` and `a` share a creation time (the id
+    // breaks the tie).
+    for (id, at) in [("c", t0 + 20), ("b", t0 + 10), ("a", t0 + 10), ("done", t0)] {
+        s.insert_pending(&new_trace(id, "q", at)).await.unwrap();
+    }
+    let done = s.claim_trace("done", LEASE).await.unwrap().unwrap();
+    assert!(
+        s.complete_trace(&outcome(&done, None, json!([])))
+            .await
+            .unwrap()
+    );
+    // `c`, the newest, was claimed and its worker crashed (the lease ran out).
+    let crashed = s.claim_trace("c", Duration::ZERO).await.unwrap().unwrap();
+    assert_eq!(crashed.attempt, 1);
+    // One live run is not claimable.
+    s.insert_pending(&new_trace("live", "q", t0 - 5))
+        .await
+        .unwrap();
+    s.claim_trace("live", LEASE).await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let mut order = Vec::new();
+    while let Some(c) = s.claim_next_trace(LEASE).await.unwrap() {
+        assert_eq!(c.channel, "q");
+        assert_eq!(c.payload, json!({"n": 1}).to_string());
+        order.push((c.trace_id, c.attempt));
+    }
+    assert_eq!(
+        order,
+        [
+            ("c".to_owned(), 2),
+            ("a".to_owned(), 1),
+            ("b".to_owned(), 1)
+        ]
+    );
+    let done = s.get_trace("done").await.unwrap();
+    assert_eq!((done.status, done.attempts), (TraceStatus::Completed, 1));
 }
 
 async fn expired_lease_is_reclaimed_and_fences_the_old_run(s: Store) {
