@@ -31,3 +31,6 @@ cargo test --workspace --doc
 # every response checked against the reference's expected.json).
 cargo bench --workspace --no-run
 bash benches/load/run.sh --smoke
+# The async benchmark's smoke (1 s of submissions on SQLite; every answer
+# 202, every trace completed, one result checked).
+bash benches/load/async.sh --smoke

@@ -814,6 +814,11 @@ pub(crate) fn is_transient(e: &StorageError) -> bool {
 }
 const TRANSIENT_PREFIX: &str = "concurrent change";
 
+/// A race lost to another writer, which [`retry`] runs again.
+pub(crate) fn lost_race() -> StorageError {
+    StorageError::Conflict(format!("{TRANSIENT_PREFIX} took the row first; retry"))
+}
+
 /// Maps a driver error: unique violations and lost races become `Conflict`
 /// (409, never 500); the rest `Database`. Operations that know a better message
 /// for a unique violation map it themselves with `unique_as`.
@@ -1005,13 +1010,16 @@ impl Store {
                     .await
                     .map_err(|e| connect_err("SQLite", e))?;
                 if !memory {
+                    // Opened at the first write (a reload's read-only twin
+                    // never opens it); not pinged before each use (a local
+                    // file's connection, and the ping is a round trip to its
+                    // thread).
                     sqlite_writer = Some(
                         SqlitePoolOptions::new()
                             .acquire_timeout(acquire)
                             .max_connections(1)
-                            .connect_with(opts)
-                            .await
-                            .map_err(|e| connect_err("SQLite", e))?,
+                            .test_before_acquire(false)
+                            .connect_lazy_with(opts),
                     );
                 }
                 (Pools::Sqlite(p), Backend::Sqlite)

@@ -305,13 +305,18 @@ impl TraceSql {
             // with 27,000 pending on SQLite: a backlog drained at about
             // 30 traces a second). Each of these reads the index from its
             // start.
-            // A plain read: the claim's update checks the lease again, and a
-            // locking read of the `running` range on MariaDB takes gap locks
+            // On MariaDB a plain read (the claim's update checks the lease
+            // again): a locking read of the `running` range takes gap locks
             // that deadlock with claims moving rows into it.
-            next_expired: f(
+            next_expired: f(&format!(
                 "SELECT trace_id FROM traces WHERE status = 'running' AND lease_until < ? \
-                 ORDER BY created_at, trace_id LIMIT 1",
-            ),
+                 ORDER BY created_at, trace_id LIMIT 1{}",
+                if b == Backend::Postgres {
+                    skip_locked
+                } else {
+                    ""
+                }
+            )),
             next_pending: f(&format!(
                 "SELECT trace_id FROM traces WHERE status = 'pending' \
                  ORDER BY created_at, trace_id LIMIT 1{skip_locked}"
@@ -507,10 +512,25 @@ impl Store {
             trace: t.clone(),
             done,
         });
-        let _gate = self.inner.write_gate.acquire().await;
+        // Answered by another submission's group while waiting: no need
+        // for the writer any more.
+        let gate = &self.inner.write_gate;
+        let (_gate, taken) = tokio::select! {
+            biased;
+            answered = &mut answer => match answered {
+                Ok(result) => return result,
+                Err(_) => (gate.acquire().await, true),
+            },
+            permit = gate.acquire() => (permit, false),
+        };
         let pool = self.inner.sqlite_writer.as_ref().unwrap_or(pool);
         loop {
-            match answer.try_recv() {
+            let state = if taken {
+                Err(tokio::sync::oneshot::error::TryRecvError::Closed)
+            } else {
+                answer.try_recv()
+            };
+            match state {
                 Ok(result) => return result,
                 // Taken by a submission whose request was dropped while it
                 // stored the group: stored or not, it is stored once now.
@@ -536,6 +556,13 @@ impl Store {
                 let n = queued.len().min(INSERT_GROUP);
                 queued.drain(..n).collect()
             };
+            if group.is_empty() {
+                // Only the writer's holder takes from the queue, so a
+                // submission not yet answered is still in it.
+                return Err(StorageError::Database(
+                    "a submission left the write queue unanswered".into(),
+                ));
+            }
             self.insert_group(pool, group).await;
         }
     }
@@ -564,29 +591,32 @@ impl Store {
                 .bind(&t.metadata)
                 .bind(t.created_at);
         }
-        if query.execute(pool).await.is_ok() {
-            for q in group {
-                let _ = q.done.send(Ok(()));
+        match query.execute(pool).await {
+            Ok(_) => {
+                for q in group {
+                    let _ = q.done.send(Ok(()));
+                }
+                return;
             }
-            return;
+            Err(e) => tracing::debug!(error = %e, rows = group.len(),
+                "a group of submissions was refused; storing them one by one"),
         }
+        // Once each, without waiting to try again: the writer is held, and
+        // what refused the group (a duplicate id) refuses the row again.
         let s = &self.sql().traces;
         for q in group {
             let t = &q.trace;
-            let result = retry(|| async {
-                execute!(
-                    pool,
-                    &s.insert,
-                    &t.trace_id,
-                    &t.channel,
-                    &t.mode,
-                    t.bucket.map(i64::from),
-                    &t.payload,
-                    &t.metadata,
-                    t.created_at
-                )
-            })
-            .await;
+            let result = execute!(
+                pool,
+                &s.insert,
+                &t.trace_id,
+                &t.channel,
+                &t.mode,
+                t.bucket.map(i64::from),
+                &t.payload,
+                &t.metadata,
+                t.created_at
+            );
             let _ = q.done.send(result.map(drop));
         }
     }
@@ -647,7 +677,10 @@ impl Store {
                 };
                 let id: String = row.try_get_unchecked(0).map_err(super::db_err)?;
                 if execute!(&mut *tx, &s.claim, now, until, &id, now)? != 1 {
-                    return Ok(None);
+                    // Another sweeper took it (parallel drains read the same
+                    // oldest expired run): look again in a new transaction,
+                    // rather than end this drain with work left.
+                    return Err(super::lost_race());
                 }
                 let claimed = claimed_from_row(&fetch_one!(&mut *tx, &s.claimed_row, &id)?)?;
                 tx.commit().await.map_err(super::db_err)?;

@@ -593,10 +593,16 @@ async fn sqlite_claims_walk_the_claim_index() {
         unreachable!("a SQLite test database")
     };
     let sql = &s.sql().traces;
-    for (statement, binds_now) in [(&sql.next_expired, true), (&sql.next_pending, false)] {
+    // The statement SQLite claims with, and its two parts as the other
+    // backends run them.
+    for (statement, binds) in [
+        (&sql.claim_next_returning, 3),
+        (&sql.next_expired, 1),
+        (&sql.next_pending, 0),
+    ] {
         let explain = format!("EXPLAIN QUERY PLAN {statement}");
         let mut query = sqlx::query(&explain);
-        if binds_now {
+        for _ in 0..binds {
             query = query.bind(now_micros());
         }
         let plan: Vec<String> = query
@@ -611,6 +617,15 @@ async fn sqlite_claims_walk_the_claim_index() {
                 .any(|step| step.contains("USING INDEX traces_claim (status=?)")),
             "{statement}: {plan:?}"
         );
+        if binds == 3 {
+            // The claimed row is found by its key, each part reads the index.
+            let parts = plan.iter().filter(|s| s.contains("traces_claim")).count();
+            assert_eq!(parts, 2, "{statement}: {plan:?}");
+            assert!(
+                plan.iter().any(|step| step.contains("(trace_id=?)")),
+                "{statement}: {plan:?}"
+            );
+        }
         assert!(
             !plan
                 .iter()
