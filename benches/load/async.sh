@@ -12,6 +12,9 @@
 #   bash benches/load/async.sh                      # 10 s, 64 connections
 #   DURATION=5s SLUICE_BIN=path bash benches/load/async.sh
 #   bash benches/load/async.sh --smoke              # CI: 1 s, the same checks
+#   STORAGE_URL=postgres://postgres@127.0.0.1:5432/bench bash benches/load/async.sh
+#                                                   # another database (its traces are counted
+#                                                   # from the run's start; use an empty one)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . benches/load/reference.sh
@@ -48,7 +51,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-SERVICE_SERVER__PORT=$PORT SERVICE_STORAGE__URL="sqlite://$work/bench.db" \
+SERVICE_SERVER__PORT=$PORT SERVICE_STORAGE__URL="${STORAGE_URL:-sqlite://$work/bench.db}" \
   SERVICE_LOGGING__LEVEL=warn SERVICE_STORAGE__BACKUP_DIR="$work/backups" \
   taskset -c 0 "$SLUICE_BIN" serve > "$work/sluice.log" 2>&1 &
 SLUICE_PID=$!
