@@ -226,6 +226,22 @@ const INSERT_HEAD: &str = "INSERT INTO traces \
 const INSERT_ROW: &str = "(?, ?, ?, 'pending', ?, ?, ?, '[]', 0, ?)";
 const INSERT_MORE: &str = ", (?, ?, ?, 'pending', ?, ?, ?, '[]', 0, ?)";
 
+/// Stores one submission with `sql` (`insert` or `insert_once`).
+async fn insert_row(pool: &sqlx::SqlitePool, sql: &str, t: &NewTrace) -> Result<(), StorageError> {
+    execute!(
+        pool,
+        sql,
+        &t.trace_id,
+        &t.channel,
+        &t.mode,
+        t.bucket.map(i64::from),
+        &t.payload,
+        &t.metadata,
+        t.created_at
+    )
+    .map(drop)
+}
+
 /// The queue of submissions; a poisoned lock only means a panic elsewhere.
 fn queue(m: &std::sync::Mutex<Vec<QueuedInsert>>) -> std::sync::MutexGuard<'_, Vec<QueuedInsert>> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -535,18 +551,7 @@ impl Store {
                 // Taken by a submission whose request was dropped while it
                 // stored the group: stored or not, it is stored once now.
                 Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
-                    return execute!(
-                        pool,
-                        &self.sql().traces.insert_once,
-                        &t.trace_id,
-                        &t.channel,
-                        &t.mode,
-                        t.bucket.map(i64::from),
-                        &t.payload,
-                        &t.metadata,
-                        t.created_at
-                    )
-                    .map(drop);
+                    return insert_row(pool, &self.sql().traces.insert_once, t).await;
                 }
                 // Still queued (behind more than a group of others).
                 Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
@@ -603,21 +608,9 @@ impl Store {
         }
         // Once each, without waiting to try again: the writer is held, and
         // what refused the group (a duplicate id) refuses the row again.
-        let s = &self.sql().traces;
         for q in group {
-            let t = &q.trace;
-            let result = execute!(
-                pool,
-                &s.insert,
-                &t.trace_id,
-                &t.channel,
-                &t.mode,
-                t.bucket.map(i64::from),
-                &t.payload,
-                &t.metadata,
-                t.created_at
-            );
-            let _ = q.done.send(result.map(drop));
+            let result = insert_row(pool, &self.sql().traces.insert, &q.trace).await;
+            let _ = q.done.send(result);
         }
     }
 
