@@ -659,6 +659,19 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// The `QueryTimer` of the `Store` method it is expanded in (its name read
+/// once, from the type name of a fn item declared there).
+macro_rules! query_timer {
+    () => {{
+        fn __op() {}
+        static OP: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+        $crate::storage::QueryTimer::start(
+            *OP.get_or_init(|| $crate::storage::op_name(std::any::type_name_of_val(&__op))),
+        )
+    }};
+}
+pub(crate) use query_timer;
+
 /// Expands `$body` once per backend with `$pool` bound to the concrete pool, so
 /// the body is written once and type-checked against each driver.
 ///
@@ -668,11 +681,7 @@ impl std::fmt::Debug for Store {
 /// early returns and `?` are timed too.
 macro_rules! dispatch {
     ($store:expr, $pool:ident => $body:expr) => {{
-        fn __op() {}
-        static OP: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
-        let _timer = $crate::storage::QueryTimer::start(
-            *OP.get_or_init(|| $crate::storage::op_name(std::any::type_name_of_val(&__op))),
-        );
+        let _timer = $crate::storage::query_timer!();
         match &$store.inner.pools {
             $crate::storage::Pools::Sqlite($pool) => $body,
             $crate::storage::Pools::Postgres($pool) => $body,
@@ -691,11 +700,7 @@ pub(crate) use dispatch;
 /// second finished while 2,900 a second were accepted).
 macro_rules! dispatch_write {
     ($store:expr, $pool:ident => $body:expr) => {{
-        fn __op() {}
-        static OP: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
-        let _timer = $crate::storage::QueryTimer::start(
-            *OP.get_or_init(|| $crate::storage::op_name(std::any::type_name_of_val(&__op))),
-        );
+        let _timer = $crate::storage::query_timer!();
         match &$store.inner.pools {
             $crate::storage::Pools::Sqlite($pool) => {
                 // The semaphore is never closed.

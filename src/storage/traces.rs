@@ -497,7 +497,7 @@ impl Store {
     pub async fn insert_pending(&self, t: &NewTrace) -> Result<(), StorageError> {
         self.fits_one_statement("request", t.payload.len() + t.metadata.len())?;
         if let Pools::Sqlite(pool) = &self.inner.pools {
-            let _timer = super::QueryTimer::start("insert_pending");
+            let _timer = super::query_timer!();
             return self.insert_grouped(pool, t).await;
         }
         let s = &self.sql().traces;
