@@ -6,10 +6,12 @@
 //! - a claim is one conditional UPDATE (`pending`, or `running` with an expired
 //!   lease → `running`, `attempts + 1`) whose rows-affected is checked; the
 //!   database serialises concurrent UPDATEs of one row, so exactly one claimer
-//!   sees 1. Claiming "the next due trace" first picks a row with
-//!   `FOR UPDATE SKIP LOCKED` (PostgreSQL/MariaDB) so parallel sweepers take
-//!   different rows instead of queueing on one; SQLite has one writer
-//!   (`BEGIN IMMEDIATE`) and needs no row lock;
+//!   sees 1. On SQLite and PostgreSQL the claim is that UPDATE alone
+//!   (`RETURNING` the claimed row); MariaDB reads the row after it.
+//!   Claiming "the next due trace" picks a row with `FOR UPDATE SKIP
+//!   LOCKED` (PostgreSQL: in the claim's subqueries; MariaDB: in its
+//!   transaction) so parallel sweepers take different rows instead of
+//!   queueing on one; SQLite has one writer and needs no row lock;
 //! - `attempts` doubles as a fencing token: a run records its outcome only
 //!   `WHERE status = 'running' AND attempts = <its attempt>`, so a worker whose
 //!   lease expired (and whose trace was reclaimed) cannot overwrite the newer run.
@@ -320,38 +322,38 @@ impl TraceSql {
             // order, so every claim sorted all pending traces (37 ms each
             // with 27,000 pending on SQLite: a backlog drained at about
             // 30 traces a second). Each of these reads the index from its
-            // start.
-            // On MariaDB a plain read (the claim's update checks the lease
-            // again): a locking read of the `running` range takes gap locks
-            // that deadlock with claims moving rows into it.
-            next_expired: f(&format!(
+            // start. MariaDB runs them in its claim's transaction; the
+            // other backends as the two parts of `claim_next_returning`.
+            // The expired read is a plain read (the claim's update checks
+            // the lease again): on MariaDB a locking read of the `running`
+            // range takes gap locks that deadlock with claims moving rows
+            // into it.
+            next_expired: f(
                 "SELECT trace_id FROM traces WHERE status = 'running' AND lease_until < ? \
-                 ORDER BY created_at, trace_id LIMIT 1{}",
-                if b == Backend::Postgres {
-                    skip_locked
-                } else {
-                    ""
-                }
-            )),
+                 ORDER BY created_at, trace_id LIMIT 1",
+            ),
             next_pending: f(&format!(
                 "SELECT trace_id FROM traces WHERE status = 'pending' \
                  ORDER BY created_at, trace_id LIMIT 1{skip_locked}"
             )),
             claimed_row: f(&format!("SELECT {CLAIMED} FROM traces WHERE trace_id = ?")),
-            // On SQLite every statement is a round trip to the connection's
-            // own thread (two context switches), and a transaction of four
-            // statements cost four; a claim is one statement there, atomic
-            // under the database's one writer. (MariaDB has no `UPDATE …
-            // RETURNING`; the other backends keep the transaction.)
+            // Every statement is a round trip (on SQLite to the connection's
+            // own thread, on the servers over the network, each waking the
+            // server's process), and a transaction of four statements cost
+            // four: on SQLite and PostgreSQL a claim is one statement,
+            // atomic by itself. (MariaDB has no `UPDATE … RETURNING`.)
             claim_returning: f(&format!(
                 "{CLAIM_SET} WHERE trace_id = ? AND {{claimable}} RETURNING {CLAIMED}"
             )),
+            // On PostgreSQL the two reads lock the row they return and skip
+            // rows another claimer holds (a scalar subquery runs once, and
+            // `COALESCE` reads the second only when the first found none).
             claim_next_returning: f(&format!(
                 "{CLAIM_SET} WHERE trace_id = COALESCE(\
                  (SELECT trace_id FROM traces WHERE status = 'running' AND lease_until < ? \
-                 ORDER BY created_at, trace_id LIMIT 1), \
+                 ORDER BY created_at, trace_id LIMIT 1{skip_locked}), \
                  (SELECT trace_id FROM traces WHERE status = 'pending' \
-                 ORDER BY created_at, trace_id LIMIT 1)) \
+                 ORDER BY created_at, trace_id LIMIT 1{skip_locked})) \
                  RETURNING {CLAIMED}"
             )),
             complete: f(
@@ -627,16 +629,20 @@ impl Store {
             let now = now_micros();
             let until = lease_end(now, lease);
             dispatch_write!(self, pool => {
-                if self.inner.backend == Backend::Sqlite {
+                if self.inner.backend != Backend::MySql {
                     let row = fetch_optional!(pool, &s.claim_returning, now, until, trace_id, now)?;
                     return row.map(|row| claimed_from_row(&row)).transpose();
                 }
-                let mut tx = pool.begin_write().await?;
-                if execute!(&mut *tx, &s.claim, now, until, trace_id, now)? != 1 {
+                // MariaDB: the claim, then the claimed row, without a
+                // transaction around them (its `BEGIN` and `COMMIT` were two
+                // more round trips). The row is this run's once the update
+                // counted it: only a lapsed lease (minutes away) or this
+                // process's own shutdown changes it, and its payload and
+                // metadata never change.
+                if execute!(pool, &s.claim, now, until, trace_id, now)? != 1 {
                     return Ok(None);
                 }
-                let claimed = claimed_from_row(&fetch_one!(&mut *tx, &s.claimed_row, trace_id)?)?;
-                tx.commit().await.map_err(super::db_err)?;
+                let claimed = claimed_from_row(&fetch_one!(pool, &s.claimed_row, trace_id)?)?;
                 Ok(Some(claimed))
             })
         })
@@ -654,7 +660,7 @@ impl Store {
             let now = now_micros();
             let until = lease_end(now, lease);
             dispatch_write!(self, pool => {
-                if self.inner.backend == Backend::Sqlite {
+                if self.inner.backend != Backend::MySql {
                     let row = fetch_optional!(pool, &s.claim_next_returning, now, until, now)?;
                     return row.map(|row| claimed_from_row(&row)).transpose();
                 }
