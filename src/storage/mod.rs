@@ -548,14 +548,16 @@ struct Inner {
     sql: Sql,
     /// Serialises backups of this store so two never pick the same file name.
     backup_lock: tokio::sync::Mutex<()>,
-    /// SQLite's writes, one at a time and in order (see [`dispatch_write!`]).
+    /// SQLite's writes, one at a time and in order (see [`dispatch_write!`]);
+    /// on the server backends only grouped submissions take it (one group
+    /// stored at a time, see `Store::insert_grouped`).
     write_gate: tokio::sync::Semaphore,
     /// SQLite (a file): the one connection writes go through. A connection
     /// whose last transaction saw an older database re-reads the pages it
     /// caches; writes spread over the pool's connections each began that
     /// way (a tenth of a busy writer's time in `pread`).
     sqlite_writer: Option<sqlx::SqlitePool>,
-    /// SQLite: submissions waiting for the writer, stored together.
+    /// Submissions waiting for the write gate, stored together.
     submissions: std::sync::Mutex<Vec<traces::QueuedInsert>>,
     /// The URL this store connected to, for [`Store::twin`]; `None` for an
     /// in-memory SQLite database (another connection would be another,
@@ -900,7 +902,16 @@ pub(crate) fn unique_as(msg: impl FnOnce() -> String) -> impl FnOnce(StorageErro
 /// Runs `op` again when it lost a race (deadlock, busy, serialization failure);
 /// unique violations are answered by the lifecycle checks on the next attempt,
 /// which then produce the precise Conflict message.
-pub(crate) async fn retry<T, F, Fut>(mut op: F) -> Result<T, StorageError>
+pub(crate) async fn retry<T, F, Fut>(op: F) -> Result<T, StorageError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StorageError>>,
+{
+    retry_at_most(5, op).await
+}
+
+/// [`retry`], running `op` at most `tries` times.
+pub(crate) async fn retry_at_most<T, F, Fut>(tries: u32, mut op: F) -> Result<T, StorageError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, StorageError>>,
@@ -908,9 +919,9 @@ where
     let mut attempt = 0;
     loop {
         match op().await {
-            Err(e) if is_transient(&e) && attempt < 4 => {
+            Err(e) if is_transient(&e) && attempt + 1 < tries => {
                 attempt += 1;
-                tokio::time::sleep(Duration::from_millis(5 * attempt)).await;
+                tokio::time::sleep(Duration::from_millis(5 * u64::from(attempt))).await;
             }
             other => return other,
         }

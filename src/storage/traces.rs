@@ -22,7 +22,7 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 use super::sql::build;
 use super::{
     Backend, BeginWrite, Pools, StorageError, Store, dispatch, dispatch_write, execute, fetch_all,
-    fetch_one, fetch_optional, now_micros, parse_json, retry, rfc3339,
+    fetch_one, fetch_optional, now_micros, parse_json, retry, retry_at_most, rfc3339,
 };
 
 /// Where a trace is in its life.
@@ -215,7 +215,7 @@ const TRACE: &str = "trace_id, channel, mode, status, workflow_id, workflow_vers
                       WHERE d.trace_id = traces.trace_id AND d.state = 'waiting')";
 /// Columns of a `Claimed` in the order `claimed_from_row` reads them.
 const CLAIMED: &str = "trace_id, channel, attempts, bucket, payload, metadata";
-/// A submission waiting for SQLite's writer (see `Store::insert_grouped`).
+/// A submission waiting to be stored with others (see `Store::insert_grouped`).
 pub(crate) struct QueuedInsert {
     trace: NewTrace,
     done: tokio::sync::oneshot::Sender<Result<(), StorageError>>,
@@ -223,25 +223,28 @@ pub(crate) struct QueuedInsert {
 
 /// The most submissions stored by one statement (seven values each).
 const INSERT_GROUP: usize = 64;
+/// The most payload and metadata bytes a group statement carries (a
+/// submission larger than that goes alone); MariaDB's statement limit
+/// lowers it.
+const INSERT_GROUP_BYTES: usize = 1 << 20;
 const INSERT_HEAD: &str = "INSERT INTO traces \
     (trace_id, channel, mode, status, bucket, payload, metadata, errors, attempts, created_at) VALUES ";
 const INSERT_ROW: &str = "(?, ?, ?, 'pending', ?, ?, ?, '[]', 0, ?)";
 const INSERT_MORE: &str = ", (?, ?, ?, 'pending', ?, ?, ?, '[]', 0, ?)";
 
-/// Stores one submission with `sql` (`insert` or `insert_once`).
-async fn insert_row(pool: &sqlx::SqlitePool, sql: &str, t: &NewTrace) -> Result<(), StorageError> {
-    execute!(
-        pool,
-        sql,
-        &t.trace_id,
-        &t.channel,
-        &t.mode,
-        t.bucket.map(i64::from),
-        &t.payload,
-        &t.metadata,
-        t.created_at
-    )
-    .map(drop)
+/// Expands `$body` with `$pool` bound to the pool submissions are stored
+/// through: on SQLite its writer connection, else the pool.
+macro_rules! on_writer {
+    ($store:expr, $pool:ident => $body:expr) => {{
+        match &$store.inner.pools {
+            Pools::Sqlite(pool) => {
+                let $pool = $store.inner.sqlite_writer.as_ref().unwrap_or(pool);
+                $body
+            }
+            Pools::Postgres($pool) => $body,
+            Pools::MySql($pool) => $body,
+        }
+    }};
 }
 
 /// The queue of submissions; a poisoned lock only means a panic elsewhere.
@@ -309,7 +312,14 @@ impl TraceSql {
                  VALUES (?, ?, ?, 'pending', ?, ?, ?, '[]', 0, ?)",
             ),
             insert_once: f(&format!(
-                "{INSERT_HEAD}{INSERT_ROW} ON CONFLICT (trace_id) DO NOTHING"
+                "{INSERT_HEAD}{INSERT_ROW} {}",
+                if b == Backend::MySql {
+                    // Not `INSERT IGNORE`, which would also store a value
+                    // it had to truncate.
+                    "ON DUPLICATE KEY UPDATE trace_id = trace_id"
+                } else {
+                    "ON CONFLICT (trace_id) DO NOTHING"
+                }
             )),
             insert_finished: f(
                 "INSERT INTO traces (trace_id, channel, mode, status, bucket, payload, metadata, workflow_id, \
@@ -498,40 +508,29 @@ impl Store {
     /// Stores a submission as `pending` (the caller then hands the id to a worker).
     pub async fn insert_pending(&self, t: &NewTrace) -> Result<(), StorageError> {
         self.fits_one_statement("request", t.payload.len() + t.metadata.len())?;
-        if let Pools::Sqlite(pool) = &self.inner.pools {
-            let _timer = super::query_timer!();
-            return self.insert_grouped(pool, t).await;
-        }
-        let s = &self.sql().traces;
-        let bucket = t.bucket.map(i64::from);
-        retry(|| async {
-            dispatch_write!(self, pool => {
-                execute!(pool, &s.insert, &t.trace_id, &t.channel, &t.mode, bucket, &t.payload, &t.metadata, t.created_at)?;
-            });
-            Ok(())
-        })
-        .await
+        let _timer = super::query_timer!();
+        self.insert_grouped(t).await
     }
 
-    /// SQLite: the submissions that queue for the writer while it is busy
-    /// are stored together, in one statement (up to [`INSERT_GROUP`] rows),
-    /// by whichever of them gets the writer first; each is answered when its
-    /// row is committed. One at a time, every submission paid a commit that
-    /// wrote the pages it touched (the table's and three indexes', about
-    /// 16 KiB) to the write-ahead log, and a round trip to the connection's
-    /// thread; a stream of submissions now pays them once per group.
-    async fn insert_grouped(
-        &self,
-        pool: &sqlx::SqlitePool,
-        t: &NewTrace,
-    ) -> Result<(), StorageError> {
+    /// The submissions that queue while a group is being stored are stored
+    /// together, in one statement (up to [`INSERT_GROUP`] rows), by
+    /// whichever of them gets the write gate first; each is answered when
+    /// its row is committed. One at a time, every submission paid a
+    /// statement and its commit: on SQLite the pages it touched (the
+    /// table's and three indexes', about 16 KiB) written to the write-ahead
+    /// log and a round trip to the connection's thread, on the server
+    /// backends a round trip that wakes the server's process, and a pool
+    /// connection held meanwhile (64 clients submitting kept the workers
+    /// waiting for connections). A stream of submissions now pays them once
+    /// per group.
+    async fn insert_grouped(&self, t: &NewTrace) -> Result<(), StorageError> {
         let (done, mut answer) = tokio::sync::oneshot::channel();
         queue(&self.inner.submissions).push(QueuedInsert {
             trace: t.clone(),
             done,
         });
         // Answered by another submission's group while waiting: no need
-        // for the writer any more.
+        // for the gate any more.
         let gate = &self.inner.write_gate;
         let (_gate, taken) = tokio::select! {
             biased;
@@ -541,7 +540,6 @@ impl Store {
             },
             permit = gate.acquire() => (permit, false),
         };
-        let pool = self.inner.sqlite_writer.as_ref().unwrap_or(pool);
         loop {
             let state = if taken {
                 Err(tokio::sync::oneshot::error::TryRecvError::Closed)
@@ -553,31 +551,41 @@ impl Store {
                 // Taken by a submission whose request was dropped while it
                 // stored the group: stored or not, it is stored once now.
                 Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
-                    return insert_row(pool, &self.sql().traces.insert_once, t).await;
+                    return self.insert_row(&self.sql().traces.insert_once, t).await;
                 }
                 // Still queued (behind more than a group of others).
                 Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
             }
+            let budget = self
+                .definition_limit()
+                .map_or(INSERT_GROUP_BYTES, |limit| limit.min(INSERT_GROUP_BYTES));
             let group: Vec<QueuedInsert> = {
                 let mut queued = queue(&self.inner.submissions);
-                let n = queued.len().min(INSERT_GROUP);
+                let (mut n, mut bytes) = (0, 0);
+                for q in queued.iter().take(INSERT_GROUP) {
+                    bytes += q.trace.payload.len() + q.trace.metadata.len();
+                    if n > 0 && bytes > budget {
+                        break;
+                    }
+                    n += 1;
+                }
                 queued.drain(..n).collect()
             };
             if group.is_empty() {
-                // Only the writer's holder takes from the queue, so a
+                // Only the gate's holder takes from the queue, so a
                 // submission not yet answered is still in it.
                 return Err(StorageError::Database(
                     "a submission left the write queue unanswered".into(),
                 ));
             }
-            self.insert_group(pool, group).await;
+            self.insert_group(group).await;
         }
     }
 
     /// Stores `group` in one statement and answers each submission; should
     /// the statement fail, each is stored on its own and gets its own
     /// answer. Submissions whose request is gone are left out.
-    async fn insert_group(&self, pool: &sqlx::SqlitePool, mut group: Vec<QueuedInsert>) {
+    async fn insert_group(&self, mut group: Vec<QueuedInsert>) {
         group.retain(|q| !q.done.is_closed());
         if group.is_empty() {
             return;
@@ -586,20 +594,28 @@ impl Store {
         for i in 0..group.len() {
             sql.push_str(if i == 0 { INSERT_ROW } else { INSERT_MORE });
         }
-        let mut query = sqlx::query(&sql);
-        for q in &group {
-            let t = &q.trace;
-            query = query
-                .bind(&t.trace_id)
-                .bind(&t.channel)
-                .bind(&t.mode)
-                .bind(t.bucket.map(i64::from))
-                .bind(&t.payload)
-                .bind(&t.metadata)
-                .bind(t.created_at);
+        let sql = build(self.inner.backend, &sql);
+        // Not tried again: should it fail, the rows are (see below).
+        let stored = async {
+            on_writer!(self, pool => {
+                let mut query = sqlx::query(&sql);
+                for q in &group {
+                    let t = &q.trace;
+                    query = query
+                        .bind(&t.trace_id)
+                        .bind(&t.channel)
+                        .bind(&t.mode)
+                        .bind(t.bucket.map(i64::from))
+                        .bind(&t.payload)
+                        .bind(&t.metadata)
+                        .bind(t.created_at);
+                }
+                query.execute(pool).await.map(drop).map_err(super::db_err)
+            })
         }
-        match query.execute(pool).await {
-            Ok(_) => {
+        .await;
+        match stored {
+            Ok(()) => {
                 for q in group {
                     let _ = q.done.send(Ok(()));
                 }
@@ -608,12 +624,40 @@ impl Store {
             Err(e) => tracing::debug!(error = %e, rows = group.len(),
                 "a group of submissions was refused; storing them one by one"),
         }
-        // Once each, without waiting to try again: the writer is held, and
-        // what refused the group (a duplicate id) refuses the row again.
+        // Once each: what refused the group (a duplicate id) refuses that
+        // row again, and the others are stored; a lost race (a deadlock)
+        // is tried again row by row.
         for q in group {
-            let result = insert_row(pool, &self.sql().traces.insert, &q.trace).await;
+            let result = self.insert_row(&self.sql().traces.insert, &q.trace).await;
             let _ = q.done.send(result);
         }
+    }
+
+    /// Stores one submission with `sql` (`insert` or `insert_once`). On
+    /// SQLite once: the gate is held, and nothing else writes meanwhile.
+    async fn insert_row(&self, sql: &str, t: &NewTrace) -> Result<(), StorageError> {
+        let tries = if self.inner.backend == Backend::Sqlite {
+            1
+        } else {
+            5
+        };
+        retry_at_most(tries, || async {
+            on_writer!(self, pool => {
+                execute!(
+                    pool,
+                    sql,
+                    &t.trace_id,
+                    &t.channel,
+                    &t.mode,
+                    t.bucket.map(i64::from),
+                    &t.payload,
+                    &t.metadata,
+                    t.created_at
+                )
+                .map(drop)
+            })
+        })
+        .await
     }
 
     /// Claims `trace_id` for a run if it is pending (or running under an expired

@@ -28,6 +28,7 @@ backend_tests!(
     expired_lease_is_reclaimed_and_fences_the_old_run,
     sweep_takes_expired_runs_first_then_the_oldest_pending,
     concurrent_submissions_are_each_stored_once_and_answered,
+    storing_once_leaves_a_stored_submission_alone,
     retention_deletes_old_traces_and_their_dead_letters,
 );
 
@@ -329,9 +330,9 @@ async fn failure_dead_letter_retry_and_exhaustion(s: Store) {
     assert_eq!((t.status, t.attempts), (TraceStatus::Failed, 2));
 }
 
-/// Submissions stored together (SQLite groups those that wait for the
-/// writer): each is stored once and answered for itself, a duplicate id with
-/// a conflict while the rest of its group is stored.
+/// Submissions stored together (those that wait for the write gate are
+/// grouped): each is stored once and answered for itself, a duplicate id
+/// with a conflict while the rest of its group is stored.
 async fn concurrent_submissions_are_each_stored_once_and_answered(s: Store) {
     let now = now_micros();
     for i in 0..20 {
@@ -339,12 +340,9 @@ async fn concurrent_submissions_are_each_stored_once_and_answered(s: Store) {
             .await
             .unwrap();
     }
-    // On SQLite the writer is held until every submission waits for it, so
-    // they are stored in groups of 64 with the duplicates among them.
-    let gate = match &s.inner.pools {
-        crate::storage::Pools::Sqlite(_) => Some(s.inner.write_gate.acquire().await.unwrap()),
-        _ => None,
-    };
+    // The write gate is held until every submission waits for it, so they
+    // are stored in groups of 64 with the duplicates among them.
+    let gate = s.inner.write_gate.acquire().await.unwrap();
     let mut tasks = Vec::new();
     for i in 0..220 {
         let s = s.clone();
@@ -359,12 +357,10 @@ async fn concurrent_submissions_are_each_stored_once_and_answered(s: Store) {
             (id, r)
         }));
     }
-    if let Some(gate) = gate {
-        while queue(&s.inner.submissions).len() < 220 {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        drop(gate);
+    while queue(&s.inner.submissions).len() < 220 {
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    drop(gate);
     let (mut stored, mut refused) = (0, 0);
     for t in tasks {
         let (id, r) = t.await.unwrap();
@@ -386,6 +382,24 @@ async fn concurrent_submissions_are_each_stored_once_and_answered(s: Store) {
         .await
         .unwrap();
     assert_eq!(all.1, 220);
+}
+
+/// The statement a submission stores itself with when the group that took
+/// it was abandoned (it may or may not be stored): a second time changes
+/// nothing and is no error, on every backend's dialect.
+async fn storing_once_leaves_a_stored_submission_alone(s: Store) {
+    let t = new_trace("once", "g", now_micros());
+    let once = &s.sql().traces.insert_once;
+    s.insert_row(once, &t).await.unwrap();
+    let mut again = t.clone();
+    again.payload = r#"{"other": true}"#.into();
+    s.insert_row(once, &again).await.unwrap();
+    let claimed = s.claim_trace("once", LEASE).await.unwrap().unwrap();
+    assert_eq!(claimed.payload, t.payload);
+    assert!(matches!(
+        s.insert_row(&s.sql().traces.insert, &t).await,
+        Err(StorageError::Conflict(_))
+    ));
 }
 
 async fn sweep_takes_expired_runs_first_then_the_oldest_pending(s: Store) {
