@@ -338,12 +338,14 @@ impl TraceSql {
             // the lease again): on MariaDB a locking read of the `running`
             // range takes gap locks that deadlock with claims moving rows
             // into it.
-            next_expired: f(
-                "SELECT trace_id FROM traces WHERE status = 'running' AND lease_until < ? \
-                 ORDER BY created_at, trace_id LIMIT 1",
-            ),
+            // They read the claimed row's columns too, so MariaDB's claim
+            // needs no read after its update.
+            next_expired: f(&format!(
+                "SELECT {CLAIMED} FROM traces WHERE status = 'running' AND lease_until < ? \
+                 ORDER BY created_at, trace_id LIMIT 1"
+            )),
             next_pending: f(&format!(
-                "SELECT trace_id FROM traces WHERE status = 'pending' \
+                "SELECT {CLAIMED} FROM traces WHERE status = 'pending' \
                  ORDER BY created_at, trace_id LIMIT 1{skip_locked}"
             )),
             claimed_row: f(&format!("SELECT {CLAIMED} FROM traces WHERE trace_id = ?")),
@@ -718,14 +720,17 @@ impl Store {
                         None => return Ok(None),
                     },
                 };
-                let id: String = row.try_get_unchecked(0).map_err(super::db_err)?;
-                if execute!(&mut *tx, &s.claim, now, until, &id, now)? != 1 {
+                let mut claimed = claimed_from_row(&row)?;
+                if execute!(&mut *tx, &s.claim, now, until, &claimed.trace_id, now)? != 1 {
                     // Another sweeper took it (parallel drains read the same
                     // oldest expired run): look again in a new transaction,
                     // rather than end this drain with work left.
                     return Err(super::lost_race());
                 }
-                let claimed = claimed_from_row(&fetch_one!(&mut *tx, &s.claimed_row, &id)?)?;
+                // The update counted the row as it was read: a pending row
+                // is locked since, and an expired one was still claimable,
+                // so no other claim came between.
+                claimed.attempt += 1;
                 tx.commit().await.map_err(super::db_err)?;
                 Ok(Some(claimed))
             })
