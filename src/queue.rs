@@ -339,8 +339,9 @@ pub(crate) fn drop_unstorable_result(app: &App, outcome: &mut Outcome) {
 
 /// The most runs of one trace: its first and `queue.dlq_max_retries`
 /// retries, and at least two, so a run cut off by a crash runs once more
-/// even with no retries. Runs that ended without an outcome count: a trace
-/// whose run takes the process down stops after that many restarts.
+/// even with no retries. Runs that ended without an outcome (a crash, a
+/// lapsed lease) count: a trace whose run takes the process down stops
+/// after that many restarts.
 pub(crate) fn most_runs(config: &config::Queue) -> i64 {
     (i64::from(config.dlq_max_retries) + 1).max(2)
 }
@@ -372,16 +373,17 @@ async fn run(app: &App, c: Claimed) {
     let most = most_runs(&app.config.queue);
     let ok = match snapshot.channels.get(&c.channel) {
         // Only runs that ended without an outcome get here (a failed run's
-        // dead letter stops within the budget): most likely the service
-        // stopped during each, and a trace that takes the process down
-        // would otherwise do so again at every restart.
+        // dead letter stops within the budget, and a run handed back at
+        // shutdown gives its attempt back): cut off by a crash or a lapsed
+        // lease, and a trace that takes the process down would otherwise do
+        // so again at every restart.
         _ if c.attempt > most => {
             outcome.errors = json!([error_item(
                 Code::InternalError.as_str(),
                 "",
                 &format!(
                     "not run again: this would be its run {}, and a trace runs at most \
-                     {most} times (runs cut off by a stopping service count)",
+                     {most} times (runs cut off by a crash or a lapsed lease count)",
                     c.attempt
                 )
             )]);

@@ -7,7 +7,8 @@
 //!   lease → `running`, `attempts + 1`) whose rows-affected is checked; the
 //!   database serialises concurrent UPDATEs of one row, so exactly one claimer
 //!   sees 1. On SQLite and PostgreSQL the claim is that UPDATE alone
-//!   (`RETURNING` the claimed row); MariaDB reads the row after it.
+//!   (`RETURNING` the claimed row); MariaDB reads the row after it, in the
+//!   same transaction.
 //!   Claiming "the next due trace" picks a row with `FOR UPDATE SKIP
 //!   LOCKED` (PostgreSQL: in the claim's subqueries; MariaDB: in its
 //!   transaction) so parallel sweepers take different rows instead of
@@ -270,10 +271,10 @@ pub(crate) struct TraceSql {
     /// The oldest pending trace.
     next_pending: String,
     claimed_row: String,
-    /// SQLite: `claim` and `claimed_row` in one statement.
+    /// SQLite and PostgreSQL: `claim` and `claimed_row` in one statement.
     claim_returning: String,
-    /// SQLite: `next_expired`, `next_pending`, `claim` and `claimed_row` in
-    /// one statement.
+    /// SQLite and PostgreSQL: `next_expired`, `next_pending`, `claim` and
+    /// `claimed_row` in one statement.
     claim_next_returning: String,
     complete: String,
     fail: String,
@@ -623,13 +624,25 @@ impl Store {
                 }
                 return;
             }
+            // A database that cannot be reached refuses every row alike:
+            // one answer for all, rather than a timeout per row while the
+            // submissions behind them wait for the gate.
+            Err(StorageError::Unavailable(why)) => {
+                for q in group {
+                    let _ = q.done.send(Err(StorageError::Unavailable(why.clone())));
+                }
+                return;
+            }
             Err(e) => tracing::debug!(error = %e, rows = group.len(),
                 "a group of submissions was refused; storing them one by one"),
         }
-        // Once each: what refused the group (a duplicate id) refuses that
-        // row again, and the others are stored; a lost race (a deadlock)
-        // is tried again row by row.
+        // Once each: what refused the group (a duplicate id, a value the
+        // database refuses) refuses that row again, and the others are
+        // stored; a lost race (a deadlock) is tried again row by row.
         for q in group {
+            if q.done.is_closed() {
+                continue;
+            }
             let result = self.insert_row(&self.sql().traces.insert, &q.trace).await;
             let _ = q.done.send(result);
         }
@@ -679,16 +692,15 @@ impl Store {
                     let row = fetch_optional!(pool, &s.claim_returning, now, until, trace_id, now)?;
                     return row.map(|row| claimed_from_row(&row)).transpose();
                 }
-                // MariaDB: the claim, then the claimed row, without a
-                // transaction around them (its `BEGIN` and `COMMIT` were two
-                // more round trips). The row is this run's once the update
-                // counted it: only a lapsed lease (minutes away) or this
-                // process's own shutdown changes it, and its payload and
-                // metadata never change.
-                if execute!(pool, &s.claim, now, until, trace_id, now)? != 1 {
+                // MariaDB: the claim and the read of the claimed row in one
+                // transaction, so a claim whose row could not be read is
+                // undone rather than left running under a lease nobody holds.
+                let mut tx = pool.begin_write().await?;
+                if execute!(&mut *tx, &s.claim, now, until, trace_id, now)? != 1 {
                     return Ok(None);
                 }
-                let claimed = claimed_from_row(&fetch_one!(pool, &s.claimed_row, trace_id)?)?;
+                let claimed = claimed_from_row(&fetch_one!(&mut *tx, &s.claimed_row, trace_id)?)?;
+                tx.commit().await.map_err(super::db_err)?;
                 Ok(Some(claimed))
             })
         })
@@ -728,8 +740,9 @@ impl Store {
                     return Err(super::lost_race());
                 }
                 // The update counted the row as it was read: a pending row
-                // is locked since, and an expired one was still claimable,
-                // so no other claim came between.
+                // is locked since, and an expired one was still claimable
+                // (a claim in between would have moved its lease; one
+                // handed back by a shutdown gives its attempt back).
                 claimed.attempt += 1;
                 tx.commit().await.map_err(super::db_err)?;
                 Ok(Some(claimed))

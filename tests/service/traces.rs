@@ -878,60 +878,69 @@ async fn stored_errors_mask_secret_query_values() {
 
 /// A trace whose runs keep ending without an outcome (as one that takes
 /// the process down would, at every restart) is not run past the retry
-/// budget: its next claim fails it, with a final dead letter. One with a
-/// run left still runs.
+/// budget, at least two runs: its next claim fails it, with a final dead
+/// letter. One with a run left still runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trace_cut_off_at_every_run_stops_after_the_retry_budget() {
-    // One retry: at most two runs.
-    let s = server(Db::Sqlite, 1).await;
-    s.deploy(greeter("greet"), rest_channel("greet", "greet", "sync"))
-        .await;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as i64;
-    {
-        use sqlx::Connection as _;
-        let mut db = sqlx::SqliteConnection::connect(&s.app.config.storage.url)
-            .await
-            .unwrap();
-        // Claimed `runs` times, the last run's lease long expired: its
-        // worker is gone without an outcome.
-        for (id, runs) in [("spent", 2), ("one-left", 1)] {
-            sqlx::query(
-                "INSERT INTO traces (trace_id, channel, mode, status, payload, metadata, errors, \
-                 attempts, created_at, started_at, lease_until) \
-                 VALUES (?, 'greet', 'async', 'running', ?, '{}', '[]', ?, ?, ?, 1)",
-            )
-            .bind(id)
-            .bind(json!({"name": id}).to_string())
-            .bind(runs)
-            .bind(now)
-            .bind(now)
-            .execute(&mut db)
-            .await
-            .unwrap();
+    // No retries still allows a second run (one cut off by a crash); two
+    // retries allow three runs.
+    for (max_retries, most) in [(0, 2), (2, 3)] {
+        let s = server(Db::Sqlite, max_retries).await;
+        s.deploy(greeter("greet"), rest_channel("greet", "greet", "sync"))
+            .await;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as i64;
+        {
+            use sqlx::Connection as _;
+            let mut db = sqlx::SqliteConnection::connect(&s.app.config.storage.url)
+                .await
+                .unwrap();
+            // Claimed `runs` times, the last run's lease long expired: its
+            // worker is gone without an outcome.
+            for (id, runs) in [("spent", most), ("one-left", most - 1)] {
+                sqlx::query(
+                    "INSERT INTO traces (trace_id, channel, mode, status, payload, metadata, errors, \
+                     attempts, created_at, started_at, lease_until) \
+                     VALUES (?, 'greet', 'async', 'running', ?, '{}', '[]', ?, ?, ?, 1)",
+                )
+                .bind(id)
+                .bind(json!({"name": id}).to_string())
+                .bind(runs)
+                .bind(now)
+                .bind(now)
+                .execute(&mut db)
+                .await
+                .unwrap();
+            }
         }
+        s.app.queue.notify("spent".into());
+        s.app.queue.notify("one-left".into());
+        let t = poll(&s, "one-left", |t| t["status"] == "completed").await;
+        assert_eq!(
+            (t["attempts"].as_i64(), &t["data"]["greeting"]),
+            (Some(most), &json!("hello one-left"))
+        );
+        let t = poll(&s, "spent", |t| t["status"] == "failed").await;
+        assert_eq!(
+            (t["attempts"].as_i64(), &t["data"], &t["next_retry_at"]),
+            (Some(most + 1), &json!(null), &json!(null)),
+            "{t}"
+        );
+        assert_eq!(t["errors"][0]["code"], "INTERNAL_ERROR", "{t}");
+        assert_eq!(
+            t["errors"][0]["message"],
+            format!(
+                "not run again: this would be its run {}, and a trace runs at most {most} times \
+                 (runs cut off by a crash or a lapsed lease count)",
+                most + 1
+            )
+        );
+        let dead = s.app.store.dlq_entry("spent").await.unwrap().unwrap();
+        assert_eq!(
+            (dead.state.as_str(), dead.attempts),
+            ("exhausted", most + 1)
+        );
     }
-    s.app.queue.notify("spent".into());
-    s.app.queue.notify("one-left".into());
-    let t = poll(&s, "one-left", |t| t["status"] == "completed").await;
-    assert_eq!(
-        (t["attempts"].as_i64(), &t["data"]["greeting"]),
-        (Some(2), &json!("hello one-left"))
-    );
-    let t = poll(&s, "spent", |t| t["status"] == "failed").await;
-    assert_eq!(
-        (t["attempts"].as_i64(), &t["data"], &t["next_retry_at"]),
-        (Some(3), &json!(null), &json!(null)),
-        "{t}"
-    );
-    assert_eq!(t["errors"][0]["code"], "INTERNAL_ERROR", "{t}");
-    assert_eq!(
-        t["errors"][0]["message"],
-        "not run again: this would be its run 3, and a trace runs at most 2 times \
-         (runs cut off by a stopping service count)"
-    );
-    let dead = s.app.store.dlq_entry("spent").await.unwrap().unwrap();
-    assert_eq!((dead.state.as_str(), dead.attempts), ("exhausted", 3));
 }
