@@ -33,6 +33,9 @@ pub struct ConnectorError {
     /// Whether trying again may succeed (network errors, timeouts, 5xx, 429,
     /// 408). Only retryable failures are retried.
     pub retryable: bool,
+    /// How long the remote asked to be left alone before a retry (an HTTP
+    /// `Retry-After` on a 429 or 503).
+    pub retry_after: Option<std::time::Duration>,
 }
 
 impl ConnectorError {
@@ -42,7 +45,14 @@ impl ConnectorError {
             kind,
             message: message.into(),
             retryable: kind == ConnectorErrorKind::Timeout,
+            retry_after: None,
         }
+    }
+
+    /// The wait the remote asked for before a retry.
+    pub fn retry_after(mut self, wait: Option<std::time::Duration>) -> Self {
+        self.retry_after = wait;
+        self
     }
 
     /// Marks the failure as retryable (or not).

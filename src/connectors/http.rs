@@ -429,6 +429,14 @@ impl HttpConn {
             .get(http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(is_json_type);
+        let code = status.as_u16();
+        // How long a 429 or 503 asks us to wait: a retry waits at least
+        // that (see `policy::Policy::call`).
+        let wait = if code == 429 || code == 503 {
+            retry_after(response.headers())
+        } else {
+            None
+        };
         let bytes = read_capped(response, &what, timeout).await?;
         if status.is_success() {
             if let Some(coding) = coding.filter(|_| req.keep_body && !bytes.is_empty()) {
@@ -460,7 +468,6 @@ impl HttpConn {
             }
             return Ok(body);
         }
-        let code = status.as_u16();
         // Retryable: the server is overloaded or failing (5xx), asks us to
         // slow down (429), or timed out reading our request (408). Any other
         // 4xx will fail the same way again.
@@ -473,8 +480,26 @@ impl HttpConn {
                 snippet(&self.scrub(String::from_utf8_lossy(&bytes).into_owned(), &task_secrets))
             ),
         )
-        .retryable(retryable))
+        .retryable(retryable)
+        .retry_after(wait))
     }
+}
+
+/// A `Retry-After` header's wait: delay-seconds, or an HTTP date (a date
+/// already past is no wait). `None` when absent or unreadable.
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let text = headers
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim();
+    if let Ok(secs) = text.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at =
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc2822).ok()?;
+    let left = at - time::OffsetDateTime::now_utc();
+    Some(Duration::try_from(left).unwrap_or(Duration::ZERO))
 }
 
 /// The largest response body an `http_call` reads (16 MiB): a larger one
@@ -668,6 +693,34 @@ mod tests {
     use super::*;
     use sluice_compiler::plan::HttpMethod;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn retry_after_reads_seconds_and_dates() {
+        let wait = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(
+                reqwest::header::RETRY_AFTER,
+                HeaderValue::from_str(v).unwrap(),
+            );
+            retry_after(&h)
+        };
+        assert_eq!(wait("5"), Some(Duration::from_secs(5)));
+        assert_eq!(wait(" 0 "), Some(Duration::ZERO));
+        // A date already past asks for no wait; one ahead for the time left.
+        assert_eq!(wait("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO));
+        let ahead = time::OffsetDateTime::now_utc() + time::Duration::seconds(90);
+        let text = ahead
+            .format(&time::format_description::well_known::Rfc2822)
+            .unwrap();
+        let left = wait(&text).unwrap();
+        assert!(
+            left > Duration::from_secs(80) && left <= Duration::from_secs(90),
+            "{left:?}"
+        );
+        assert_eq!(wait("soon"), None);
+        assert_eq!(wait("-3"), None);
+        assert_eq!(retry_after(&HeaderMap::new()), None);
+    }
 
     fn settings(allow: bool) -> HttpSettings {
         HttpSettings {

@@ -468,13 +468,29 @@ impl Policy {
                 }
                 Err(e) => e,
             };
-            if !(e.retryable && retries < retry.max_retries) {
+            // The remote's own `Retry-After` is waited out (a retry sooner
+            // is one it said it would refuse); one longer than a retry ever
+            // waits ends the retries, saying so.
+            let asked = e
+                .retry_after
+                .filter(|wait| *wait > Duration::from_millis(RetryPolicy::MAX_DELAY_MS));
+            let would_retry = e.retryable && retries < retry.max_retries;
+            if !would_retry || asked.is_some() {
                 if let Some(p) = permit {
                     p.finish(counts(&e));
                 }
-                return (Err(after_retries(e, retries, None)), retries);
+                let mut e = after_retries(e, retries, None);
+                if let Some(wait) = asked.filter(|_| would_retry) {
+                    e.message.push_str(&format!(
+                        "; not retried: it asked to be retried after {} s, longer than the {} s a retry waits at most",
+                        wait.as_secs(),
+                        RetryPolicy::MAX_DELAY_MS / 1000
+                    ));
+                }
+                return (Err(e), retries);
             }
-            tokio::time::sleep(backoff(retry, retries)).await;
+            let wait = backoff(retry, retries).max(e.retry_after.unwrap_or_default());
+            tokio::time::sleep(wait).await;
             // Opened by other calls meanwhile (a probe holds its breaker
             // half-open itself and goes on): the call ends with the failure
             // the retry would have repeated, which says why.

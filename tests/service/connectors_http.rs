@@ -27,6 +27,8 @@ struct Seen {
 /// A scripted HTTP server. Paths:
 /// `/echo...` answers `{method, uri, headers, body}`; `/text` plain text;
 /// `/flaky/<n>/<id>` 503 for the first `n` calls per id, then 200;
+/// `/busy/<wait>/<id>` 503 with `Retry-After: <wait>` on the first call per
+/// id, then 200;
 /// `/status/<code>`; `/slow` answers after 2 s; `/toggle` 503 while
 /// `failing` is set, else 200.
 struct Upstream {
@@ -152,6 +154,19 @@ async fn answer(
             }
         }
         ["status", code] => reply(code.parse().unwrap(), json!({"status": code})),
+        // 503 with `Retry-After: <wait>` on the first call per id, then 200.
+        ["busy", wait, id] => {
+            let mut c = counters.lock().unwrap();
+            let count = c.entry((*id).to_owned()).or_default();
+            *count += 1;
+            if *count == 1 {
+                let mut r = reply(503, json!({"busy": true}));
+                r.headers_mut().insert("retry-after", wait.parse().unwrap());
+                r
+            } else {
+                reply(200, json!({"attempt": *count}))
+            }
+        }
         ["slow"] => {
             tokio::time::sleep(Duration::from_secs(2)).await;
             reply(200, json!({"slow": true}))
@@ -1042,4 +1057,49 @@ async fn the_channel_deadline_during_a_call_names_the_task() {
     assert_eq!(trace["workflow_id"], "cto", "{trace}");
     assert_eq!(trace["errors"][0]["code"], "TIMEOUT", "{trace}");
     assert_eq!(trace["errors"][0]["task_id"], "c", "{trace}");
+}
+
+/// An upstream's `Retry-After` on a 503 is waited out before the retry, even
+/// when the connector's own backoff is shorter; one longer than a retry
+/// ever waits (60 s) ends the retries, and the error says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_wait_out_the_upstreams_retry_after() {
+    let up = Upstream::start().await;
+    let s = service_with_threshold(true, 1000).await;
+    connector(
+        &s,
+        "up",
+        json!({"type": "http", "url": up.base, "retry": {"max_retries": 2, "retry_delay_ms": 10}}),
+    )
+    .await;
+    deploy(
+        &s,
+        "busy",
+        json!([task(
+            "c",
+            json!({"connector": "up", "path_logic": {"var": "data.in.path"}, "response_path": "r"})
+        )]),
+    )
+    .await;
+    let r = run(&s, "busy", json!({"path": "/busy/1/a"})).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["data"]["r"], json!({"attempt": 2}));
+    let at: Vec<Instant> = up.hits("/busy/1/a").iter().map(|h| h.at).collect();
+    assert_eq!(at.len(), 2);
+    assert!(
+        at[1] - at[0] >= Duration::from_millis(1000),
+        "retried after {:?}",
+        at[1] - at[0]
+    );
+
+    let r = run(&s, "busy", json!({"path": "/busy/120/b"})).await;
+    let e = r.error(502, "UPSTREAM_ERROR");
+    assert!(
+        e["message"].as_str().unwrap().ends_with(
+            "; not retried: it asked to be retried after 120 s, longer than the 60 s a retry waits at most"
+        ),
+        "{}",
+        r.text
+    );
+    assert_eq!(up.hits("/busy/120/b").len(), 1);
 }
