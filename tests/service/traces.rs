@@ -8,6 +8,14 @@ use serde_json::{Value as Json, json};
 use std::time::{Duration, Instant};
 
 /// A server whose dead-letter poller runs every second.
+/// Microseconds since the epoch, the trace store's timestamps.
+fn now_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64
+}
+
 async fn server(db: Db, max_retries: u32) -> TestServer {
     start_with(db, |c| {
         c.queue.dlq_poll_interval_secs = 1;
@@ -379,10 +387,7 @@ async fn the_sweep_runs_traces_nobody_handed_to_a_worker() {
     s.deploy(greeter("greet"), rest_channel("greet", "greet", "sync"))
         .await;
     // As if left pending by a restart: stored, never offered to a worker.
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as i64;
+    let now = now_micros();
     s.app
         .store
         .insert_pending(&NewTrace {
@@ -422,13 +427,7 @@ async fn retention_deletes_traces_past_their_hours() {
     )
     .await;
     poll(&s, &fresh, |t| t["status"] == "completed").await;
-    let hours_ago = |h: i64| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_micros() as i64
-            - h * 3_600_000_000
-    };
+    let hours_ago = |h: i64| now_micros() - h * 3_600_000_000;
     // Older than the default 72 hours: one the worker completes, and one
     // for a channel that is gone, which fails with a retry waiting. Only
     // the finished one goes: accepted work stays until it has run (audit
@@ -888,10 +887,7 @@ async fn a_trace_cut_off_at_every_run_stops_after_the_retry_budget() {
         let s = server(Db::Sqlite, max_retries).await;
         s.deploy(greeter("greet"), rest_channel("greet", "greet", "sync"))
             .await;
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_micros() as i64;
+        let now = now_micros();
         {
             use sqlx::Connection as _;
             let mut db = sqlx::SqliteConnection::connect(&s.app.config.storage.url)
